@@ -1,0 +1,227 @@
+// CPU dequantization of GGUF/ggml block formats, written from the block layouts (ggml-common.h).
+// Each decoder turns one block into floats with the same float32 operations, in the same order,
+// as ggml's reference C code, so results are bit-identical (the build turns FMA contraction off).
+#include "dequant_cpu.h"
+
+#include <cstring>
+
+#include "fp16.h"
+
+namespace specter {
+namespace {
+
+constexpr int QK_K = 256;
+
+void dec_f32(const uint8_t * b, float * y) { std::memcpy(y, b, 4); }
+
+void dec_f16(const uint8_t * b, float * y) { y[0] = load_half(b); }
+
+void dec_bf16(const uint8_t * b, float * y) {
+    uint16_t h;
+    std::memcpy(&h, b, 2);
+    y[0] = bits_to_float(uint32_t(h) << 16);
+}
+
+// block_q4_0: f16 d; uint8 qs[16]. Element l in low nibbles, l+16 in high nibbles.
+void dec_q4_0(const uint8_t * b, float * y) {
+    const float d = load_half(b);
+    const uint8_t * qs = b + 2;
+    for (int l = 0; l < 16; ++l) {
+        y[l] = d * float(int(qs[l] & 0x0f) - 8);
+        y[l + 16] = d * float(int(qs[l] >> 4) - 8);
+    }
+}
+
+// block_q8_0: f16 d; int8 qs[32].
+void dec_q8_0(const uint8_t * b, float * y) {
+    const float d = load_half(b);
+    const int8_t * qs = reinterpret_cast<const int8_t *>(b + 2);
+    for (int l = 0; l < 32; ++l) y[l] = float(qs[l]) * d;
+}
+
+// block_q2_K: uint8 scales[16] (low nibble scale, high nibble min); uint8 qs[64]; f16 d; f16 dmin.
+// Element j*128 + s*32 + l is bits 2s..2s+1 of qs[j*32 + l]; sub-block of 16 = element / 16.
+void dec_q2_k(const uint8_t * b, float * y) {
+    const uint8_t * sc = b;
+    const uint8_t * qs = b + 16;
+    const float d = load_half(b + 80);
+    const float dmin = load_half(b + 82);
+    float dl[16], ml[16];
+    for (int i = 0; i < 16; ++i) {
+        dl[i] = d * float(sc[i] & 0x0f);
+        ml[i] = dmin * float(sc[i] >> 4);
+    }
+    for (int j = 0; j < 2; ++j)
+        for (int s = 0; s < 4; ++s)
+            for (int l = 0; l < 32; ++l) {
+                const int idx = j * 128 + s * 32 + l;
+                const int q = (qs[j * 32 + l] >> (2 * s)) & 3;
+                y[idx] = dl[idx >> 4] * float(q) - ml[idx >> 4];
+            }
+}
+
+// block_q3_K: uint8 hmask[32]; uint8 qs[64]; uint8 scales[12] (16 packed 6-bit scales); f16 d.
+// Element j*128 + s*32 + l: low 2 bits from qs[j*32 + l] at bit 2s, high bit from hmask[l] at bit
+// j*4 + s; a clear high bit subtracts 4.
+void dec_q3_k(const uint8_t * b, float * y) {
+    const uint8_t * hm = b;
+    const uint8_t * qs = b + 32;
+    const uint8_t * sc = b + 96;
+    const float d = load_half(b + 108);
+    float dl[16];
+    for (int i = 0; i < 16; ++i) {
+        const int lo = i < 8 ? (sc[i] & 0x0f) : (sc[i - 8] >> 4);
+        const int hi = (sc[8 + (i & 3)] >> (2 * (i >> 2))) & 3;
+        dl[i] = d * float((lo | (hi << 4)) - 32);
+    }
+    for (int j = 0; j < 2; ++j)
+        for (int s = 0; s < 4; ++s)
+            for (int l = 0; l < 32; ++l) {
+                const int idx = j * 128 + s * 32 + l;
+                const int lo = (qs[j * 32 + l] >> (2 * s)) & 3;
+                const int hb = (hm[l] >> (j * 4 + s)) & 1;
+                y[idx] = dl[idx >> 4] * float(lo - (hb ? 0 : 4));
+            }
+}
+
+// The 12-byte packing of eight 6-bit scales and eight 6-bit mins shared by Q4_K and Q5_K.
+inline void k4_scale_min(const uint8_t * s, int j, int & sc, int & m) {
+    if (j < 4) {
+        sc = s[j] & 63;
+        m = s[j + 4] & 63;
+    } else {
+        sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
+        m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+// block_q4_K: f16 d; f16 dmin; uint8 scales[12]; uint8 qs[128].
+// Element c*64 + h*32 + l is nibble h of qs[c*32 + l]; sub-block of 32 = 2c + h.
+void dec_q4_k(const uint8_t * b, float * y) {
+    const float d = load_half(b);
+    const float dmin = load_half(b + 2);
+    const uint8_t * sc = b + 4;
+    const uint8_t * qs = b + 16;
+    for (int c = 0; c < 4; ++c)
+        for (int h = 0; h < 2; ++h) {
+            int s, m;
+            k4_scale_min(sc, 2 * c + h, s, m);
+            const float d1 = d * float(s);
+            const float m1 = dmin * float(m);
+            for (int l = 0; l < 32; ++l)
+                y[c * 64 + h * 32 + l] = d1 * float((qs[c * 32 + l] >> (4 * h)) & 0x0f) - m1;
+        }
+}
+
+// block_q5_K: f16 d; f16 dmin; uint8 scales[12]; uint8 qh[32]; uint8 qs[128].
+// As Q4_K, plus a fifth bit for sub-block g from bit g of qh[l].
+void dec_q5_k(const uint8_t * b, float * y) {
+    const float d = load_half(b);
+    const float dmin = load_half(b + 2);
+    const uint8_t * sc = b + 4;
+    const uint8_t * qh = b + 16;
+    const uint8_t * qs = b + 48;
+    for (int c = 0; c < 4; ++c)
+        for (int h = 0; h < 2; ++h) {
+            const int g = 2 * c + h;
+            int s, m;
+            k4_scale_min(sc, g, s, m);
+            const float d1 = d * float(s);
+            const float m1 = dmin * float(m);
+            for (int l = 0; l < 32; ++l) {
+                const int q = ((qs[c * 32 + l] >> (4 * h)) & 0x0f) | (((qh[l] >> g) & 1) << 4);
+                y[c * 64 + h * 32 + l] = d1 * float(q) - m1;
+            }
+        }
+}
+
+// block_q6_K: uint8 ql[128]; uint8 qh[64]; int8 scales[16]; f16 d.
+// In each half j of 128 elements, byte l (0..31) of qh[j*32..] and bytes l, l+32 of ql[j*64..]
+// make the four elements l, l+32, l+64, l+96: low 4 bits from the low nibble of ql[l], ql[l+32],
+// then the high nibbles; high 2 bits from qh[l] bits 0-1, 2-3, 4-5, 6-7. Value minus 32;
+// sub-block of 16 = element / 16.
+void dec_q6_k(const uint8_t * b, float * y) {
+    const int8_t * sc = reinterpret_cast<const int8_t *>(b + 192);
+    const float d = load_half(b + 208);
+    float dl[16];
+    for (int i = 0; i < 16; ++i) dl[i] = d * float(sc[i]);
+    for (int j = 0; j < 2; ++j) {
+        const uint8_t * ql = b + j * 64;
+        const uint8_t * qh = b + 128 + j * 32;
+        float * yj = y + j * 128;
+        const float * dj = dl + j * 8;
+        for (int l = 0; l < 32; ++l) {
+            const int g = l >> 4;
+            yj[l] = dj[g] * float(((ql[l] & 0x0f) | ((qh[l] & 3) << 4)) - 32);
+            yj[l + 32] = dj[g + 2] * float(((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) - 32);
+            yj[l + 64] = dj[g + 4] * float(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+            yj[l + 96] = dj[g + 6] * float(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+        }
+    }
+}
+
+const TypeInfo kTypes[] = {
+    {SPECTER_TYPE_F32, 1, 4, dec_f32},
+    {SPECTER_TYPE_F16, 1, 2, dec_f16},
+    {SPECTER_TYPE_BF16, 1, 2, dec_bf16},
+    {SPECTER_TYPE_Q4_0, 32, 18, dec_q4_0},
+    {SPECTER_TYPE_Q8_0, 32, 34, dec_q8_0},
+    {SPECTER_TYPE_Q2_K, QK_K, 84, dec_q2_k},
+    {SPECTER_TYPE_Q3_K, QK_K, 110, dec_q3_k},
+    {SPECTER_TYPE_Q4_K, QK_K, 144, dec_q4_k},
+    {SPECTER_TYPE_Q5_K, QK_K, 176, dec_q5_k},
+    {SPECTER_TYPE_Q6_K, QK_K, 210, dec_q6_k},
+};
+
+}  // namespace
+
+const TypeInfo * find_type(int type) {
+    for (const TypeInfo & t : kTypes)
+        if (t.type == type) return &t;
+    return nullptr;
+}
+
+void dequantize_rows_f32(const TypeInfo & t, const uint8_t * src, float * dst, int64_t n_rows,
+                         int64_t row_len) {
+    const int64_t n = n_rows * row_len;
+    if (t.type == SPECTER_TYPE_F32) {
+        std::memcpy(dst, src, size_t(n) * 4);
+        return;
+    }
+    if (t.type == SPECTER_TYPE_F16 || t.type == SPECTER_TYPE_BF16) {  // tight loops, no per-element call
+        const bool bf = t.type == SPECTER_TYPE_BF16;
+        constexpr int64_t kChunk = 4096;
+        uint16_t h[kChunk];
+        for (int64_t e0 = 0; e0 < n; e0 += kChunk) {
+            const int64_t ne = n - e0 < kChunk ? n - e0 : kChunk;
+            std::memcpy(h, src + e0 * 2, size_t(ne) * 2);
+            if (bf)
+                for (int64_t i = 0; i < ne; ++i) dst[e0 + i] = bits_to_float(uint32_t(h[i]) << 16);
+            else
+                for (int64_t i = 0; i < ne; ++i) dst[e0 + i] = half_to_float(h[i]);
+        }
+        return;
+    }
+    const int64_t n_blocks = n / t.block_elems;
+    for (int64_t i = 0; i < n_blocks; ++i) t.decode(src + i * t.block_bytes, dst + i * t.block_elems);
+}
+
+void dequantize_rows_f16(const TypeInfo & t, const uint8_t * src, uint16_t * dst, int64_t n_rows,
+                         int64_t row_len) {
+    const int64_t n = n_rows * row_len;
+    if (t.type == SPECTER_TYPE_F16) {
+        std::memcpy(dst, src, size_t(n) * 2);
+        return;
+    }
+    constexpr int64_t kChunk = 1024;  // a multiple of every block size
+    float tmp[kChunk];
+    for (int64_t e0 = 0; e0 < n; e0 += kChunk) {
+        const int64_t ne = n - e0 < kChunk ? n - e0 : kChunk;  // a whole number of blocks
+        const int64_t nb = ne / t.block_elems;
+        const uint8_t * s = src + (e0 / t.block_elems) * t.block_bytes;
+        for (int64_t i = 0; i < nb; ++i) t.decode(s + i * t.block_bytes, tmp + i * t.block_elems);
+        for (int64_t i = 0; i < ne; ++i) dst[e0 + i] = float_to_half(tmp[i]);
+    }
+}
+
+}  // namespace specter

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Creates .venv and installs specter-gguf into it (editable, with test tools). Safe to run again.
+# llama-cpp-python is built from source once (about 8 minutes on 2 cores); pip caches the wheel.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+. .venv/bin/activate
+python -m pip install -q -U pip
+# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build on machines that have a local
+# CPU build of this version (see docs); pyproject.toml itself only asks for torch>=2.4.
+python -c "import torch" 2>/dev/null || python -m pip install -q torch==2.13.0
+python -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF}" python -m pip install -q llama-cpp-python==0.3.36
+python -m pip install -q -e ".[test]"
+echo "installed: $(.venv/bin/specter-gguf --version)"

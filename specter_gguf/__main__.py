@@ -1,0 +1,3 @@
+from specter_gguf.cli import main
+
+main()

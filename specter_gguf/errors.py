@@ -1,0 +1,5 @@
+"""The one exception type a user may see: its message names the problem and the fix, on one line."""
+
+
+class SpecterError(Exception):
+    """A problem with the user's input or environment, reported without a traceback by the CLI."""

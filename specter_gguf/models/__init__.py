@@ -1,0 +1,50 @@
+"""Architectures: each module builds one transformer block of its architecture from shared layers.
+
+`load_transformer` reads the file's common tensors (embedding, final norm, LM head), asks the architecture's
+module for each block, and checks every tensor's presence, type and shape against the metadata first.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+from tqdm import tqdm
+
+from specter_gguf.config import ModelConfig
+from specter_gguf.errors import SpecterError
+from specter_gguf.gguf_file import GGUFFile
+from specter_gguf.layers import Linear, RMSNorm, Transformer
+from specter_gguf.models import mixtral, olmoe, qwen2moe, qwen3moe
+from specter_gguf.models.common import Weights
+
+ARCHITECTURES: dict[str, ModuleType] = {"qwen2moe": qwen2moe, "qwen3moe": qwen3moe, "llama": mixtral,
+                                        "olmoe": olmoe}
+
+
+def check_architecture(f: GGUFFile) -> ModuleType:
+    arch = f.architecture
+    if arch not in ARCHITECTURES:
+        raise SpecterError(f"{f.path}: architecture '{arch}' is not supported; supported: "
+                           f"{', '.join(sorted(ARCHITECTURES))} (GGUF general.architecture)")
+    return ARCHITECTURES[arch]
+
+
+def load_transformer(f: GGUFFile, device: torch.device, progress: bool = True) -> Transformer:
+    module = check_architecture(f)
+    cfg = ModelConfig.from_gguf(f)
+    total = sum(t.n_bytes for t in f.tensors.values())
+    with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=not progress,
+              leave=False, delay=0.5) as bar:  # shown only when loading takes a while
+        w = Weights(f, device, bar)
+        token_embd = w("token_embd.weight", (cfg.n_vocab, cfg.n_embd))
+        output = w("output.weight", (cfg.n_vocab, cfg.n_embd), optional=True)
+        model = Transformer(
+            config=cfg,
+            token_embd=token_embd,
+            blocks=[],
+            output_norm=RMSNorm(w("output_norm.weight", (cfg.n_embd,)), cfg.rms_eps),
+            output=Linear(token_embd if output is None else output),  # tied embeddings when absent
+        )
+        model.blocks = [module.build_block(cfg, i, w.layer(i), model.observers) for i in range(cfg.n_layer)]
+    return model

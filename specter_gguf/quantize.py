@@ -1,0 +1,89 @@
+"""Quantize a GGUF file with llama.cpp's own quantizer (through llama-cpp-python).
+
+Drafts are made from the target this way, so their blocks are bit-for-bit what llama.cpp would produce.
+llama.cpp prints its own per-tensor progress to stderr while it works. Routers (`ffn_gate_inp`) and 1-D
+tensors stay F32, and llama.cpp's type mixes (e.g. Q4_K_M keeps some tensors at Q6_K) apply. K-quants need
+every weight's input dimension to be a multiple of 256; otherwise llama.cpp falls back to other types.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .errors import SpecterError
+
+# llama_ftype values, checked against llama.h of llama-cpp-python 0.3.36 (vendor/llama.cpp/include).
+FTYPES: dict[str, int] = {
+    "f32": 0,
+    "f16": 1,
+    "q4_0": 2,
+    "q4_1": 3,
+    "q8_0": 7,
+    "q5_0": 8,
+    "q5_1": 9,
+    "q2_k": 10,
+    "q3_k_s": 11,
+    "q3_k_m": 12,
+    "q3_k_l": 13,
+    "q4_k_s": 14,
+    "q4_k_m": 15,
+    "q5_k_s": 16,
+    "q5_k_m": 17,
+    "q6_k": 18,
+    "bf16": 32,
+}
+
+_DTYPE_SUFFIXES = ("-f32", "-f16", "-bf16", ".f32", ".f16", ".bf16", "_f32", "_f16", "_bf16")
+
+
+def ftype_for(qtype: str) -> int:
+    """llama_ftype number for a type name such as 'q4_k_m' (case-insensitive)."""
+    key = qtype.strip().lower()
+    if key not in FTYPES:
+        raise SpecterError(f"unknown quantization type {qtype!r}; valid types: {', '.join(FTYPES)}")
+    return FTYPES[key]
+
+
+def quantized_path(src: str | Path, qtype: str) -> Path:
+    """Where a quantized copy of `src` goes by default: `dir/<stem without -f16>-<qtype>.gguf`."""
+    src = Path(src)
+    stem = src.stem
+    for suf in _DTYPE_SUFFIXES:
+        if stem.lower().endswith(suf):
+            stem = stem[: -len(suf)]
+            break
+    return src.with_name(f"{stem}-{qtype.strip().lower()}.gguf")
+
+
+def quantize_gguf(src: str | Path, dst: str | Path, qtype: str, n_threads: int = 0) -> None:
+    """Quantize GGUF `src` to `dst` as `qtype` (e.g. 'q8_0', 'q4_k_m', 'q2_k') with llama.cpp.
+
+    `n_threads` <= 0 lets llama.cpp use all hardware threads. Raises SpecterError for an unknown type,
+    a missing source, or a failed quantization (llama.cpp's reason is on stderr).
+    """
+    ftype = ftype_for(qtype)
+    src, dst = Path(src), Path(dst)
+    if not src.is_file():
+        raise SpecterError(f"cannot quantize: source GGUF {src} not found")
+    if src.resolve() == dst.resolve():
+        raise SpecterError(f"cannot quantize {src} onto itself; choose another output path")
+    try:
+        import llama_cpp
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise SpecterError("quantization needs llama-cpp-python: pip install llama-cpp-python") from e
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    llama_cpp.llama_backend_init()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = int(n_threads) if n_threads and n_threads > 0 else (os.cpu_count() or 1)
+    rc = llama_cpp.llama_model_quantize(os.fsencode(src), os.fsencode(dst), params)
+    if rc != 0:
+        try:
+            dst.unlink()
+        except FileNotFoundError:
+            pass
+        raise SpecterError(
+            f"llama.cpp failed to quantize {src} to {qtype} (code {rc}); see its message above "
+            "(an already-quantized source cannot be requantized; start from an F32/F16/BF16 file)")

@@ -1,0 +1,254 @@
+"""Token sampling with llama.cpp's option semantics.
+
+The chain follows llama.cpp's default sampler order (``common/common.h`` of the llama-cpp-python 0.3.36
+sdist: penalties, dry, top_n_sigma, top_k, typical_p, top_p, min_p, xtc, temperature, then ``dist``), with
+the stages we do not implement (dry, top-n-sigma, typical-p, xtc) being disabled by default there:
+
+1. **penalties** over the last ``repeat_last_n`` tokens of ``history``: for every token seen there with
+   count ``c``, a logit ``<= 0`` is multiplied by ``repeat_penalty`` and a positive one divided by it, then
+   ``c * frequency_penalty + presence_penalty`` is subtracted;
+2. **top_k**: keep the ``top_k`` largest logits (ties at the boundary: lowest ids first);
+3. **top_p**: softmax of the survivors (no temperature yet), keep the smallest prefix, by descending
+   probability, whose cumulative probability reaches ``top_p``;
+4. **min_p**: keep the survivors whose logit is at least ``max_logit + log(min_p)``, i.e. whose probability
+   is at least ``min_p`` times the largest one;
+5. **temperature**: divide the survivors' logits by ``temperature``;
+6. **distribution**: softmax of the survivors, one draw from the sampler's own seeded generator.
+
+Note that top_p and min_p see the logits *before* temperature, as in llama.cpp. A ``temperature <= 0``
+means greedy: the argmax of the penalized logits (ties: lowest id), which is what llama.cpp's chain
+yields there too; :meth:`Sampler.probabilities` is then the one-hot vector of that token.
+
+All of the arithmetic runs on the CPU in float64; logits of one position are small.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .errors import SpecterError
+
+__all__ = ["SamplingParams", "Sampler"]
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+@dataclass
+class SamplingParams:
+    """Sampling options, with the meanings and defaults of llama.cpp's options of the same role.
+
+    - ``temperature``: divides the logits; ``<= 0`` samples greedily (argmax, ties to the lowest id).
+    - ``top_k``: keep the k most likely tokens; ``<= 0`` disables it.
+    - ``top_p``: nucleus filter; ``1.0`` disables it.
+    - ``min_p``: drop tokens below ``min_p`` times the top probability; ``0.0`` disables it.
+    - ``repeat_penalty``: divides positive / multiplies negative logits of recent tokens; ``1.0`` = off.
+    - ``repeat_last_n``: how many recent tokens the penalties look at; ``0`` disables them, ``-1`` = all.
+    - ``presence_penalty``, ``frequency_penalty``: OpenAI-style, subtracted once / per occurrence.
+    - ``seed``: fixes the random stream; ``None`` draws a random seed (reported as ``Sampler.seed``).
+    """
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        def bad(name: str, fix: str) -> SpecterError:
+            return SpecterError(f"invalid sampling option {name}={getattr(self, name)!r}: {fix}")
+
+        if not _is_real(self.temperature):
+            raise bad("temperature", "use a finite number (<= 0 means greedy, e.g. 0.8)")
+        if not _is_int(self.top_k):
+            raise bad("top_k", "use an integer (<= 0 disables it, e.g. 40)")
+        if not _is_real(self.top_p) or not 0.0 <= self.top_p <= 1.0:
+            raise bad("top_p", "use a number between 0 and 1 (1.0 disables it, e.g. 0.95)")
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "use a number between 0 and 1 (0.0 disables it, e.g. 0.05)")
+        if not _is_real(self.repeat_penalty) or self.repeat_penalty <= 0.0:
+            raise bad("repeat_penalty", "use a number > 0 (1.0 disables it, e.g. 1.1)")
+        if not _is_int(self.repeat_last_n) or self.repeat_last_n < -1:
+            raise bad("repeat_last_n", "use an integer >= -1 (0 disables penalties, -1 = whole context)")
+        if not _is_real(self.presence_penalty):
+            raise bad("presence_penalty", "use a finite number (0.0 disables it)")
+        if not _is_real(self.frequency_penalty):
+            raise bad("frequency_penalty", "use a finite number (0.0 disables it)")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
+            raise bad("seed", "use an integer between 0 and 2**64-1, or leave it unset for a random seed")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    @property
+    def penalties_active(self) -> bool:
+        return self.repeat_last_n != 0 and not (
+            self.repeat_penalty == 1.0 and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0
+        )
+
+
+def _top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``k`` (ids, values) of ``x`` sorted by descending value, ties by ascending id."""
+    n = x.numel()
+    if k >= n:
+        vals, ids = torch.sort(x, descending=True, stable=True)
+        return ids, vals
+    kth = torch.topk(x, k, sorted=False).values.min()
+    above = torch.nonzero(x > kth).reshape(-1)
+    at = torch.nonzero(x == kth).reshape(-1)[: k - above.numel()]
+    cand = torch.cat([above, at])  # ascending ids within each group, so a stable sort breaks ties by id
+    order = torch.sort(x[cand], descending=True, stable=True).indices
+    return cand[order], x[cand][order]
+
+
+class Sampler:
+    """Draws tokens from logits according to ``SamplingParams``; deterministic for a given seed.
+
+    ``sample(logits, history)`` is a draw from ``probabilities(logits, history)`` (the same generator
+    state gives the same token through ``draw(probabilities(...))``), except in greedy mode where it is
+    the argmax and consumes no randomness. ``random()`` and ``draw()`` expose the generator for
+    speculative rejection sampling.
+    """
+
+    def __init__(self, params: SamplingParams | None = None) -> None:
+        self.params = params if params is not None else SamplingParams()
+        self.seed: int = self.params.seed if self.params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        self._gen = torch.Generator(device="cpu")
+        self._gen.manual_seed(self.seed)
+
+    def reseed(self, seed: int) -> None:
+        """Restart the random stream from ``seed``."""
+        self.seed = seed
+        self._gen.manual_seed(seed)
+
+    # -- the chain -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _as_vector(logits: torch.Tensor) -> torch.Tensor:
+        if not isinstance(logits, torch.Tensor):
+            logits = torch.as_tensor(logits)
+        x = logits.detach()
+        if x.dim() > 1 and x.numel() == x.shape[-1]:  # e.g. [1, n_vocab]
+            x = x.reshape(-1)
+        if x.dim() != 1 or x.numel() == 0:
+            raise ValueError(f"expected the logits of one position (a non-empty 1-D tensor), got shape {tuple(logits.shape)}")
+        x = x.to(device="cpu", dtype=torch.float64, copy=True)
+        if torch.isnan(x).any():
+            raise SpecterError("the model produced NaN logits: check the model file, or try another --dtype")
+        return x
+
+    def penalized_logits(self, logits: torch.Tensor, history: Sequence[int] = ()) -> torch.Tensor:
+        """Stage 1 only: the logits (float64, CPU) after repeat/presence/frequency penalties."""
+        x = self._as_vector(logits)
+        p = self.params
+        if not p.penalties_active or len(history) == 0:
+            return x
+        recent = history if p.repeat_last_n < 0 else history[-p.repeat_last_n:]
+        ids = torch.as_tensor(list(recent) if not isinstance(recent, torch.Tensor) else recent, dtype=torch.long).reshape(-1).cpu()
+        if ids.numel() == 0:
+            return x
+        if int(ids.min()) < 0 or int(ids.max()) >= x.numel():
+            raise ValueError(f"history holds token ids outside the vocabulary of {x.numel()} tokens")
+        seen, counts = torch.unique(ids, return_counts=True)
+        v = x[seen]
+        v = torch.where(v <= 0, v * p.repeat_penalty, v / p.repeat_penalty)
+        v = v - counts.to(torch.float64) * p.frequency_penalty - p.presence_penalty
+        x[seen] = v
+        return x
+
+    def _candidates(self, logits: torch.Tensor, history: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Surviving token ids (ascending) and their final probabilities (float64, summing to 1)."""
+        p = self.params
+        x = self.penalized_logits(logits, history)
+        n = x.numel()
+        if not torch.isfinite(x.max()):
+            raise SpecterError("every logit is -inf or +inf after penalties: check the model file and logit biases")
+        if p.greedy:
+            tok = int(torch.argmax(x))
+            return torch.tensor([tok]), torch.ones(1, dtype=torch.float64)
+
+        # Every filter keeps a prefix of the candidates in descending logit order (ties: ascending id), so
+        # the survivors are the shortest of the three prefixes; only that much is ever sorted.
+        top_k_on = 0 < p.top_k < n
+        limit = p.top_k if top_k_on else n
+        if p.min_p > 0.0:  # min_p's threshold depends on the max logit only, which every filter keeps
+            limit = min(limit, max(1, int((x >= float(x.max()) + math.log(p.min_p)).sum())))
+        if p.top_p < 1.0 and limit > 1:
+            if top_k_on:  # top_p normalizes over the top_k survivors, which are few: take them all
+                ids, vals = _top(x, p.top_k)
+                log_z, k = torch.logsumexp(vals, 0), limit
+            else:  # grow a sorted prefix until its probability reaches top_p
+                log_z, k = torch.logsumexp(x, 0), min(limit, 128)
+            while True:
+                if not top_k_on:
+                    ids, vals = _top(x, k)
+                cum = torch.cumsum(torch.exp(vals[:k] - log_z), 0)
+                reached = torch.nonzero(cum >= p.top_p).reshape(-1)
+                if reached.numel() or k == limit:
+                    m = int(reached[0]) + 1 if reached.numel() else limit
+                    break
+                k = min(limit, k * 8)
+        else:
+            m = limit
+            if m == n:  # nothing filtered: no order needed
+                ids, vals = torch.arange(n), x
+            else:
+                ids, vals = _top(x, m)
+
+        ids, vals = ids[:m], vals[:m]
+        probs = torch.softmax(vals / p.temperature, dim=0)
+        order = torch.argsort(ids)
+        return ids[order], probs[order]
+
+    def probabilities(self, logits: torch.Tensor, history: Sequence[int] = ()) -> torch.Tensor:
+        """The distribution (float64, CPU, shape [n_vocab]) that ``sample`` draws from, after all filters."""
+        n = logits.numel() if isinstance(logits, torch.Tensor) else len(logits)
+        ids, probs = self._candidates(logits, history)
+        out = torch.zeros(n, dtype=torch.float64)
+        out[ids] = probs
+        return out
+
+    # -- drawing -------------------------------------------------------------------------------
+
+    def random(self) -> float:
+        """One uniform number in [0, 1) from this sampler's generator (for acceptance tests)."""
+        return float(torch.rand((), generator=self._gen, dtype=torch.float64))
+
+    def _draw_support(self, ids: torch.Tensor, probs: torch.Tensor) -> int:
+        if ids.numel() == 1:
+            self.random()  # one draw per token whatever the support, so streams stay aligned
+            return int(ids[0])
+        cdf = torch.cumsum(probs, dim=0)
+        t = self.random() * float(cdf[-1])
+        i = int(torch.searchsorted(cdf, torch.tensor([t], dtype=torch.float64), right=True)[0])
+        return int(ids[min(i, ids.numel() - 1)])
+
+    def draw(self, probs: torch.Tensor) -> int:
+        """One token drawn from a (not necessarily normalized) non-negative vector of probabilities."""
+        probs = probs.detach().to(device="cpu", dtype=torch.float64).reshape(-1)
+        ids = torch.nonzero(probs > 0).reshape(-1)
+        if ids.numel() == 0:
+            raise ValueError("cannot draw from a distribution with no positive probability")
+        return self._draw_support(ids, probs[ids])
+
+    def sample(self, logits: torch.Tensor, history: Sequence[int] = ()) -> int:
+        """The next token for these logits of one position, given the tokens so far (for penalties)."""
+        ids, probs = self._candidates(logits, history)
+        if self.params.greedy:
+            return int(ids[0])
+        return self._draw_support(ids, probs)

@@ -1,0 +1,682 @@
+"""Random-weight MoE models written as GGUF files in llama.cpp's exact tensor layout and metadata.
+
+A model is described by a :class:`ModelShape` (named presets in :data:`PRESETS`). Each architecture
+contributes two small functions to :data:`ARCHS`: one that lists a block's tensors (name, ggml shape, how
+to initialise it) and one that writes the architecture's metadata keys. Adding ``deepseek2`` (MLA) or
+``phimoe`` later means adding one :class:`ArchSpec` entry (plus any new ``ModelShape`` fields).
+
+Weights (deterministic from ``seed``; each tensor, and each slab of a large tensor, has its own seed derived
+from ``(seed, arch, name, slab)``, so a tensor's values do not depend on which other tensors exist —
+changing ``n_layer`` keeps the shared layers identical. Values differ between ``device="cpu"`` and ``"cuda"``
+because torch's generators differ):
+
+- matrices (attention, experts, shared expert, embeddings): normal, std ``init_std`` (0.02, like the
+  HF initialisers of these models);
+- the LM head ``output``: normal, std ``logit_std / sqrt(n_embd)`` so that logits of the final (unit-RMS)
+  hidden state have std ~``logit_std`` (2.0) at every width — a peaked, non-uniform next-token
+  distribution, which makes greedy decoding less fragile than std 0.02 would at small widths;
+- routers ``ffn_gate_inp``: normal, std ``router_logit_std / sqrt(n_embd)`` (router logits std ~1.5), so
+  the softmax over experts is far from uniform and top-k choices have real margins;
+- RMS norm weights: ``1 + N(0, norm_noise)`` with ``norm_noise`` 0.1 — close to 1 like a trained model's,
+  but varied enough that an engine forgetting to multiply by a norm weight fails a parity test;
+- biases (qwen2moe q/k/v): normal, std ``init_std``.
+
+1-D tensors (norms, biases, ``ffn_gate_inp_shexp``) and routers are F32, as llama.cpp's converter writes
+them; other matrices use the requested type (``f32``, ``f16`` or ``bf16``).
+
+Tokenizer: the tiny models carry a small byte-level BPE (GPT-2 byte-to-unicode alphabet, ``pre = qwen2``)
+trained by :func:`train_bpe` on ``models/tokenizer-corpus.txt``; real-shape models can copy every
+``tokenizer.*`` key from a vocab GGUF (``vocab_from``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+import re
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from .errors import SpecterError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MODELS_DIR = REPO_ROOT / "models"
+CORPUS_PATH = MODELS_DIR / "tokenizer-corpus.txt"
+
+DTYPES = ("f32", "f16", "bf16")
+# llama_ftype values (llama.h) recorded in general.file_type.
+_FILE_TYPE = {"f32": 0, "f16": 1, "bf16": 32}
+
+# Elements generated at once for large tensors (slabs along the outermost numpy dimension).
+_SLAB_ELEMS = 1 << 26
+
+
+# --------------------------------------------------------------------------------------------------
+# Model shapes and presets
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Hyper-parameters of a MoE model, in llama.cpp's terms (widths are per expert / per head)."""
+
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_expert: int
+    n_expert_used: int
+    n_ff_exp: int
+    n_ff_shexp: int = 0  # shared-expert width (qwen2moe); 0 = none
+    n_ff: int = 0  # `feed_forward_length` to record; 0 = n_ff_exp (the dense width the HF config names)
+    n_ctx: int = 4096
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+    n_vocab_hint: int = 0  # the HF vocab size, informational; the file's n_vocab is the tokenizer's
+    name: str = ""
+    # initialisation (see the module docstring)
+    init_std: float = 0.02
+    norm_noise: float = 0.1
+    router_logit_std: float = 1.5
+    logit_std: float = 2.0
+
+    @property
+    def n_embd_q(self) -> int:
+        return self.n_head * self.head_dim
+
+    @property
+    def n_embd_kv(self) -> int:
+        return self.n_head_kv * self.head_dim
+
+    def with_layers(self, n_layer: int) -> "ModelShape":
+        return dataclasses.replace(self, n_layer=n_layer)
+
+
+def _tiny(arch: str, **kw: Any) -> ModelShape:
+    base: dict[str, Any] = dict(
+        arch=arch, n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_expert=8,
+        n_expert_used=2, n_ff_exp=256, n_ctx=2048, rope_theta=10000.0, rms_eps=1e-6,
+    )
+    base.update(kw)
+    return ModelShape(**base)
+
+
+PRESETS: dict[str, ModelShape] = {
+    # Tiny models: every weight's input dimension is a multiple of 256, so llama.cpp's K-quants apply.
+    "tiny-qwen2moe": _tiny("qwen2moe", n_layer=2, n_expert_used=4, n_ff_shexp=512, n_ff=512,
+                           rope_theta=1e6, name="tiny-qwen2moe"),
+    "tiny-qwen3moe": _tiny("qwen3moe", n_layer=3, n_ff=512, rope_theta=1e6, name="tiny-qwen3moe"),
+    # like Qwen3-30B-A3B, n_head * head_dim (512) != n_embd (256): exercises attention.key_length
+    "tiny-qwen3moe-hd128": _tiny("qwen3moe", n_layer=2, head_dim=128, n_ff=512, rope_theta=1e6,
+                                 name="tiny-qwen3moe-hd128"),
+    "tiny-mixtral": _tiny("llama", n_layer=2, rms_eps=1e-5, rope_theta=1e6, name="tiny-mixtral"),
+    # llama.cpp's olmoe k-norm has n_embd weights, so it needs n_head_kv == n_head (as OLMoE has).
+    "tiny-olmoe": _tiny("olmoe", n_layer=2, n_head_kv=4, rms_eps=1e-5, name="tiny-olmoe"),
+    # Real shapes (HF configs). n_vocab_hint is the HF embedding size; the file takes the vocab GGUF's.
+    "qwen1.5-moe-a2.7b": ModelShape(
+        arch="qwen2moe", n_layer=24, n_embd=2048, n_head=16, n_head_kv=16, head_dim=128, n_expert=60,
+        n_expert_used=4, n_ff_exp=1408, n_ff_shexp=5632, n_ff=5632, n_ctx=8192, rope_theta=1e6,
+        rms_eps=1e-6, n_vocab_hint=151936, name="Qwen1.5-MoE-A2.7B (random weights)"),
+    "qwen3-30b-a3b": ModelShape(
+        arch="qwen3moe", n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128, n_expert=128,
+        n_expert_used=8, n_ff_exp=768, n_ff=6144, n_ctx=40960, rope_theta=1e6, rms_eps=1e-6,
+        n_vocab_hint=151936, name="Qwen3-30B-A3B (random weights)"),
+    "mixtral-8x7b": ModelShape(
+        arch="llama", n_layer=32, n_embd=4096, n_head=32, n_head_kv=8, head_dim=128, n_expert=8,
+        n_expert_used=2, n_ff_exp=14336, n_ctx=32768, rope_theta=1e6, rms_eps=1e-5,
+        n_vocab_hint=32000, name="Mixtral-8x7B (random weights)"),
+    "olmoe-1b-7b": ModelShape(
+        arch="olmoe", n_layer=16, n_embd=2048, n_head=16, n_head_kv=16, head_dim=128, n_expert=64,
+        n_expert_used=8, n_ff_exp=1024, n_ctx=4096, rope_theta=10000.0, rms_eps=1e-5,
+        n_vocab_hint=50304, name="OLMoE-1B-7B (random weights)"),
+}
+
+TINY_PRESETS = ("tiny-qwen2moe", "tiny-qwen3moe", "tiny-mixtral", "tiny-olmoe")
+# general.architecture -> the tiny preset tests use for it
+TINY_ARCH_PRESETS = {"qwen2moe": "tiny-qwen2moe", "qwen3moe": "tiny-qwen3moe", "llama": "tiny-mixtral",
+                     "olmoe": "tiny-olmoe"}
+
+# A vocab GGUF from llama.cpp's source tree that suits each real-shape preset (`--vocab-from`).
+SUGGESTED_VOCAB = {
+    "qwen1.5-moe-a2.7b": "ggml-vocab-qwen2.gguf",
+    "qwen3-30b-a3b": "ggml-vocab-qwen2.gguf",
+    "mixtral-8x7b": "ggml-vocab-llama-spm.gguf",
+    "olmoe-1b-7b": "ggml-vocab-gpt-neox.gguf",
+}
+
+
+def get_preset(name: str) -> ModelShape:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise SpecterError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}") from None
+
+
+# --------------------------------------------------------------------------------------------------
+# Tensor lists per architecture
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor: GGUF name, shape in ggml order (ne0 first), and how to initialise it."""
+
+    name: str
+    ne: tuple[int, ...]
+    init: str  # "normal" | "norm" | "router" | "output" | "bias"
+    f32: bool = False  # always stored as F32 (1-D tensors, routers)
+
+    @property
+    def numpy_shape(self) -> tuple[int, ...]:
+        return tuple(reversed(self.ne))
+
+    @property
+    def n_elements(self) -> int:
+        return math.prod(self.ne)
+
+
+def _w(name: str, *ne: int) -> TensorSpec:
+    return TensorSpec(name, tuple(ne), "normal")
+
+
+def _norm(name: str, n: int) -> TensorSpec:
+    return TensorSpec(name, (n,), "norm", f32=True)
+
+
+def _bias(name: str, n: int) -> TensorSpec:
+    return TensorSpec(name, (n,), "bias", f32=True)
+
+
+def _attention(s: ModelShape, p: str, *, bias: bool = False) -> list[TensorSpec]:
+    t = [
+        _w(f"{p}.attn_q.weight", s.n_embd, s.n_embd_q),
+        _w(f"{p}.attn_k.weight", s.n_embd, s.n_embd_kv),
+        _w(f"{p}.attn_v.weight", s.n_embd, s.n_embd_kv),
+    ]
+    if bias:
+        t += [_bias(f"{p}.attn_q.bias", s.n_embd_q), _bias(f"{p}.attn_k.bias", s.n_embd_kv),
+              _bias(f"{p}.attn_v.bias", s.n_embd_kv)]
+    t.append(_w(f"{p}.attn_output.weight", s.n_embd_q, s.n_embd))
+    return t
+
+
+def _routed_experts(s: ModelShape, p: str) -> list[TensorSpec]:
+    return [
+        TensorSpec(f"{p}.ffn_gate_inp.weight", (s.n_embd, s.n_expert), "router", f32=True),
+        _w(f"{p}.ffn_gate_exps.weight", s.n_embd, s.n_ff_exp, s.n_expert),
+        _w(f"{p}.ffn_down_exps.weight", s.n_ff_exp, s.n_embd, s.n_expert),
+        _w(f"{p}.ffn_up_exps.weight", s.n_embd, s.n_ff_exp, s.n_expert),
+    ]
+
+
+def _block_qwen2moe(s: ModelShape, i: int) -> list[TensorSpec]:
+    p = f"blk.{i}"
+    return [
+        _norm(f"{p}.attn_norm.weight", s.n_embd),
+        *_attention(s, p, bias=True),
+        _norm(f"{p}.ffn_norm.weight", s.n_embd),
+        *_routed_experts(s, p),
+        TensorSpec(f"{p}.ffn_gate_inp_shexp.weight", (s.n_embd,), "normal", f32=True),
+        _w(f"{p}.ffn_gate_shexp.weight", s.n_embd, s.n_ff_shexp),
+        _w(f"{p}.ffn_down_shexp.weight", s.n_ff_shexp, s.n_embd),
+        _w(f"{p}.ffn_up_shexp.weight", s.n_embd, s.n_ff_shexp),
+    ]
+
+
+def _block_qwen3moe(s: ModelShape, i: int) -> list[TensorSpec]:
+    p = f"blk.{i}"
+    return [
+        _norm(f"{p}.attn_norm.weight", s.n_embd),
+        *_attention(s, p),
+        _norm(f"{p}.attn_k_norm.weight", s.head_dim),
+        _norm(f"{p}.attn_q_norm.weight", s.head_dim),
+        _norm(f"{p}.ffn_norm.weight", s.n_embd),
+        *_routed_experts(s, p),
+    ]
+
+
+def _block_llama(s: ModelShape, i: int) -> list[TensorSpec]:
+    p = f"blk.{i}"
+    return [
+        _norm(f"{p}.attn_norm.weight", s.n_embd),
+        *_attention(s, p),
+        _norm(f"{p}.ffn_norm.weight", s.n_embd),
+        *_routed_experts(s, p),
+    ]
+
+
+def _block_olmoe(s: ModelShape, i: int) -> list[TensorSpec]:
+    p = f"blk.{i}"
+    return [
+        _norm(f"{p}.attn_norm.weight", s.n_embd),
+        *_attention(s, p),
+        # whole-vector norms over all heads: q over n_embd_q, k over n_embd_kv (llama.cpp: both n_embd)
+        _norm(f"{p}.attn_q_norm.weight", s.n_embd_q),
+        _norm(f"{p}.attn_k_norm.weight", s.n_embd_kv),
+        _norm(f"{p}.ffn_norm.weight", s.n_embd),
+        *_routed_experts(s, p),
+    ]
+
+
+def _meta_common(s: ModelShape, kv: dict[str, Any]) -> None:
+    a = s.arch
+    kv[f"{a}.vocab_size"] = None  # filled in with the tokenizer's size
+    kv[f"{a}.context_length"] = s.n_ctx
+    kv[f"{a}.embedding_length"] = s.n_embd
+    kv[f"{a}.block_count"] = s.n_layer
+    kv[f"{a}.feed_forward_length"] = s.n_ff or s.n_ff_exp
+    kv[f"{a}.attention.head_count"] = s.n_head
+    kv[f"{a}.attention.head_count_kv"] = s.n_head_kv
+    kv[f"{a}.rope.freq_base"] = float(s.rope_theta)
+    kv[f"{a}.attention.layer_norm_rms_epsilon"] = float(s.rms_eps)
+    kv[f"{a}.expert_count"] = s.n_expert
+    kv[f"{a}.expert_used_count"] = s.n_expert_used
+    if s.head_dim * s.n_head != s.n_embd:
+        kv[f"{a}.attention.key_length"] = s.head_dim
+        kv[f"{a}.attention.value_length"] = s.head_dim
+
+
+def _meta_qwen2moe(s: ModelShape, kv: dict[str, Any]) -> None:
+    _meta_common(s, kv)
+    kv["qwen2moe.expert_feed_forward_length"] = s.n_ff_exp
+    kv["qwen2moe.expert_shared_feed_forward_length"] = s.n_ff_shexp
+
+
+def _meta_qwen3moe(s: ModelShape, kv: dict[str, Any]) -> None:
+    _meta_common(s, kv)
+    kv["qwen3moe.expert_feed_forward_length"] = s.n_ff_exp
+    kv["qwen3moe.attention.key_length"] = s.head_dim
+    kv["qwen3moe.attention.value_length"] = s.head_dim
+
+
+def _meta_llama(s: ModelShape, kv: dict[str, Any]) -> None:
+    # llama (Mixtral): experts are n_ff wide; LLAMA_ROPE_TYPE_NORM (adjacent pairs) on un-permuted q/k.
+    if s.n_ff and s.n_ff != s.n_ff_exp:
+        raise SpecterError("llama MoE: experts are feed_forward_length wide; set n_ff = n_ff_exp")
+    _meta_common(s, kv)
+    kv["llama.rope.dimension_count"] = s.head_dim
+
+
+def _meta_olmoe(s: ModelShape, kv: dict[str, Any]) -> None:
+    if s.n_ff and s.n_ff != s.n_ff_exp:
+        raise SpecterError("olmoe: experts are feed_forward_length wide; set n_ff = n_ff_exp")
+    if s.n_head_kv != s.n_head or s.n_embd_q != s.n_embd:
+        raise SpecterError("olmoe: llama.cpp sizes attn_q_norm/attn_k_norm as n_embd; "
+                           "needs n_head_kv == n_head and n_head * head_dim == n_embd")
+    _meta_common(s, kv)
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    block: Callable[[ModelShape, int], list[TensorSpec]]
+    metadata: Callable[[ModelShape, dict[str, Any]], None]
+
+
+ARCHS: dict[str, ArchSpec] = {
+    "qwen2moe": ArchSpec(_block_qwen2moe, _meta_qwen2moe),
+    "qwen3moe": ArchSpec(_block_qwen3moe, _meta_qwen3moe),
+    "llama": ArchSpec(_block_llama, _meta_llama),
+    "olmoe": ArchSpec(_block_olmoe, _meta_olmoe),
+}
+
+
+def tensor_specs(shape: ModelShape, n_vocab: int) -> list[TensorSpec]:
+    """All tensors of the model, in file order (as llama.cpp's converter orders them)."""
+    arch = _arch(shape)
+    specs = [_w("token_embd.weight", shape.n_embd, n_vocab)]
+    for i in range(shape.n_layer):
+        specs += arch.block(shape, i)
+    specs += [_norm("output_norm.weight", shape.n_embd),
+              TensorSpec("output.weight", (shape.n_embd, n_vocab), "output")]
+    return specs
+
+
+def architecture_metadata(shape: ModelShape, n_vocab: int) -> dict[str, Any]:
+    """The `{arch}.*` keys (python values; ints are written as UINT32, floats as FLOAT32)."""
+    kv: dict[str, Any] = {}
+    _arch(shape).metadata(shape, kv)
+    kv[f"{shape.arch}.vocab_size"] = n_vocab
+    return kv
+
+
+def _arch(shape: ModelShape) -> ArchSpec:
+    try:
+        return ARCHS[shape.arch]
+    except KeyError:
+        raise SpecterError(f"architecture {shape.arch!r} not supported by the synthetic writer; "
+                           f"choose one of: {', '.join(ARCHS)}") from None
+
+
+# --------------------------------------------------------------------------------------------------
+# Tokenizer: a small byte-level BPE of our own
+# --------------------------------------------------------------------------------------------------
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Approximation of Qwen2's pre-tokenizer regex with the `re` module (\p{L} -> [^\W\d_], \p{N} -> \d).
+# Merges are learned inside these pieces; llama.cpp applies its own (exact) qwen2 split at run time.
+_PRETOKENIZE = re.compile(
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
+    r"|(?:[^\r\n\w]|_)?[^\W\d_]+"
+    r"|\d"
+    r"| ?(?:[^\s\w]|_)+[\r\n]*"
+    r"|\s*[\r\n]+"
+    r"|\s+(?!\S)"
+    r"|\s+"
+)
+
+
+@functools.lru_cache(maxsize=None)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable unicode characters."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+@dataclass(frozen=True)
+class BPETokenizer:
+    """A byte-level BPE vocabulary: tokens (id order), merges (rank order) and special tokens."""
+
+    tokens: tuple[str, ...]
+    merges: tuple[str, ...]
+    specials: tuple[str, ...] = SPECIAL_TOKENS
+
+    def gguf_metadata(self) -> dict[str, tuple[Any, Any, Any]]:
+        """tokenizer.* keys as {key: (value, GGUFValueType, array sub-type)}."""
+        import gguf
+
+        T = gguf.GGUFValueType
+        ttype = [int(gguf.TokenType.CONTROL) if t in self.specials else int(gguf.TokenType.NORMAL)
+                 for t in self.tokens]
+        eos = self.tokens.index("<|endoftext|>")
+        return {
+            "tokenizer.ggml.model": ("gpt2", T.STRING, None),
+            "tokenizer.ggml.pre": ("qwen2", T.STRING, None),
+            "tokenizer.ggml.tokens": (list(self.tokens), T.ARRAY, T.STRING),
+            "tokenizer.ggml.token_type": (ttype, T.ARRAY, T.INT32),
+            "tokenizer.ggml.merges": (list(self.merges), T.ARRAY, T.STRING),
+            "tokenizer.ggml.eos_token_id": (eos, T.UINT32, None),
+            "tokenizer.ggml.bos_token_id": (eos, T.UINT32, None),
+            "tokenizer.ggml.padding_token_id": (eos, T.UINT32, None),
+            "tokenizer.ggml.add_bos_token": (False, T.BOOL, None),
+            "tokenizer.chat_template": (CHATML_TEMPLATE, T.STRING, None),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps({"tokens": list(self.tokens), "merges": list(self.merges),
+                           "specials": list(self.specials)}, ensure_ascii=False, indent=0)
+
+
+def train_bpe(text: str, vocab_size: int = 1024, min_count: int = 2,
+              specials: Sequence[str] = SPECIAL_TOKENS) -> BPETokenizer:
+    """Train byte-level BPE merges on `text` until `vocab_size` tokens (256 bytes + merges + specials)
+    or no pair occurs `min_count` times. Deterministic (ties broken by the pair's text)."""
+    for sp in specials:  # special tokens are not learned from
+        text = text.replace(sp, "\n")
+    b2u = bytes_to_unicode()
+    words = Counter("".join(b2u[b] for b in piece.encode("utf-8"))
+                    for piece in _PRETOKENIZE.findall(text))
+    syms: list[list[str]] = [list(w) for w in words]
+    freq: list[int] = list(words.values())
+    pairs: Counter[tuple[str, str]] = Counter()
+    where: dict[tuple[str, str], set[int]] = defaultdict(set)
+    for wi, s in enumerate(syms):
+        for a, b in zip(s, s[1:]):
+            pairs[(a, b)] += freq[wi]
+            where[(a, b)].add(wi)
+
+    base = [b2u[b] for b in sorted(b2u, key=lambda b: ord(b2u[b]))]
+    n_merges = vocab_size - len(base) - len(specials)
+    merges: list[tuple[str, str]] = []
+    vocab = set(base)
+    new_tokens: list[str] = []
+    while len(merges) < n_merges and pairs:
+        best, count = min(pairs.items(), key=lambda kv: (-kv[1], kv[0]))
+        if count < min_count:
+            break
+        merged = best[0] + best[1]
+        merges.append(best)
+        if merged not in vocab:
+            vocab.add(merged)
+            new_tokens.append(merged)
+        for wi in list(where.pop(best, ())):
+            s, f = syms[wi], freq[wi]
+            for a, b in zip(s, s[1:]):  # remove this word's old pairs
+                pairs[(a, b)] -= f
+                if pairs[(a, b)] <= 0:
+                    del pairs[(a, b)]
+                where.get((a, b), set()).discard(wi)
+            out, j = [], 0
+            while j < len(s):
+                if j + 1 < len(s) and s[j] == best[0] and s[j + 1] == best[1]:
+                    out.append(merged)
+                    j += 2
+                else:
+                    out.append(s[j])
+                    j += 1
+            syms[wi] = out
+            for a, b in zip(out, out[1:]):
+                pairs[(a, b)] += f
+                where[(a, b)].add(wi)
+        pairs.pop(best, None)
+    tokens = tuple(base + new_tokens + list(specials))
+    return BPETokenizer(tokens, tuple(f"{a} {b}" for a, b in merges), tuple(specials))
+
+
+@functools.lru_cache(maxsize=4)
+def tiny_tokenizer(corpus: str | Path | None = None, vocab_size: int = 1024) -> BPETokenizer:
+    """The tiny models' tokenizer, trained on the corpus shipped in models/ (cached per process)."""
+    path = Path(corpus) if corpus is not None else CORPUS_PATH
+    if not path.is_file():
+        raise SpecterError(f"tokenizer corpus {path} not found; it ships in the repository's models/")
+    return train_bpe(path.read_text(encoding="utf-8"), vocab_size=vocab_size)
+
+
+def vocab_metadata_from_gguf(path: str | Path) -> tuple[dict[str, tuple[Any, Any, Any]], int]:
+    """Every tokenizer.* key of a GGUF (e.g. llama.cpp's models/ggml-vocab-qwen2.gguf), and n_vocab."""
+    import gguf
+
+    path = Path(path)
+    if not path.is_file():
+        raise SpecterError(f"vocab GGUF {path} not found")
+    reader = gguf.GGUFReader(path)
+    T = gguf.GGUFValueType
+    out: dict[str, tuple[Any, Any, Any]] = {}
+    for key, f in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == T.ARRAY else None
+        if vtype == T.ARRAY and len(f.types) > 2:
+            raise SpecterError(f"{path}: nested array key {key} is not supported")
+        out[key] = (f.contents(), vtype, sub)
+    if "tokenizer.ggml.tokens" not in out:
+        raise SpecterError(f"{path} has no tokenizer.ggml.tokens; is it a vocab GGUF?")
+    return out, len(out["tokenizer.ggml.tokens"][0])
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class WriteResult:
+    path: Path
+    shape: ModelShape
+    dtype: str
+    n_vocab: int
+    n_params: int
+    n_bytes: int  # file size
+    seconds: float
+    tensors: list[str] = field(default_factory=list)
+
+
+def _tensor_seed(seed: int, arch: str, name: str, slab: int) -> int:
+    h = hashlib.sha256(f"{seed}/{arch}/{name}/{slab}".encode()).digest()
+    return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
+
+
+def _std(spec: TensorSpec, shape: ModelShape) -> float:
+    if spec.init == "router":
+        return shape.router_logit_std / math.sqrt(shape.n_embd)
+    if spec.init == "output":
+        return shape.logit_std / math.sqrt(shape.n_embd)
+    if spec.init == "norm":
+        return shape.norm_noise
+    return shape.init_std
+
+
+def _storage(spec: TensorSpec, dtype: str) -> tuple[Any, int]:
+    """(GGMLQuantizationType, bytes per element) a tensor is stored as."""
+    import gguf
+
+    Q = gguf.GGMLQuantizationType
+    if spec.f32 or dtype == "f32":
+        return Q.F32, 4
+    return (Q.F16, 2) if dtype == "f16" else (Q.BF16, 2)
+
+
+def _slabs(spec: TensorSpec, shape: ModelShape, dtype: str, seed: int, device: str) -> Iterator[np.ndarray]:
+    """The tensor's data as consecutive numpy slabs (row-major, outermost numpy dim split)."""
+    import torch
+
+    np_shape = spec.numpy_shape
+    inner = math.prod(np_shape[1:])
+    rows_per = max(1, _SLAB_ELEMS // max(1, inner))
+    std = _std(spec, shape)
+    qtype, _ = _storage(spec, dtype)
+    for slab, r0 in enumerate(range(0, np_shape[0], rows_per)):
+        rows = min(rows_per, np_shape[0] - r0)
+        g = torch.Generator(device=device)
+        g.manual_seed(_tensor_seed(seed, shape.arch, spec.name, slab))
+        t = torch.randn((rows, *np_shape[1:]), generator=g, device=device, dtype=torch.float32)
+        t.mul_(std)
+        if spec.init == "norm":
+            t.add_(1.0)
+        name = qtype.name
+        if name == "F32":
+            a = t.cpu().numpy()
+        elif name == "F16":
+            a = t.to(torch.float16).cpu().numpy()
+        else:  # BF16: raw 16-bit patterns
+            a = t.to(torch.bfloat16).view(torch.int16).cpu().numpy().view(np.uint16)
+        yield a
+
+
+def write_synthetic(
+    path: str | Path,
+    shape: ModelShape | str,
+    dtype: str = "f16",
+    *,
+    seed: int = 0,
+    device: str = "cpu",
+    vocab_from: str | Path | None = None,
+    tokenizer: BPETokenizer | None = None,
+    progress: bool = False,
+) -> WriteResult:
+    """Write a random-weight GGUF of `shape` (a ModelShape or preset name) to `path`.
+
+    Tensor data is generated and written one tensor (slab) at a time, so memory stays bounded by the
+    largest slab (~256 MB of float32), whatever the model's size. `vocab_from` copies all tokenizer.*
+    keys of that GGUF; otherwise the tiny BPE tokenizer (or `tokenizer`) is used.
+    """
+    t0 = time.perf_counter()
+    if isinstance(shape, str):
+        shape = get_preset(shape)
+    if dtype not in DTYPES:
+        raise SpecterError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
+    import gguf
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SpecterError("device 'cuda' requested but torch sees no CUDA GPU; use --device cpu")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    if vocab_from is not None:
+        tok_kv, n_vocab = vocab_metadata_from_gguf(vocab_from)
+    else:
+        tok = tokenizer or tiny_tokenizer()
+        tok_kv, n_vocab = tok.gguf_metadata(), len(tok.tokens)
+
+    specs = tensor_specs(shape, n_vocab)
+    arch_kv = architecture_metadata(shape, n_vocab)
+
+    w = gguf.GGUFWriter(path, shape.arch)
+    w.add_name(shape.name or shape.arch)
+    w.add_description("specter-gguf synthetic model: random weights (produces gibberish)")
+    w.add_file_type(_FILE_TYPE[dtype])
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    T = gguf.GGUFValueType
+    for k, v in arch_kv.items():
+        if isinstance(v, bool):
+            w.add_bool(k, v)
+        elif isinstance(v, int):
+            w.add_uint32(k, v)
+        elif isinstance(v, float):
+            w.add_float32(k, v)
+        else:
+            w.add_key_value(k, v, T.STRING)
+    for k, (v, vtype, sub) in tok_kv.items():
+        w.add_key_value(k, v, vtype, sub)
+
+    total = 0
+    for spec in specs:
+        qtype, esize = _storage(spec, dtype)
+        nbytes = spec.n_elements * esize
+        total += nbytes
+        np_dtype = {"F32": np.float32, "F16": np.float16}.get(qtype.name, np.uint16)
+        w.add_tensor_info(spec.name, spec.numpy_shape, np.dtype(np_dtype), nbytes,
+                          raw_dtype=None if qtype.name in ("F32", "F16") else qtype)
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    fout = w.fout[0]
+    align = w.data_alignment
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=path.name)
+    try:
+        for spec in specs:
+            fout.write(b"\0" * ((-fout.tell()) % align))
+            for a in _slabs(spec, shape, dtype, seed, device):
+                a.tofile(fout)
+                if bar is not None:
+                    bar.update(a.nbytes)
+        fout.write(b"\0" * ((-fout.tell()) % align))
+    finally:
+        if bar is not None:
+            bar.close()
+        w.close()
+    return WriteResult(path=path, shape=shape, dtype=dtype, n_vocab=n_vocab,
+                       n_params=sum(s.n_elements for s in specs), n_bytes=path.stat().st_size,
+                       seconds=time.perf_counter() - t0, tensors=[s.name for s in specs])

@@ -1,0 +1,80 @@
+"""Shared fixtures: tiny random-weight MoE models of every architecture, built once per test session.
+
+``tiny_models[(arch, kind)]`` is the path of a GGUF, built on first use into a session cache directory
+under pytest's tmp dir and reused by every later test:
+
+- ``arch``: a GGUF ``general.architecture`` of :data:`specter_gguf.synthetic.TINY_ARCH_PRESETS`
+  (``qwen2moe``, ``qwen3moe``, ``llama`` = Mixtral-style, ``olmoe``);
+- ``kind``: ``f32`` or ``f16`` (written by the synthetic writer, same seed: the F16 file is the F32 one
+  rounded), or ``q8_0`` / ``q4_k_m`` / ``q2_k`` (llama.cpp's quantizer applied to the F16 file; these
+  need llama-cpp-python and skip the test without it).
+
+``shipped_model`` is models/tiny-qwen2moe.gguf, the model that ships with the repository.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import pytest
+
+from specter_gguf.synthetic import MODELS_DIR, TINY_ARCH_PRESETS, write_synthetic
+
+TINY_WRITTEN = ("f32", "f16")
+TINY_QUANTIZED = ("q8_0", "q4_k_m", "q2_k")
+TINY_KINDS = TINY_WRITTEN + TINY_QUANTIZED
+TINY_SEED = 0
+
+
+class TinyModels(Mapping):
+    """Lazily built, cached tiny models: ``[(arch, kind)] -> Path``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._paths: dict[tuple[str, str], Path] = {}
+        self._lock = threading.Lock()
+
+    def __getitem__(self, key: tuple[str, str]) -> Path:
+        arch, kind = key
+        if arch not in TINY_ARCH_PRESETS or kind not in TINY_KINDS:
+            raise KeyError(key)
+        with self._lock:
+            if key not in self._paths:
+                self._paths[key] = self._build(arch, kind)
+            return self._paths[key]
+
+    def _build(self, arch: str, kind: str) -> Path:
+        preset = TINY_ARCH_PRESETS[arch]
+        path = self.root / f"{preset}-{kind}.gguf"
+        if kind in TINY_WRITTEN:
+            write_synthetic(path, preset, kind, seed=TINY_SEED)
+            return path
+        pytest.importorskip("llama_cpp")
+        from specter_gguf.quantize import quantize_gguf
+
+        src = self._paths.get((arch, "f16"))
+        if src is None:
+            src = self._paths[(arch, "f16")] = self._build(arch, "f16")
+        quantize_gguf(src, path, kind, n_threads=2)
+        return path
+
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        return ((a, k) for a in TINY_ARCH_PRESETS for k in TINY_KINDS)
+
+    def __len__(self) -> int:
+        return len(TINY_ARCH_PRESETS) * len(TINY_KINDS)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
+    return TinyModels(tmp_path_factory.mktemp("tiny-models"))
+
+
+@pytest.fixture(scope="session")
+def shipped_model() -> Path:
+    path = MODELS_DIR / "tiny-qwen2moe.gguf"
+    if not path.is_file():
+        pytest.fail(f"{path} is missing; make it with the command in models/README.md")
+    return path

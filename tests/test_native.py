@@ -1,0 +1,267 @@
+"""The native library's CPU dequantization against the reference, bit for bit.
+
+Every test quantizes fresh random floats with a real quantizer (gguf's numpy quantizers for
+F16/BF16/Q4_0/Q8_0, llama.cpp's own `ggml_quantize_chunk` for the K-quants), dequantizes the bytes
+with specter's native library and with `gguf.quants.dequantize` (which equals ggml's C code), and
+requires the two results to be identical bit for bit: same float32 bit patterns, hence
+`np.array_equal` holds too. Outputs are poisoned with NaN first so an unwritten element shows.
+
+llama-cpp-python is a hard dependency of these tests: without it the K-quant tests fail, never skip.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as GT
+from gguf.constants import GGML_QUANT_SIZES
+
+from specter_gguf import native
+from specter_gguf.errors import SpecterError
+
+GGUF_QUANTIZED = [GT.F16, GT.BF16, GT.Q4_0, GT.Q8_0]
+K_QUANTS = [GT.Q2_K, GT.Q3_K, GT.Q4_K, GT.Q5_K, GT.Q6_K]
+ALL_TYPES = [GT.F32, *GGUF_QUANTIZED, *K_QUANTS]
+
+
+# ---------------------------------------------------------------------------------------------
+# quantizers
+
+def _ggml_base() -> ctypes.CDLL:
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.fail("llama-cpp-python is not installed: it is a hard test dependency (its libggml-base "
+                    "quantizes the K-quant test data): pip install llama-cpp-python")
+    lib_dir = Path(next(iter(spec.submodule_search_locations))) / "lib"
+    libs = sorted(lib_dir.glob("libggml-base.*"))
+    if not libs:
+        pytest.fail(f"no libggml-base in {lib_dir}: llama-cpp-python's install is broken")
+    lib = ctypes.CDLL(str(libs[0]))
+    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
+    lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.ggml_quantize_init.restype = None
+    lib.ggml_quantize_init.argtypes = [ctypes.c_int]
+    return lib
+
+
+@pytest.fixture(scope="module")
+def ggml_base() -> ctypes.CDLL:
+    return _ggml_base()
+
+
+def ggml_quantize(lib: ctypes.CDLL, qtype: GT, x: np.ndarray) -> np.ndarray:
+    """llama.cpp's quantizer: float32 [rows, n] -> uint8 [rows, bytes_per_row]."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    rows, n = x.shape
+    elems, nbytes = GGML_QUANT_SIZES[qtype]
+    out = np.zeros((rows, n // elems * nbytes), dtype=np.uint8)
+    lib.ggml_quantize_init(int(qtype))
+    written = lib.ggml_quantize_chunk(int(qtype), x.ctypes.data, out.ctypes.data, 0, rows, n, None)
+    assert written == out.nbytes
+    return out
+
+
+def quantize(qtype: GT, x: np.ndarray, ggml_lib: ctypes.CDLL | None) -> np.ndarray:
+    if qtype == GT.F32:
+        return np.ascontiguousarray(x, dtype=np.float32).view(np.uint8)
+    if qtype in K_QUANTS:
+        assert ggml_lib is not None
+        return ggml_quantize(ggml_lib, qtype, x)
+    return gguf.quants.quantize(x, qtype)
+
+
+def random_rows(rng: np.random.Generator, rows: int, n: int) -> np.ndarray:
+    """Normal data with per-row scales over several decades, a few outliers and exact zeros."""
+    x = rng.standard_normal((rows, n)).astype(np.float32)
+    x *= (10.0 ** rng.uniform(-3, 2, size=(rows, 1))).astype(np.float32)
+    x[rng.random((rows, n)) < 0.002] *= 40
+    x[rng.random((rows, n)) < 0.01] = 0
+    x[0, : min(n, 256)] = 0  # an all-zero block
+    return x
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    seed = np.random.SeedSequence().entropy  # fresh data every run; printed on failure
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)
+
+
+def assert_bitwise_equal(ours: np.ndarray, ref: np.ndarray) -> None:
+    assert ours.shape == ref.shape and ours.dtype == ref.dtype
+    assert not np.isnan(ours).any(), "an output element was left unwritten (still NaN)"
+    same = ours.view(np.uint32 if ours.dtype == np.float32 else np.uint16) == \
+        ref.view(np.uint32 if ref.dtype == np.float32 else np.uint16)
+    if not same.all():
+        i = np.argwhere(~same)[0]
+        pytest.fail(f"{(~same).sum()} elements differ, first at {tuple(i)}: ours {ours[tuple(i)]!r} "
+                    f"reference {ref[tuple(i)]!r}")
+    assert np.array_equal(ours, ref)
+
+
+def _needs_ggml(qtype: GT) -> bool:
+    return qtype in K_QUANTS
+
+
+# ---------------------------------------------------------------------------------------------
+# bit-exact dequantization
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_dequantize_bit_exact(qtype: GT, rng: np.random.Generator, request: pytest.FixtureRequest) -> None:
+    lib = request.getfixturevalue("ggml_base") if _needs_ggml(qtype) else None
+    rows, n = 37, 1024
+    x = random_rows(rng, rows, n)
+    q = quantize(qtype, x, lib)
+    assert q.nbytes == rows * (n // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1])
+    ref = gguf.quants.dequantize(q, qtype).astype(np.float32, copy=False)
+    assert ref.shape == (rows, n)
+    # the quantizer did real work: the round trip stays close to the input
+    assert np.abs(ref - x).sum() <= (0.6 if qtype == GT.Q2_K else 0.3) * np.abs(x).sum()
+
+    out = np.full((rows, n), np.nan, dtype=np.float32)
+    got = native.dequantize(q, int(qtype), (rows, n), n_threads=1, out=out)
+    assert got is out
+    assert_bitwise_equal(got, ref)
+    # the same bytes as one flat buffer
+    assert_bitwise_equal(native.dequantize(q.reshape(-1), int(qtype), (rows, n)), ref)
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_dequantize_f16_output(qtype: GT, rng: np.random.Generator, request: pytest.FixtureRequest) -> None:
+    lib = request.getfixturevalue("ggml_base") if _needs_ggml(qtype) else None
+    rows, n = 9, 512
+    x = random_rows(rng, rows, n)
+    q = quantize(qtype, x, lib)
+    ref = gguf.quants.dequantize(q, qtype).astype(np.float32, copy=False).astype(np.float16)
+    out = np.full((rows, n), np.nan, dtype=np.float16)
+    got = native.dequantize(q, int(qtype), (rows, n), out_dtype=np.float16, out=out)
+    assert_bitwise_equal(got, ref)
+
+
+def test_f16_rounding_edges() -> None:
+    """float -> half rounding (via F32 input) matches numpy: ties, subnormals, overflow, signs."""
+    vals = [0.0, -0.0, 1.0, -1.0, 65504.0, 65519.996, 65520.0, 70000.0, -1e6, np.inf, -np.inf,
+            2.0**-24, 2.0**-25, 2.0**-25 * 1.0000001, 3 * 2.0**-25, 2.0**-14, 2.0**-14 - 2.0**-25,
+            1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11, 6.1e-5, 1e-8, 0.1, 1 / 3]
+    rng = np.random.default_rng()
+    x = np.concatenate([np.array(vals, dtype=np.float32),
+                        rng.standard_normal(4000).astype(np.float32) * np.float32(1e-4),
+                        rng.standard_normal(4000).astype(np.float32) * np.float32(3e4)])
+    x = np.concatenate([x, np.zeros((-len(x)) % 8, np.float32)]).reshape(8, -1)
+    got = native.dequantize(x.view(np.uint8), int(GT.F32), x.shape, out_dtype=np.float16)
+    with np.errstate(over="ignore"):
+        ref = x.astype(np.float16)
+    assert_bitwise_equal(got, ref)
+
+
+def test_every_half_value() -> None:
+    """All 65536 F16 bit patterns (subnormals, inf, nan payloads) and BF16 ones convert exactly."""
+    h = np.arange(65536, dtype=np.uint32).astype(np.uint16).reshape(256, 256)
+    got = native.dequantize(h.view(np.uint8), int(GT.F16), h.shape)
+    assert (got.view(np.uint32) == h.view(np.float16).astype(np.float32).view(np.uint32)).all()
+    got = native.dequantize(h.view(np.uint8), int(GT.BF16), h.shape)
+    assert (got.view(np.uint32) == h.astype(np.uint32) << 16).all()
+
+
+def test_gguf_reader_layout_3d(ggml_base: ctypes.CDLL, rng: np.random.Generator) -> None:
+    """An expert tensor as gguf's reader gives it: uint8 [experts, rows, bytes_per_row]."""
+    experts, rows, n = 4, 6, 512
+    x = random_rows(rng, experts * rows, n)
+    q = ggml_quantize(ggml_base, GT.Q4_K, x).reshape(experts, rows, -1)
+    ref = gguf.quants.dequantize(q, GT.Q4_K)
+    assert ref.shape == (experts, rows, n)
+    assert_bitwise_equal(native.dequantize(q, int(GT.Q4_K), (experts, rows, n)), ref)
+
+
+@pytest.mark.parametrize("qtype", [GT.Q4_K, GT.Q6_K, GT.Q8_0, GT.F16], ids=lambda t: t.name)
+def test_multithreaded_equals_single_threaded(qtype: GT, rng: np.random.Generator,
+                                              request: pytest.FixtureRequest) -> None:
+    lib = request.getfixturevalue("ggml_base") if _needs_ggml(qtype) else None
+    rows, n = 67, 4096  # odd row count: uneven split over threads
+    q = quantize(qtype, random_rows(rng, rows, n), lib)
+    one = native.dequantize(q, int(qtype), (rows, n), n_threads=1)
+    for t in (2, 3, 7, 0, -1):
+        out = np.full((rows, n), np.nan, dtype=np.float32)
+        assert_bitwise_equal(native.dequantize(q, int(qtype), (rows, n), n_threads=t, out=out), one)
+    assert_bitwise_equal(one, gguf.quants.dequantize(q, qtype).astype(np.float32, copy=False))
+
+
+# ---------------------------------------------------------------------------------------------
+# ABI: type table, error codes
+
+def test_type_ids_and_block_sizes_match_ggml() -> None:
+    for qtype in ALL_TYPES:
+        assert native.block_size(int(qtype)) == GGML_QUANT_SIZES[qtype], qtype.name
+    lb = native.lib()
+    assert (lb.SPECTER_TYPE_F32, lb.SPECTER_TYPE_F16, lb.SPECTER_TYPE_Q4_0, lb.SPECTER_TYPE_Q8_0,
+            lb.SPECTER_TYPE_Q2_K, lb.SPECTER_TYPE_Q3_K, lb.SPECTER_TYPE_Q4_K, lb.SPECTER_TYPE_Q5_K,
+            lb.SPECTER_TYPE_Q6_K, lb.SPECTER_TYPE_BF16) == (0, 1, 2, 8, 10, 11, 12, 13, 14, 30)
+
+
+def test_error_codes() -> None:
+    f, lb = native.ffi(), native.lib()
+    src = f.new("uint8_t[]", 4096)
+    dst = f.new("float[]", 4096)
+    assert lb.specter_dequantize_rows(lb.SPECTER_TYPE_Q4_K, src, dst, 1, 256, 1) == lb.SPECTER_OK
+    # row length not a multiple of the block
+    assert lb.specter_dequantize_rows(lb.SPECTER_TYPE_Q4_K, src, dst, 1, 100, 1) == lb.SPECTER_ERR_BAD_SHAPE
+    assert lb.specter_dequantize_rows(lb.SPECTER_TYPE_Q8_0, src, dst, 2, 48, 1) == lb.SPECTER_ERR_BAD_SHAPE
+    # unknown / unhandled types (Q4_1 = 3 exists in ggml but is not handled; 99 does not exist)
+    for t in (3, 99, -1):
+        assert lb.specter_dequantize_rows(t, src, dst, 1, 256, 1) == lb.SPECTER_ERR_UNSUPPORTED_TYPE
+        assert lb.specter_type_block_size(t, f.NULL, f.NULL) == lb.SPECTER_ERR_UNSUPPORTED_TYPE
+    # bad arguments
+    assert lb.specter_dequantize_rows(lb.SPECTER_TYPE_Q8_0, f.NULL, dst, 1, 32, 1) == lb.SPECTER_ERR_INVALID_ARG
+    assert lb.specter_dequantize_rows(lb.SPECTER_TYPE_Q8_0, src, f.NULL, 1, 32, 1) == lb.SPECTER_ERR_INVALID_ARG
+    assert lb.specter_dequantize_rows(lb.SPECTER_TYPE_Q8_0, src, dst, -1, 32, 1) == lb.SPECTER_ERR_INVALID_ARG
+    assert lb.specter_dequantize_rows(lb.SPECTER_TYPE_Q8_0, f.NULL, f.NULL, 0, 32, 1) == lb.SPECTER_OK
+    size = f.new("size_t *")
+    assert lb.specter_row_size(lb.SPECTER_TYPE_Q6_K, 512, size) == lb.SPECTER_OK and size[0] == 420
+    assert lb.specter_row_size(lb.SPECTER_TYPE_Q6_K, 500, size) == lb.SPECTER_ERR_BAD_SHAPE
+    # every code has its own message
+    codes = [lb.SPECTER_OK, lb.SPECTER_ERR_INVALID_ARG, lb.SPECTER_ERR_UNSUPPORTED_TYPE, lb.SPECTER_ERR_BAD_SHAPE,
+             lb.SPECTER_ERR_OUT_OF_MEMORY, lb.SPECTER_ERR_CUDA, lb.SPECTER_ERR_NO_CUDA, lb.SPECTER_ERR_INTERNAL]
+    msgs = {native.error_string(c) for c in codes}
+    assert len(msgs) == len(codes) and native.error_string(-12345) == "unknown error code"
+
+
+def test_python_errors() -> None:
+    q = np.zeros((2, 34), np.uint8)
+    with pytest.raises(SpecterError, match="not a multiple"):
+        native.dequantize(q, int(GT.Q8_0), (2, 31))
+    with pytest.raises(SpecterError, match="unsupported ggml tensor type"):
+        native.dequantize(q, 3, (2, 32))
+    with pytest.raises(SpecterError, match="bytes given"):
+        native.dequantize(q, int(GT.Q8_0), (3, 32))
+    with pytest.raises(SpecterError, match="BAD_SHAPE|not a multiple"):
+        native.check(native.lib().SPECTER_ERR_BAD_SHAPE)
+    native.check(0)
+
+
+def test_missing_library_message(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("SPECTER_NATIVE_LIB", str(tmp_path / "nope.so"))
+    with pytest.raises(SpecterError, match="was not built.*pip install") as e:
+        native._load()
+    assert "\n" not in str(e.value)
+    broken = tmp_path / "libspecter.so"
+    broken.write_bytes(b"not an ELF file")
+    monkeypatch.setenv("SPECTER_NATIVE_LIB", str(broken))
+    with pytest.raises(SpecterError, match="could not be loaded.*pip install") as e:
+        native._load()
+    assert "\n" not in str(e.value)
+
+
+def test_build_info() -> None:
+    import specter_gguf
+
+    assert native.version() == specter_gguf.__version__
+    assert isinstance(native.has_cuda(), bool)
+    n = native.cuda_device_count()
+    assert n >= 0 and (native.has_cuda() or n == 0)
+
