@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--device", default="cuda", help="device of our engine (cpu for a smoke test)")
     g.add_argument("--margin", default="1GiB", help="GPU memory kept for llama.cpp compute buffers and CUDA context")
     g.add_argument("--draft-margin", default="512MiB", help="the same for the draft model")
-    g.add_argument("--ncmoe-sweep", default="-1,0,1", help="offsets around the smallest fitting -ncmoe")
+    g.add_argument("--ncmoe-sweep", default="-1,0,1", help="offsets around the smallest fitting -ncmoe (write --ncmoe-sweep=-1,0,1)")
     g.add_argument("--synth-lens", default="2,4,6,8", help="synthetic mean accepted lengths L")
     g.add_argument("--draft-n-max", type=int, default=8)
     g.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: its own)")
@@ -100,7 +100,8 @@ def render(doc: dict, out: Path, report: Path | None, img_dir: Path | None) -> N
             images.append(os.path.relpath(dst, report.resolve().parent))
         B.append_report(report, B.render_markdown(doc, images))
         log(f"appended to {report}")
-    log(f"wrote {out / 'section.md'}" + (f" and {len(plots)} plot(s)" if plots else " (no plots: matplotlib missing)"))
+    log(f"wrote {out / 'section.md'}" + (f" and {len(plots)} plot(s)" if plots else
+                                         " (no plots: nothing measured, or matplotlib missing)"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace, t_start: float, deadline: float | None) -> int:
     families = B.select_families(args.systems)
     wants_llama = any(f.startswith("llama") for f in families)
-    wants_draft = any(f in ("llama-spec", "llama-spec-synth") or (f in B.OURS_MODES and B.OURS_MODES[f].needs_draft)
+    wants_draft = any(f in ("llama-spec", "llama-spec-synth") or (f in B.OURS_MODES and B.OURS_MODES[f].needs_draft
+                                                                   and B.OURS_MODES[f].available() is None)
                       for f in families)
     if args.model is None and not args.model_preset:
         raise SpecterError("give --model-preset (or --model)")
@@ -171,7 +173,7 @@ def run(args: argparse.Namespace, t_start: float, deadline: float | None) -> int
     draft = args.draft.resolve() if args.draft else None
     draft_types = [q.strip().lower() for q in args.draft_types.split(",") if q.strip()]
     if wants_draft and draft is None:
-        for i, q in enumerate(draft_types):
+        for q in draft_types:
             d = B.make_draft(target, q, llama_bin, log)
             draft = draft or d
     if args.prepare_only:

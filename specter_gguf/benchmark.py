@@ -83,7 +83,7 @@ STAT_RATES = {
     "bytes_per_token": "bytes_copied_per_token",
     "mean_accepted_len": "mean_accepted_len",
 }
-# bytes copied host->GPU during a generation (divided by generated tokens)
+# bytes copied host->GPU during a generation, prefill included (divided by prompt + generated tokens)
 STAT_BYTES = "bytes_copied"
 
 
@@ -104,8 +104,11 @@ def parse_size(text: str) -> int:
     return int(round(float(m.group(1)) * _UNITS[unit]))
 
 
-def format_size(n: float | None, unit: int = GiB, suffix: str = "GiB", digits: int = 1) -> str:
-    return "—" if n is None else f"{n / unit:.{digits}f} {suffix}"
+def format_size(n: float | None) -> str:
+    """"12.3 GiB" (sizes under 1 GiB in MiB); "—" for None."""
+    if n is None:
+        return "—"
+    return f"{n / GiB:.1f} GiB" if abs(n) >= GiB else f"{n / MiB:.1f} MiB"
 
 
 @dataclass(frozen=True)
@@ -185,9 +188,10 @@ def summarize_runs(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         for metric, key in STAT_RATES.items():
             if metric not in s and any(key in e for e in extra):
                 s[metric] = median(e.get(key) for e in extra)
-        if any(STAT_BYTES in e for e in extra):
+        if any(STAT_BYTES in e for e in extra):  # per processed token, as GenerationStats.bytes_copied_per_token
             s["bytes_per_token"] = _ratio(sum(float(e.get(STAT_BYTES) or 0) for e in extra),
-                                          s["generated_tokens"])
+                                          sum(int(r.get("prompt_tokens") or 0) + int(r.get("generated_tokens") or 0)
+                                              for r in rs))
         out[dec] = s
     return out
 
@@ -654,8 +658,10 @@ def _load_plain(job: dict[str, Any]) -> Any:
 
 
 def _offload_available() -> str | None:
-    from .engine import Model
-
+    try:
+        from .engine import Model
+    except Exception as e:  # noqa: BLE001 - a broken checkout must not stop the other systems
+        return f"the engine does not import ({type(e).__name__}: {e})"
     if "offload" not in inspect.signature(Model.load).parameters:
         return "expert offloading is not implemented yet (Model.load has no `offload` option)"
     return None
@@ -686,16 +692,16 @@ def _load_spec(job: dict[str, Any]) -> Any:
 
 # The registry of our modes: adding a mode is one entry (adjust load/generate_kwargs to the final API).
 OURS_MODES: dict[str, OursMode] = {m.name: m for m in [
-    OursMode("ours", "our engine, whole model on the device (no offloading)", _load_plain),
-    OursMode("ours-on-demand", "experts in host memory, copied when a token needs them",
+    OursMode("ours", "whole model on the device", _load_plain),
+    OursMode("ours-on-demand", "experts in host memory, copied on demand",
              _load_offload("on-demand"), _offload_available, budget_bound=True),
-    OursMode("ours-lru", "experts in host memory, LRU expert cache on the GPU",
+    OursMode("ours-lru", "experts in host memory, LRU expert cache",
              _load_offload("lru"), _offload_available, budget_bound=True),
-    OursMode("ours-gate-prefetch", "LRU cache plus prefetch from the next layer's gate",
+    OursMode("ours-gate-prefetch", "LRU expert cache + next-layer gate prefetch",
              _load_offload("gate-prefetch"), _offload_available, budget_bound=True),
-    OursMode("ours-spec", "speculative offloading, real acceptance", _load_spec, _spec_available,
+    OursMode("ours-spec", "speculative offloading", _load_spec, _spec_available,
              budget_bound=True, needs_draft=True),
-    OursMode("ours-spec-synth", "speculative offloading, synthetic acceptance length L", _load_spec,
+    OursMode("ours-spec-synth", "speculative offloading, synthetic acceptance", _load_spec,
              _spec_available, budget_bound=True, synthetic=True, needs_draft=True,
              generate_kwargs=lambda job: {"synth_len": job["synth_len"]}),
 ]}
@@ -810,7 +816,7 @@ def llama_server_args(spec: SystemSpec, model: str, ctx_size: int, threads: int 
         args += ["-t", str(threads)]
     if "draft" in p:
         args += ["--model-draft", p["draft"], "--spec-type", "draft-simple", "--spec-draft-n-max",
-                 str(p.get("draft_n_max", 8)), "-ngld", "999", "-cd", str(ctx_size)]
+                 str(p.get("draft_n_max", 8)), "-ngld", "999"]
         if "synth_len" in p:
             args += ["--spec-synth-len", f"{p['synth_len']:g}"]
     return args
@@ -1003,6 +1009,8 @@ class _IgnoreEOG:
     def __init__(self, tok: Any) -> None:
         self._tok = tok
 
+    eog_ids: frozenset[int] = frozenset()
+
     def is_eog(self, token_id: int) -> bool:  # noqa: ARG002
         return False
 
@@ -1015,12 +1023,8 @@ class IdsOnlyTokenizer:
     reads text, so only the vocabulary size and (empty) token pieces are needed."""
 
     def __init__(self, path: str | os.PathLike) -> None:
-        import gguf
-
-        reader = gguf.GGUFReader(str(path), "r")
-        f = reader.fields.get("tokenizer.ggml.tokens")
-        self.path = str(path)
-        self.n_vocab = len(f.data) if f is not None else 0
+        self.path = str(path)  # not read: the engine takes the vocabulary size from the model's config
+        self.n_vocab = None
         self.add_bos = False
         self.add_space_prefix = False
 
@@ -1041,6 +1045,23 @@ class IdsOnlyTokenizer:
         raise SpecterError("no tokenizer here (llama-cpp-python is missing): give token ids")
 
     def decode(self, ids: Iterable[int], special: bool = False, continuation: bool = False) -> str:  # noqa: ARG002
+        return ""
+
+    def stream(self, special: bool = False, continuation: bool = False) -> "_NullDecoder":  # noqa: ARG002
+        return _NullDecoder()
+
+    bos_id = eos_id = eot_id = None
+    eog_ids: frozenset[int] = frozenset()
+
+
+class _NullDecoder:
+    def push(self, token_id: int) -> str:  # noqa: ARG002
+        return ""
+
+    def push_many(self, ids: Sequence[int]) -> str:  # noqa: ARG002
+        return ""
+
+    def flush(self) -> str:
         return ""
 
 
@@ -1307,14 +1328,19 @@ def write_plots(doc: dict[str, Any], out_dir: str | Path, stem: str = "bench") -
                 t = (r["summary"].get(dec) or {}).get("tpot_ms")
                 if t:
                     series.setdefault(f"{r['family']} @ {r['budget']}", []).append((r["params"]["synth_len"], t))
-            for lab, pts in sorted(series.items()):
+            budgets = list(doc["meta"].get("budgets") or {})
+            cmap = plt.get_cmap("tab10")
+            for k, (lab, pts) in enumerate(sorted(series.items())):
                 pts.sort()
-                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=lab)
-            for b in doc["meta"].get("budgets") or {}:
+                b = lab.rsplit(" @ ", 1)[-1]
+                ci = budgets.index(b) if b in budgets else k
+                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o" if lab.startswith("llama") else "s",
+                        linestyle="-" if lab.startswith("llama") else ":", label=lab, color=cmap(ci % 10))
+            for ci, b in enumerate(budgets):
                 best = best_llama_setting(res, b, dec)
                 if best:
-                    ax.axhline(best["summary"][dec]["tpot_ms"], linestyle="--", linewidth=1,
-                               label=f"best llama.cpp w/o synth @ {b}", color="grey")
+                    ax.axhline(best["summary"][dec]["tpot_ms"], linestyle="--", linewidth=1, color=cmap(ci % 10),
+                               label=f"best llama.cpp, no synthetic acceptance @ {b}")
             ax.set_xlabel("synthetic mean accepted length L")
             ax.set_ylabel("TPOT (ms)")
             ax.set_title(f"{dec} decoding")
@@ -1348,7 +1374,7 @@ LLAMA_BUILD_DIR = Path("/tmp/llama/build/bin")
 
 
 def find_llama_bin(explicit: str | Path | None) -> Path | None:
-    for d in ([Path(explicit)] if explicit else []) + [LLAMA_BUILD_DIR]:
+    for d in [Path(explicit)] if explicit else [LLAMA_BUILD_DIR]:
         if (d / "llama-server").exists():
             return d
     return None
@@ -1381,25 +1407,29 @@ def wait_llama_build(proc: subprocess.Popen, timeout: float) -> Path:
 def find_vocab(name: str, work_dir: Path) -> Path:
     """A vocab GGUF of llama.cpp's source tree: unpacked by build_llama_tools, in a local llama-cpp-python
     sdist, or extracted from the carried .gpu/llama-src.tar.gz."""
-    cands = [Path("/tmp/llama/llama-src/vendor/llama.cpp/models") / name,
-             *sorted(Path("/tmp/llsrc").glob(f"*/vendor/llama.cpp/models/{name}")), work_dir / name]
-    for c in cands:
-        if c.is_file():
-            return c
+    # the tarball first: build_llama_tools may be unpacking it into /tmp/llama at this very moment
+    if (work_dir / name).is_file():
+        return work_dir / name
     tarball = REPO_ROOT / ".gpu" / "llama-src.tar.gz"
     if tarball.is_file():
         import tarfile
 
         with tarfile.open(tarball) as tf:
-            member = f"llama-src/vendor/llama.cpp/models/{name}"
             try:
-                data = tf.extractfile(member)
+                data = tf.extractfile(f"llama-src/vendor/llama.cpp/models/{name}")
             except KeyError:
                 data = None
             if data is not None:
                 work_dir.mkdir(parents=True, exist_ok=True)
-                (work_dir / name).write_bytes(data.read())
+                tmp = work_dir / (name + ".tmp")
+                tmp.write_bytes(data.read())
+                tmp.replace(work_dir / name)
                 return work_dir / name
+    cands = [*sorted(Path("/tmp/llsrc").glob(f"*/vendor/llama.cpp/models/{name}")),
+             Path("/tmp/llama/llama-src/vendor/llama.cpp/models") / name]
+    for c in cands:
+        if c.is_file():
+            return c
     raise SpecterError(f"vocab GGUF {name} not found (looked in {', '.join(map(str, cands))} and {tarball}); "
                        "give --vocab-from")
 

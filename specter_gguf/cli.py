@@ -12,6 +12,7 @@ import click
 import numpy as np
 
 from specter_gguf.errors import SpecterError
+from specter_gguf.quantize import FTYPES
 
 
 class Cli(click.Group):
@@ -29,12 +30,32 @@ class Cli(click.Group):
 
 @click.group(cls=Cli, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.version_option(package_name="specter-gguf")
-def cli() -> None:
+@click.option("-v", "--verbose", count=True, show_default=False,
+              help="Log more: -v info, -vv debug (llama.cpp's own log included).")
+def cli(verbose: int) -> None:
     """Run Mixture-of-Experts GGUF models fast on one GPU."""
+    _setup_logging(verbose)
+
+
+def _setup_logging(verbose: int) -> None:
+    """specter_gguf's loggers print to the current stderr: warnings always, info with -v, debug with -vv."""
+    import logging
+
+    class StderrHandler(logging.StreamHandler):
+        stream = property(lambda self: sys.stderr, lambda self, value: None)  # stderr as it is at each record
+
+    logger = logging.getLogger("specter_gguf")
+    if not any(type(h).__name__ == "StderrHandler" for h in logger.handlers):
+        handler = StderrHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG)
+    logger.propagate = False
 
 
 def model_argument(required: bool) -> Any:
-    return click.argument("model", required=required, type=click.Path(path_type=Path, dir_okay=False))
+    # existence and file-ness are checked by the loader, which words the error and exits 1
+    return click.argument("model", required=required, type=click.Path(path_type=Path))
 
 
 device_option = click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
@@ -57,10 +78,27 @@ device_option = click.option("--device", type=click.Choice(["cpu", "cuda"]), def
 @click.option("--seed", type=int, default=None, help="Random seed (default: random).")
 @click.option("--stop", multiple=True, help="Stop when this text is generated (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
+@click.option("-q", "--quiet", is_flag=True, help="Print only the generated text: no progress bar, no summary line.")
 @device_option
+@click.option("--gpu-budget", default=None, help="Device memory budget, e.g. 16GiB, 12000MiB, 1.5GB: weights, KV "
+              "cache, workspace and an expert cache are planned within it (see `specter-gguf plan`).")
+@click.option("--offload", type=click.Choice(["on-demand", "lru", "gate-prefetch", "none"]), default=None,
+              help="Routed experts in host memory with a device expert cache (needs --gpu-budget). Default: lru "
+              "when the model does not fit the budget, none otherwise.")
+@click.option("--cache-policy", type=click.Choice(["lru", "lfu", "static-hot"]), default=None,
+              help="Expert-cache eviction policy (default lru; static-hot with --routing-profile).")
+@click.option("--routing-profile", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Routing profile (JSON) for the static-hot policy.")
+@click.option("--save-routing-profile", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Count the experts each layer routes to during this run and write them as a routing profile.")
+@click.option("--stats", "show_stats", is_flag=True, help="Print every statistic of the run (timings, expert cache, "
+              "copies, peak GPU memory) to stderr.")
 def run(model: Path | None, prompt: str | None, prompt_file: Path | None, n_predict: int, ctx_size: int | None,
         temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float, repeat_last_n: int,
-        seed: int | None, stop: tuple[str, ...], as_json: bool, device: str | None) -> None:
+        seed: int | None, stop: tuple[str, ...], as_json: bool, device: str | None, quiet: bool = False,
+        gpu_budget: str | None = None, offload: str | None = None, cache_policy: str | None = None,
+        routing_profile: Path | None = None, save_routing_profile: Path | None = None,
+        show_stats: bool = False) -> None:
     """Generate text from MODEL (default: the small model shipped in models/)."""
     from specter_gguf.engine import Model
     from specter_gguf.sampling import SamplingParams
@@ -71,10 +109,19 @@ def run(model: Path | None, prompt: str | None, prompt_file: Path | None, n_pred
         raise SpecterError("no prompt: give one with -p/--prompt TEXT or -f/--file PATH")
     sampling = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
                               repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed)
-    m = Model.load(model, device=device, ctx_size=ctx_size, progress=not as_json)
+    from specter_gguf.runtime import DeviceRoutingCounts, parse_size
+
+    m = Model.load(model, device=device, ctx_size=ctx_size, progress=not (as_json or quiet),
+                   gpu_budget=parse_size(gpu_budget) if gpu_budget is not None else None, offload=offload,
+                   cache_policy=cache_policy, routing_profile=routing_profile)
+    counts = None
+    if save_routing_profile is not None:
+        counts = DeviceRoutingCounts(m.config.n_layer, m.config.n_expert, m.device)
+        m.transformer.observers.append(counts)
     gen = m.generate(prompt, n_predict=n_predict, sampling=sampling, stop=stop)
     if as_json:
         gen.wait()
+        _save_profile(counts, m, save_routing_profile)
         click.echo(json.dumps({"text": gen.text, "tokens": gen.tokens, "prompt_tokens": gen.prompt_tokens,
                                "finish_reason": gen.finish_reason, "stats": gen.stats.to_dict()}))
         return
@@ -82,7 +129,46 @@ def run(model: Path | None, prompt: str | None, prompt_file: Path | None, n_pred
         click.echo(piece, nl=False)
         sys.stdout.flush()
     click.echo()
-    click.echo(gen.stats.summary(), err=True)
+    _save_profile(counts, m, save_routing_profile)
+    if not quiet:
+        click.echo(gen.stats.summary(), err=True)
+    if show_stats:
+        for key, value in gen.stats.to_dict().items():
+            if value is not None:
+                click.echo(f"  {key:<24} {value:.6g}" if isinstance(value, float) else f"  {key:<24} {value}", err=True)
+
+
+def _save_profile(counts: Any, m: Any, path: Path | None) -> None:
+    if counts is not None and path is not None:
+        profile = counts.profile()
+        profile.model = str(m.path)
+        profile.save(path)
+
+
+@cli.command()
+@model_argument(required=True)
+@click.option("--gpu-budget", required=True, help="Device memory budget, e.g. 16GiB, 12000MiB, 1.5GB.")
+@click.option("--draft", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Draft GGUF (the target with quantized experts): its routed experts stay on the device.")
+@click.option("-c", "--ctx-size", type=int, default=None, help="Context size in tokens (default: the model's).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cuda", help="Device the plan is for.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as one JSON object.")
+def plan(model: Path, gpu_budget: str, draft: Path | None, ctx_size: int | None, device: str, as_json: bool) -> None:
+    """Show how a GPU budget would be split for MODEL (nothing is loaded): non-expert weights, KV cache,
+    workspace, draft experts, expert-cache slots; and the minimum budget."""
+    from specter_gguf.gguf_file import GGUFFile
+    from specter_gguf.models import check_architecture
+    from specter_gguf.runtime import parse_size, plan_memory
+
+    f = GGUFFile(model)
+    check_architecture(f)
+    if ctx_size is not None and ctx_size <= 0:
+        raise SpecterError(f"context size must be positive, got {ctx_size}")
+    p = plan_memory(f, parse_size(gpu_budget), ctx_size, device, GGUFFile(draft) if draft is not None else None)
+    if as_json:
+        click.echo(json.dumps(p.to_dict()))
+    else:
+        click.echo(p.describe())
 
 
 @cli.command()
@@ -133,6 +219,174 @@ def inspect(model: Path) -> None:
                f"expert width {c.n_ff_exp}")
     click.echo(f"tensors       {len(f.tensors)}: " + ", ".join(f"{k} {_size(v)}" for k, v in by_type.most_common()))
     click.echo(f"routed experts {_size(experts)}; everything else {_size(other)}")
+
+
+# -- serve, chat, quantize (specter_gguf/server.py, chat.py, quantize.py) --------------------------------------
+
+def _offload_options(f: Any) -> Any:
+    """`--gpu-budget/--offload/--cache-policy/--routing-profile`, as on `run`, for serve and chat."""
+    for option in reversed([
+        click.option("--gpu-budget", default=None, help="Device memory budget, e.g. 16GiB, 12000MiB, 1.5GB: weights, "
+                     "KV cache, workspace and an expert cache are planned within it (see `specter-gguf plan`)."),
+        click.option("--offload", type=click.Choice(["on-demand", "lru", "gate-prefetch", "none"]), default=None,
+                     help="Routed experts in host memory with a device expert cache (needs --gpu-budget). "
+                     "Default: lru when the model does not fit the budget, none otherwise."),
+        click.option("--cache-policy", type=click.Choice(["lru", "lfu", "static-hot"]), default=None,
+                     help="Expert-cache eviction policy (default lru; static-hot with --routing-profile)."),
+        click.option("--routing-profile", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                     default=None, help="Routing profile (JSON) for the static-hot policy."),
+    ]):
+        f = option(f)
+    return f
+
+
+def _load(model: Path | None, device: str | None, ctx_size: int | None, progress: bool, gpu_budget: str | None,
+          offload: str | None, cache_policy: str | None, routing_profile: Path | None) -> Any:
+    from specter_gguf.engine import Model
+    from specter_gguf.runtime import parse_size
+
+    return Model.load(model, device=device, ctx_size=ctx_size, progress=progress,
+                      gpu_budget=parse_size(gpu_budget) if gpu_budget is not None else None, offload=offload,
+                      cache_policy=cache_policy, routing_profile=routing_profile)
+
+
+def _verbosity() -> int:
+    ctx = click.get_current_context(silent=True)
+    return int(ctx.find_root().params.get("verbose") or 0) if ctx is not None else 0
+
+
+@cli.command()
+@model_argument(required=False)
+@click.option("--host", default="127.0.0.1", help="Address to listen on (0.0.0.0: every interface).")
+@click.option("--port", default=8080, help="Port to listen on.")
+@click.option("-c", "--ctx-size", type=int, default=None, help="Context size in tokens (default: the model's).")
+@device_option
+@_offload_options
+def serve(model: Path | None, host: str, port: int, ctx_size: int | None, device: str | None,
+          gpu_budget: str | None, offload: str | None, cache_policy: str | None, routing_profile: Path | None) -> None:
+    """Serve MODEL (default: the shipped small model) over an OpenAI-compatible HTTP API.
+
+    Endpoints: POST /v1/completions, POST /v1/chat/completions (set "stream": true for Server-Sent Events),
+    GET /v1/models, GET /health, GET /metrics (Prometheus). Requests are served one at a time, in order of
+    arrival; a client that disconnects stops its generation. Ctrl-C stops the server.
+    """
+    from specter_gguf.chat import chat_template
+    from specter_gguf.server import serve as run_server
+
+    m = _load(model, device, ctx_size, True, gpu_budget, offload, cache_policy, routing_profile)
+
+    def listening(url: str) -> None:
+        click.echo(f"serving {m.path.stem} on {url}/v1 (device {m.device}, context {m.ctx_size}, chat template: "
+                   f"{chat_template(m).source}); requests are served one at a time; Ctrl-C stops", err=True)
+
+    verbosity = _verbosity()
+    run_server(m, host=host, port=port, log_level="warning" if verbosity == 0 else "info" if verbosity == 1
+               else "debug", on_listening=listening)
+
+
+@cli.command()
+@model_argument(required=False)
+@click.option("-s", "--system", default=None, help="System message that starts the conversation.")
+@click.option("-n", "--n-predict", default=-1, help="Most tokens per reply (-1: until the reply ends or the context is full).")
+@click.option("-c", "--ctx-size", type=int, default=None, help="Context size in tokens (default: the model's).")
+@click.option("--temp", default=0.8, help="Temperature; 0 = greedy.")
+@click.option("--top-k", default=40, help="Keep the k most likely tokens (0 = off).")
+@click.option("--top-p", default=0.95, help="Nucleus sampling threshold (1.0 = off).")
+@click.option("--min-p", default=0.05, help="Drop tokens below min-p times the top probability (0 = off).")
+@click.option("--repeat-penalty", default=1.0, help="Penalty for repeated tokens (1.0 = off).")
+@click.option("--seed", type=int, default=None, help="Random seed (default: random).")
+@device_option
+@_offload_options
+def chat(model: Path | None, system: str | None, n_predict: int, ctx_size: int | None, temp: float, top_k: int,
+         top_p: float, min_p: float, repeat_penalty: float, seed: int | None, device: str | None,
+         gpu_budget: str | None, offload: str | None, cache_policy: str | None, routing_profile: Path | None) -> None:
+    """Chat with MODEL (default: the shipped small model) in the terminal.
+
+    Replies stream as they are generated and the conversation keeps its history, formatted with the chat
+    template in the GGUF file (or a built-in ChatML one). Type /reset to clear the history, /exit or
+    Ctrl-D to quit; Ctrl-C stops a reply. Reads lines from standard input, so it can be piped.
+    """
+    import logging
+
+    from specter_gguf.chat import ChatSession, chat_template
+    from specter_gguf.sampling import SamplingParams
+
+    sampling = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
+                              repeat_penalty=repeat_penalty, seed=seed)
+    interactive = sys.stdin.isatty()
+    m = _load(model, device, ctx_size, interactive, gpu_budget, offload, cache_policy, routing_profile)
+    session = ChatSession(m, system=system, n_predict=n_predict, sampling=sampling)
+    click.echo(f"chatting with {m.path.stem} (chat template: {chat_template(m).source}); "
+               "/reset clears the history, /exit or Ctrl-D quits", err=True)
+    if interactive:
+        try:
+            import readline  # noqa: F401 - line editing for input()
+        except ImportError:  # pragma: no cover
+            pass
+    while True:
+        try:
+            text = input("> ") if interactive else sys.stdin.readline()
+        except (EOFError, KeyboardInterrupt):
+            click.echo(err=True)
+            break
+        if not interactive and text == "":
+            break  # end of input
+        text = text.rstrip("\n")
+        command = text.strip()
+        if command in ("/exit", "/quit"):
+            break
+        if command == "/reset":
+            session.reset()
+            click.echo("(history cleared)", err=True)
+            continue
+        if not command:
+            continue
+        try:
+            gen = session.send(text)
+        except SpecterError as e:
+            click.echo(f"Error: {e} (/reset starts over)", err=True)
+            continue
+        try:
+            for piece in gen:
+                click.echo(piece, nl=False)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            click.echo(" [stopped]", nl=False)
+        click.echo()
+        logging.getLogger("specter_gguf.chat").info("%s", gen.stats.summary())  # shown with -v
+
+
+@cli.command()
+@model_argument(required=True)
+@click.option("-t", "--type", "qtype", required=True,
+              type=click.Choice(list(FTYPES), case_sensitive=False), metavar="TYPE",
+              help=f"Quantization type: {', '.join(FTYPES)} (q4_k_m is a good default, q2_k the smallest).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Output file (default: next to MODEL, named after it and the type, e.g. model-q4_k_m.gguf).")
+@click.option("--threads", default=0, help="CPU threads for llama.cpp (0 = all).")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+def quantize(model: Path, qtype: str, output: Path | None, threads: int, quiet: bool) -> None:
+    """Quantize MODEL (an F32/F16/BF16 GGUF) with llama.cpp's own quantizer.
+
+    Routers and 1-D tensors stay F32 and llama.cpp's type mixes apply (Q4_K_M keeps some tensors at Q6_K);
+    K-quants need input dimensions that are multiples of 256, else llama.cpp picks another type per tensor.
+    """
+    from specter_gguf.progress import llama_quantize_progress
+    from specter_gguf.quantize import quantize_gguf, quantized_path
+
+    out = output if output is not None else quantized_path(model, qtype)
+    progress = None
+    try:
+        with llama_quantize_progress(show=not quiet, desc=f"{qtype} {out.name}") as progress:
+            quantize_gguf(model, out, qtype, n_threads=threads)
+    except SpecterError as e:
+        reasons = [r.split("failed to quantize: ", 1)[-1] for r in (progress.errors if progress else [])]
+        if not reasons:
+            raise
+        hint = " (start from an F32/F16/BF16 file)" if any("requantiz" in r for r in reasons) else ""
+        raise SpecterError(f"llama.cpp failed to quantize {model} to {qtype}: {'; '.join(reasons)}{hint}") from None
+    sizes = f" ({', '.join(progress.summary)})" if progress.summary else ""
+    click.echo(f"wrote {out}: {_size(out.stat().st_size)}{sizes}", err=True)
 
 
 def _size(n: int) -> str:

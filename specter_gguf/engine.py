@@ -41,6 +41,33 @@ class GenerationStats:
     generated_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    # expert offloading (None when the model runs without it; see specter_gguf.runtime.metrics)
+    offload: str | None = None          # the --offload mode
+    cache_policy: str | None = None
+    cache_slots: int | None = None
+    cache_lookups: int | None = None
+    cache_hits: int | None = None
+    cache_misses: int | None = None
+    cache_evictions: int | None = None
+    prefetches: int | None = None
+    bytes_copied: int | None = None     # host -> device, whole generation (prefill included)
+    copy_s: float | None = None         # time copies took on the copy stream
+    copy_exposed_s: float | None = None  # time compute waited for copies
+    copy_hidden_s: float | None = None   # copy_s - copy_exposed_s: overlapped with compute
+    peak_gpu_bytes: int | None = None   # torch.cuda.max_memory_allocated since the model was loaded
+
+    @property
+    def cache_hit_rate(self) -> float | None:
+        return self.cache_hits / self.cache_lookups if self.cache_lookups else None
+
+    @property
+    def bytes_copied_per_token(self) -> float | None:
+        total = self.prompt_tokens + self.generated_tokens
+        return self.bytes_copied / total if self.bytes_copied is not None and total else None
+
+    @property
+    def hidden_copy_share(self) -> float | None:
+        return self.copy_hidden_s / self.copy_s if self.copy_s else None
 
     @property
     def tpot_ms(self) -> float:
@@ -53,12 +80,29 @@ class GenerationStats:
         return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "tpot_ms": self.tpot_ms, "tokens_per_s": self.tokens_per_s}
+        return {**asdict(self), "tpot_ms": self.tpot_ms, "tokens_per_s": self.tokens_per_s,
+                "cache_hit_rate": self.cache_hit_rate, "bytes_copied_per_token": self.bytes_copied_per_token,
+                "hidden_copy_share": self.hidden_copy_share}
 
     def summary(self) -> str:
-        return (f"prompt {self.prompt_tokens} tokens, generated {self.generated_tokens} tokens, "
+        text = (f"prompt {self.prompt_tokens} tokens, generated {self.generated_tokens} tokens, "
                 f"prefill {self.prefill_s * 1000:.1f} ms, TPOT {self.tpot_ms:.2f} ms, "
                 f"{self.tokens_per_s:.1f} tokens/s")
+        if self.offload is not None:
+            from specter_gguf.runtime.budget import format_size
+
+            text += (f"\noffload {self.offload} ({self.cache_policy}, {self.cache_slots} slots): cache hit rate "
+                     f"{100 * (self.cache_hit_rate or 0):.1f}% ({self.cache_hits}/{self.cache_lookups}), "
+                     f"{self.cache_evictions} evictions, {self.prefetches} prefetches, "
+                     f"{format_size(self.bytes_copied_per_token or 0)} copied per token "
+                     f"({format_size(self.bytes_copied)} in all), copy time {1000 * (self.copy_s or 0):.1f} ms: "
+                     f"hidden {100 * (self.hidden_copy_share or 0):.1f}%, exposed "
+                     f"{1000 * (self.copy_exposed_s or 0):.1f} ms")
+        if self.peak_gpu_bytes is not None:
+            from specter_gguf.runtime.budget import format_size
+
+            text += f"\npeak GPU memory {format_size(self.peak_gpu_bytes)}"
+        return text
 
 
 @dataclass
@@ -92,19 +136,43 @@ class Model:
         self.path, self.transformer, self.tokenizer, self.ctx_size = path, transformer, tokenizer, ctx_size
         self.config = transformer.config
         self.device = transformer.token_embd.device
+        self.offload: Any = None      # specter_gguf.runtime.OffloadRuntime when experts are offloaded
+        self.memory_plan: Any = None  # specter_gguf.runtime.MemoryPlan when a GPU budget was given
+        self.prefill_chunk: int | None = None  # prompts are evaluated in chunks of this many tokens (budget)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str] | None = None, device: str | None = None,
-             ctx_size: int | None = None, progress: bool = True) -> Model:
+             ctx_size: int | None = None, progress: bool = True, gpu_budget: int | str | None = None,
+             offload: str | None = None, cache_policy: str | None = None,
+             routing_profile: str | os.PathLike[str] | Any = None) -> Model:
         """Load `path` (default: the small model shipped in `models/`) onto `device` ("cpu", "cuda";
-        default CUDA when present). `ctx_size` defaults to the context length the model was trained for."""
+        default CUDA when present). `ctx_size` defaults to the context length the model was trained for.
+
+        `gpu_budget` (bytes or "16GiB") plans the device memory (`specter_gguf.runtime.budget`) and refuses a
+        budget below the minimum before loading. `offload`: "on-demand", "lru", "gate-prefetch" (routed experts
+        in host memory, a device expert cache; needs `gpu_budget`), "none"; default: lru when a budget is given
+        and the model does not fit, none otherwise. `cache_policy`: lru (default), lfu, static-hot (needs
+        `routing_profile`, a `RoutingProfile` or its JSON file)."""
         path = Path(path) if path is not None else SHIPPED_MODEL
         dev = resolve_device(device)
         f = GGUFFile(path)
-        transformer = load_transformer(f, dev, progress)
         if ctx_size is not None and ctx_size <= 0:
             raise SpecterError(f"context size must be positive, got {ctx_size}")
-        return cls(path, transformer, Tokenizer.from_gguf(path), ctx_size or transformer.config.n_ctx_train)
+        if gpu_budget is None and offload in (None, "none"):
+            transformer, runtime, plan = load_transformer(f, dev, progress), None, None
+        else:
+            from specter_gguf.config import ModelConfig
+            from specter_gguf.runtime.offload import load_offloaded
+
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
+            transformer, runtime, plan = load_offloaded(
+                f, dev, ctx_size or ModelConfig.from_gguf(f).n_ctx_train, progress, gpu_budget, offload,
+                cache_policy, routing_profile)
+        model = cls(path, transformer, Tokenizer.from_gguf(path), ctx_size or transformer.config.n_ctx_train)
+        model.offload, model.memory_plan = runtime, plan
+        model.prefill_chunk = plan.prefill_chunk if plan is not None else None
+        return model
 
     # -- tokens ----------------------------------------------------------------------------------------
     def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
@@ -142,6 +210,29 @@ class Model:
         gen._pieces = self._run(gen, n_predict, Sampler(sampling or SamplingParams()), list(stop))
         return gen
 
+    # -- chat and llama-cpp-python–shaped results (specter_gguf/chat.py, specter_gguf/api.py) ------------
+    def chat(self, messages: Sequence[dict[str, Any]], n_predict: int = -1, sampling: SamplingParams | None = None,
+             stop: Sequence[str] = ()) -> Generation:
+        """Generate the assistant's reply to OpenAI-style `messages`, prompted through the file's chat
+        template (or the built-in ChatML one). Iterate the result to stream text."""
+        from specter_gguf.chat import start_chat
+
+        return start_chat(self, messages, n_predict=n_predict, sampling=sampling, stop=stop)
+
+    def create_completion(self, prompt: str | Sequence[int], **kwargs: Any) -> Any:
+        """llama-cpp-python's `Llama.create_completion`: a `text_completion` dict, or chunks with stream=True."""
+        from specter_gguf.api import create_completion
+
+        return create_completion(self, prompt, **kwargs)
+
+    def create_chat_completion(self, messages: Sequence[dict[str, Any]], **kwargs: Any) -> Any:
+        """llama-cpp-python's `Llama.create_chat_completion`: a `chat.completion` dict, or chunks with stream=True."""
+        from specter_gguf.api import create_chat_completion
+
+        return create_chat_completion(self, messages, **kwargs)
+
+    __call__ = create_completion
+
     @torch.inference_mode()
     def _run(self, gen: Generation, n_predict: int, sampler: Sampler, stop: list[str]) -> Iterator[str]:
         limit = n_predict if n_predict >= 0 else self.ctx_size
@@ -151,8 +242,12 @@ class Model:
         decoder = self.tokenizer.stream(continuation=True)  # generated text continues the prompt
         history = list(gen.prompt_tokens)
         emitted = 0  # characters of gen.text already yielded
+        counters = self.offload.counters.snapshot() if self.offload is not None else None
         start = time.perf_counter()
-        logits = self.transformer.forward(self._check_tokens(gen.prompt_tokens), cache)[-1]
+        prompt = self._check_tokens(gen.prompt_tokens)
+        step = self.prefill_chunk or len(prompt)  # chunks keep the workspace within a GPU budget
+        for first in range(0, len(prompt), step):
+            logits = self.transformer.forward(prompt[first:first + step], cache)[-1]
         first_token_at = None
         cut = None
         while gen.finish_reason is None:
@@ -189,6 +284,19 @@ class Model:
         stats.generated_tokens = len(gen.tokens)
         if first_token_at is not None:
             stats.decode_s = time.perf_counter() - first_token_at
+        if counters is not None:
+            self._offload_stats(stats, counters)
+        if self.device.type == "cuda":
+            stats.peak_gpu_bytes = int(torch.cuda.max_memory_allocated(self.device))
+
+    def _offload_stats(self, stats: GenerationStats, start: Any) -> None:
+        c = self.offload.stats(start)  # waits for the device once, after the last token, to read copy timings
+        stats.offload, stats.cache_policy = self.offload.mode, self.offload.options.policy
+        stats.cache_slots = self.offload.cache.n_slots
+        stats.cache_lookups, stats.cache_hits, stats.cache_misses = c.cache_lookups, c.cache_hits, c.cache_misses
+        stats.cache_evictions, stats.prefetches, stats.bytes_copied = c.cache_evictions, c.prefetches, c.bytes_copied
+        stats.copy_s, stats.copy_exposed_s = c.copy_s, min(c.copy_exposed_s, c.copy_s)
+        stats.copy_hidden_s = c.copy_s - stats.copy_exposed_s
 
 
 def _find_stop(text: str, stop: list[str], emitted: int) -> int | None:

@@ -21,7 +21,8 @@ from specter_gguf.errors import SpecterError
 GGUF_MAGIC = b"GGUF"
 
 # Tensor types the engine can run, and how each is held (see `GGUFTensor.data`).
-SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
+SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K,
+                   T.Q6_K)
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 
 

@@ -14,13 +14,18 @@ from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specter_gguf.config import ModelConfig
 from specter_gguf.errors import SpecterError
+from specter_gguf.kernels import ExpertTable, QuantizedTensor, moe_ffn, qmatmul
 
 
-def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T in float32 out; w is [out, in] as GGUF stores it."""
+def matmul(x: torch.Tensor, w: torch.Tensor | QuantizedTensor) -> torch.Tensor:
+    """x @ w.T in float32 out; w is [out, in] as GGUF stores it. A quantized weight runs on the native kernels
+    in its GGUF encoding (fp32 accumulation), a float one through torch."""
+    if isinstance(w, QuantizedTensor):
+        return qmatmul(x, w)
     dtype = w.dtype if w.is_cuda else torch.float32
     return F.linear(x.to(dtype), w.to(dtype)).float()
 
@@ -39,35 +44,72 @@ class Linear:
 class RMSNorm:
     weight: torch.Tensor
     eps: float
+    bias: torch.Tensor | None = None  # added after the weight (llama.cpp's phimoe: RMS norm with a bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        return y if self.bias is None else y + self.bias.float()
 
 
 @dataclass
 class Rope:
     """Rotary position embedding of the first `dim` features of each head. `neox` rotates the pairs
-    (i, i + dim/2); otherwise adjacent pairs (2i, 2i+1) as in the original LLaMA ("norm" in llama.cpp)."""
+    (i, i + dim/2); otherwise adjacent pairs (2i, 2i+1) as in the original LLaMA ("norm" in llama.cpp).
+    cos/sin of every position are computed once into a table on the device that grows with the sequence, so
+    a decode step costs two slices instead of recomputing the angles in every layer."""
 
     dim: int
     base: float
     neox: bool
     freq_scale: float = 1.0
+    _cos: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    _sin: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: [T, heads, head_dim]
-        inv_freq = self.base ** (-torch.arange(0, self.dim, 2, dtype=torch.float64, device=x.device) / self.dim)
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, dim/2] (float32) of the angles at `positions` (computed in float64)."""
+        inv_freq = self.base ** (-torch.arange(0, self.dim, 2, dtype=torch.float64, device=positions.device) / self.dim)
         angles = (positions.double()[:, None] * self.freq_scale) * inv_freq[None, :]  # [T, dim/2]
-        cos, sin = angles.cos().float()[:, None, :], angles.sin().float()[:, None, :]
-        rot, rest = x[..., :self.dim].float(), x[..., self.dim:]
-        if self.neox:
-            a, b = rot[..., :self.dim // 2], rot[..., self.dim // 2:]
-            out = torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
-        else:
-            a, b = rot[..., 0::2], rot[..., 1::2]
-            out = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
-        return torch.cat([out, rest.float()], dim=-1)
+        return angles.cos().float()[:, None, :], angles.sin().float()[:, None, :]
+
+    def __call__(self, x: torch.Tensor, pos: int) -> torch.Tensor:
+        """Rotate x [T, heads, head_dim] of the tokens at positions pos .. pos+T-1."""
+        end = pos + x.shape[0]
+        if self._cos is None or self._cos.shape[0] < end or self._cos.device != x.device:
+            capacity = max(end, 2 * (0 if self._cos is None else self._cos.shape[0]), 256)
+            self._cos, self._sin = self.tables(torch.arange(capacity, device=x.device))
+        return _rotate(x, self.dim, self.neox, self._cos[pos:end], self._sin[pos:end])
+
+
+def _rotate(x: torch.Tensor, dim: int, neox: bool, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first `dim` features of each head of x [T, heads, head_dim] by cos/sin [T, 1, dim/2]."""
+    rot, rest = x[..., :dim].float(), x[..., dim:]
+    if neox:
+        a, b = rot[..., :dim // 2], rot[..., dim // 2:]
+        out = torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+    else:
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
+    return torch.cat([out, rest.float()], dim=-1)
+
+
+# cuDNN's attention builds an execution plan for every new key length (4.6 ms of host time per call, measured
+# on the H200 in decoding, where the length grows by one each step); the other backends need no plan.
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Scaled dot-product attention of q [1, H, T, d] over k, v [1, H, S, d], without the cuDNN backend."""
+    with sdpa_kernel(_SDPA_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def causal_mask(pos: int, T: int, device: torch.device) -> torch.Tensor | None:
+    """Query i (at position pos+i) sees keys 0 .. pos+i; a single query sees every key (no mask needed)."""
+    if T == 1:
+        return None
+    positions = torch.arange(pos, pos + T, device=device)
+    return torch.arange(pos + T, device=device)[None, :] <= positions[:, None]
 
 
 class KVCache:
@@ -76,11 +118,14 @@ class KVCache:
     demand up to `max_len` so a long context costs memory only when used."""
 
     def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, max_len: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, v_dim: int | None = None) -> None:
+        # v_dim: width of the values when it differs from the keys'; 0 stores no values (MLA's latent cache:
+        # the values are the first kv_lora_rank features of the cached keys)
         self.max_len, self.device, self.dtype = max_len, device, dtype
         self.shape = (n_head_kv, 0, head_dim)
+        v_shape = (n_head_kv, 0, head_dim if v_dim is None else v_dim)
         self.k: list[torch.Tensor] = [torch.empty(self.shape, device=device, dtype=dtype) for _ in range(n_layer)]
-        self.v: list[torch.Tensor] = [torch.empty(self.shape, device=device, dtype=dtype) for _ in range(n_layer)]
+        self.v: list[torch.Tensor] = [torch.empty(v_shape, device=device, dtype=dtype) for _ in range(n_layer)]
         self.length = 0
 
     def _grow(self, needed: int) -> None:
@@ -129,16 +174,14 @@ class Attention:
         if self.q_norm is not None:
             q = self.q_norm(q.view(T, -1, self.q_norm.weight.numel())).view(T, -1)
             k = self.k_norm(k.view(T, -1, self.k_norm.weight.numel())).view(T, -1)
-        positions = torch.arange(pos, pos + T, device=x.device)
-        q = self.rope(q.view(T, self.n_head, self.head_dim), positions)
-        k = self.rope(k.view(T, self.n_head_kv, self.head_dim), positions)
+        q = self.rope(q.view(T, self.n_head, self.head_dim), pos)
+        k = self.rope(k.view(T, self.n_head_kv, self.head_dim), pos)
         keys, values = cache.update(layer, pos, k, v.view(T, self.n_head_kv, self.head_dim))
         group = self.n_head // self.n_head_kv
-        keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
-        # query i (at position pos+i) sees keys 0 .. pos+i
-        mask = torch.arange(pos + T, device=x.device)[None, :] <= positions[:, None]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1).to(keys.dtype)[None], keys[None], values[None],
-                                             attn_mask=mask, scale=1.0 / math.sqrt(self.head_dim))
+        if group > 1:
+            keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+        out = sdpa(q.transpose(0, 1).to(keys.dtype)[None], keys[None], values[None], causal_mask(pos, T, x.device),
+                   1.0 / math.sqrt(self.head_dim))
         return self.wo(out[0].transpose(0, 1).reshape(T, -1))
 
 
@@ -183,14 +226,38 @@ class Experts(Protocol):
 
 @dataclass
 class ResidentExperts:
-    """All routed experts of one layer as [n_expert, out, in] tensors. Tokens are grouped by expert so each
-    selected expert runs one GEMM over all tokens that chose it (the shape of speculative verification)."""
+    """All routed experts of one layer as [n_expert, out, in] tensors (QuantizedTensor or float), on the compute
+    device. The native grouped kernel (`kernels.moe_ffn`) runs the whole layer from the device-resident routing:
+    no per-expert Python loop, no host sync, deterministic, each token's result independent of the batch.
 
-    gate: torch.Tensor  # [E, n_ff_exp, n_embd]
-    up: torch.Tensor    # [E, n_ff_exp, n_embd]
-    down: torch.Tensor  # [E, n_embd, n_ff_exp]
+    The dense torch path (tokens grouped by expert, one torch GEMM per selected expert) is kept only for big
+    batches (prefill): once experts average `DENSE_MIN_TOKENS_PER_EXPERT` tokens or more, a blocked BLAS / tensor
+    core GEMM over the expert's tokens beats the kernel's GEMV-style passes (8 tokens per pass over the weights),
+    and a host sync and per-expert launches cost little against that much work."""
+
+    gate: torch.Tensor | QuantizedTensor  # [E, n_ff_exp, n_embd]
+    up: torch.Tensor | QuantizedTensor    # [E, n_ff_exp, n_embd]
+    down: torch.Tensor | QuantizedTensor  # [E, n_embd, n_ff_exp]
+    _table: ExpertTable | None = field(default=None, init=False, repr=False, compare=False)
+
+    DENSE_MIN_TOKENS_PER_EXPERT = 16
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        n_expert = self.gate.shape[0]
+        if ids.numel() >= self.DENSE_MIN_TOKENS_PER_EXPERT * n_expert:
+            return self._dense(x, ids, weights)
+        if self._table is None:
+            self._table = ExpertTable.from_tensors(self.gate, self.up, self.down)
+        return moe_ffn(x, ids, weights, self._table)
+
+    @staticmethod
+    def _matrix(w: torch.Tensor | QuantizedTensor, expert: int) -> torch.Tensor:
+        if isinstance(w, QuantizedTensor):
+            # float32, not f16: prefill activations of real models reach f16's range in silu(gate)*up
+            return w.expert(expert).dequantize(torch.float32)
+        return w[expert]
+
+    def _dense(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.gate.shape[0]).tolist()  # the one host sync of the layer
@@ -202,7 +269,8 @@ class ResidentExperts:
             slots = order[start:start + n]
             start += n
             tokens = slots // ids.shape[1]
-            y = FeedForward(self.gate[expert], self.up[expert], self.down[expert])(x[tokens])
+            ffn = FeedForward(*(self._matrix(w, expert) for w in (self.gate, self.up, self.down)))
+            y = ffn(x[tokens])
             out.index_add_(0, tokens, y * weights.flatten()[slots, None])
         return out
 
@@ -232,6 +300,157 @@ class MoE:
                 shared = shared * torch.sigmoid(matmul(x, self.shared_gate))
             out = out + shared
         return out
+
+
+# ---- issue 6 (deepseek2, phimoe): scaled RoPE, latent attention, routing variants -----------------------
+
+
+@dataclass
+class ScaledRope(Rope):
+    """RoPE as ggml_rope_ext computes it (ggml-cpu/ops.cpp `rope_yarn`): per-dimension frequency factors
+    (theta / factor), YaRN (a ramp between interpolated and extrapolated angles over the correction dims,
+    magnitude 1 + 0.1 ln(1/freq_scale)), and cos/sin scaled by `attn_factor`. `freq_factors_long` replaces
+    `freq_factors` when the context (`n_ctx`, set by the attention from its cache) exceeds `n_ctx_orig`, as
+    llama.cpp picks Phi-3's long/short factors from the context size."""
+
+    ext_factor: float = 0.0
+    attn_factor: float = 1.0
+    n_ctx_orig: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    freq_factors: torch.Tensor | None = None       # [dim/2]
+    freq_factors_long: torch.Tensor | None = None  # [dim/2]
+    n_ctx: int = 0
+    _tables_long: bool = field(default=False, init=False, repr=False, compare=False)
+
+    def corr_dims(self) -> tuple[float, float]:
+        def corr(n_rot: float) -> float:
+            return self.dim * math.log(self.n_ctx_orig / (n_rot * 2 * math.pi)) / (2 * math.log(self.base))
+        return max(0.0, math.floor(corr(self.beta_fast))), min(self.dim - 1.0, math.ceil(corr(self.beta_slow)))
+
+    def _long(self) -> bool:
+        return self.freq_factors_long is not None and -(-self.n_ctx // 256) * 256 > self.n_ctx_orig
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        i = torch.arange(self.dim // 2, dtype=torch.float64, device=positions.device)
+        inv_freq = self.base ** (-2.0 * i / self.dim)
+        factors = self.freq_factors_long if self._long() else self.freq_factors
+        if factors is not None:
+            inv_freq = inv_freq / factors.to(positions.device, torch.float64)
+        extrap = positions.double()[:, None] * inv_freq[None, :]  # [T, dim/2]
+        theta = extrap * self.freq_scale
+        mscale = self.attn_factor
+        if self.ext_factor != 0.0:
+            low, high = self.corr_dims()
+            mix = (1 - ((i - low) / max(0.001, high - low)).clamp(0, 1)) * self.ext_factor
+            theta = theta * (1 - mix) + extrap * mix
+            mscale *= 1.0 + 0.1 * math.log(1.0 / self.freq_scale)
+        return (theta.cos() * mscale).float()[:, None, :], (theta.sin() * mscale).float()[:, None, :]
+
+    def __call__(self, x: torch.Tensor, pos: int) -> torch.Tensor:
+        if self._cos is not None and self._tables_long != self._long():  # the context size changed the factors
+            self._cos = self._sin = None
+        self._tables_long = self._long()
+        return super().__call__(x, pos)
+
+
+def rope_for(cfg: ModelConfig, neox: bool, dim: int | None = None, freq_factors: torch.Tensor | None = None,
+             freq_factors_long: torch.Tensor | None = None) -> Rope:
+    """The RoPE llama.cpp applies for this config: plain `Rope` unless YaRN, frequency factors or an
+    attention factor are in play."""
+    dim = cfg.rope_dim if dim is None else dim
+    if (cfg.rope_ext_factor == 0.0 and cfg.rope_attn_factor == 1.0 and freq_factors is None
+            and freq_factors_long is None):
+        return Rope(dim, cfg.rope_base, neox, cfg.rope_freq_scale)
+    return ScaledRope(dim, cfg.rope_base, neox, cfg.rope_freq_scale, ext_factor=cfg.rope_ext_factor,
+                      attn_factor=cfg.rope_attn_factor, n_ctx_orig=cfg.n_ctx_orig_yarn,
+                      beta_fast=cfg.yarn_beta_fast, beta_slow=cfg.yarn_beta_slow, freq_factors=freq_factors,
+                      freq_factors_long=freq_factors_long)
+
+
+@dataclass
+class ContextRopeAttention(Attention):
+    """`Attention` whose RoPE depends on the context size (Phi-3 long/short frequency factors)."""
+
+    def __call__(self, x: torch.Tensor, layer: int, pos: int, cache: KVCache) -> torch.Tensor:
+        if isinstance(self.rope, ScaledRope):
+            self.rope.n_ctx = cache.max_len
+        return super().__call__(x, layer, pos, cache)
+
+
+@dataclass
+class LatentAttention:
+    """DeepSeek-V2 multi-head latent attention in llama.cpp's absorbed form (src/models/deepseek2.cpp).
+
+    Per token the cache holds only the normalized latent c (kv_lora_rank) and the rotated shared key k_pe
+    (rope dims): [c | k_pe]. Queries are absorbed into latent space: q' = [W_kb,h q_nope,h | rope(q_pe,h)],
+    score = q' . [c | k_pe] * kq_scale, the head's output W_vb,h (sum_j p_j c_j), then attn_output.
+    q comes from attn_q (no q_lora_rank: V2-Lite) or attn_q_a -> RMSNorm -> attn_q_b."""
+
+    n_head: int
+    n_nope: int
+    n_rot: int
+    n_lora_kv: int
+    wkv_a: Linear            # [kv_lora_rank + n_rot, n_embd]
+    kv_a_norm: RMSNorm       # [kv_lora_rank]
+    wk_b: torch.Tensor       # [n_head, kv_lora_rank, n_nope]
+    wv_b: torch.Tensor       # [n_head, v_head_dim, kv_lora_rank]
+    wo: Linear
+    rope: Rope
+    kq_scale: float
+    wq: Linear | None = None        # [n_head * (n_nope + n_rot), n_embd]
+    wq_a: Linear | None = None      # [q_lora_rank, n_embd]
+    q_a_norm: RMSNorm | None = None
+    wq_b: Linear | None = None      # [n_head * (n_nope + n_rot), q_lora_rank]
+
+    def __call__(self, x: torch.Tensor, layer: int, pos: int, cache: KVCache) -> torch.Tensor:
+        T, H, r = x.shape[0], self.n_head, self.n_lora_kv
+        q = self.wq(x) if self.wq is not None else self.wq_b(self.q_a_norm(self.wq_a(x)))
+        q = q.view(T, H, self.n_nope + self.n_rot)
+        q_pe = self.rope(q[..., self.n_nope:], pos)                       # [T, H, n_rot]
+        q_abs = torch.stack([matmul(q[:, h, :self.n_nope], self.wk_b[h]) for h in range(H)], dim=1)  # [T, H, r]
+        kv = self.wkv_a(x)
+        latent = self.kv_a_norm(kv[:, :r])                                        # [T, r]
+        k_pe = self.rope(kv[:, r:].view(T, 1, self.n_rot), pos)            # [T, 1, n_rot]
+        entry = torch.cat([latent[:, None, :], k_pe], dim=-1)                     # [T, 1, r + n_rot]
+        keys, _ = cache.update(layer, pos, entry, entry[..., :0])
+        keys = keys[None]                                                         # [1, 1, L, r + n_rot]
+        qq = torch.cat([q_abs, q_pe], dim=-1).transpose(0, 1)[None].to(keys.dtype)  # [1, H, T, r + n_rot]
+        out = sdpa(qq, keys.expand(1, H, -1, -1), keys[..., :r].expand(1, H, -1, -1), causal_mask(pos, T, x.device),
+                   self.kq_scale)[0].float()  # [H, T, r]
+        out = torch.stack([matmul(out[h], self.wv_b[h]) for h in range(H)], dim=1)  # [T, H, v_head]
+        return self.wo(out.reshape(T, -1))
+
+
+@dataclass
+class SelectingRouter(Router):
+    """llama.cpp's build_moe_ffn routing beyond plain softmax: sigmoid gating, a selection bias
+    (`exp_probs_b`, DeepSeek-V3) added for choosing only, and group-limited choice (the experts of the
+    `n_group_used` groups with the highest sum of their two best scores). Weights are the unbiased
+    probabilities of the chosen experts, optionally renormalized, then scaled."""
+
+    gating: str = "softmax"
+    selection_bias: torch.Tensor | None = None  # [n_expert]
+    n_groups: int = 0
+    n_group_used: int = 0
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = matmul(x, self.weight)
+        probs = torch.sigmoid(logits) if self.gating == "sigmoid" else torch.softmax(logits, dim=-1)
+        select = probs if self.selection_bias is None else probs + self.selection_bias.float()
+        if self.n_groups > 1:
+            groups = select.view(select.shape[0], self.n_groups, -1)
+            best = groups.topk(2, dim=-1).values.sum(-1)                     # [T, groups]
+            keep = best.topk(self.n_group_used, dim=-1).indices
+            drop = torch.ones_like(best, dtype=torch.bool).scatter_(1, keep, False)
+            select = groups.masked_fill(drop[..., None], float("-inf")).view_as(probs)
+        ids = select.topk(self.n_used, dim=-1).indices
+        weights = probs.gather(1, ids)
+        if self.normalize:
+            weights = weights / weights.sum(-1, keepdim=True).clamp(min=6.103515625e-5)
+        if self.scale not in (0.0, 1.0):
+            weights = weights * self.scale
+        return ids, weights
 
 
 @dataclass
@@ -268,5 +487,7 @@ class Transformer:
     def new_cache(self, max_len: int) -> KVCache:
         c = self.config
         device = self.token_embd.device
-        return KVCache(c.n_layer, c.n_head_kv, c.head_dim, max_len, device,
-                       torch.float16 if device.type == "cuda" else torch.float32)
+        dtype = torch.float16 if device.type == "cuda" else torch.float32
+        if c.n_lora_kv > 0:  # MLA: one latent + rope key per token, no per-head keys/values (LatentAttention)
+            return KVCache(c.n_layer, 1, c.n_lora_kv + c.rope_dim, max_len, device, dtype, v_dim=0)
+        return KVCache(c.n_layer, c.n_head_kv, c.head_dim, max_len, device, dtype)

@@ -246,8 +246,20 @@ class Sampler:
             raise ValueError("cannot draw from a distribution with no positive probability")
         return self._draw_support(ids, probs[ids])
 
+    @staticmethod
+    def _argmax(logits: torch.Tensor) -> int:
+        """Greedy decoding where the logits are (the GPU): one reduction and one read-back instead of copying
+        the vocabulary to the host. Ties go to the lowest id, as in the full chain."""
+        value, index = torch.max(logits.detach().reshape(-1).float(), 0)
+        value, index = torch.stack([value.double(), index.double()]).tolist()
+        if not math.isfinite(value):
+            raise SpecterError("the model produced NaN or infinite logits: check the model file")
+        return int(index)
+
     def sample(self, logits: torch.Tensor, history: Sequence[int] = ()) -> int:
         """The next token for these logits of one position, given the tokens so far (for penalties)."""
+        if self.params.greedy and not self.params.penalties_active and isinstance(logits, torch.Tensor):
+            return self._argmax(logits)
         ids, probs = self._candidates(logits, history)
         if self.params.greedy:
             return int(ids[0])

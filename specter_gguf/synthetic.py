@@ -89,6 +89,24 @@ class ModelShape:
     norm_noise: float = 0.1
     router_logit_std: float = 1.5
     logit_std: float = 2.0
+    # deepseek2 / phimoe (issue 6); defaults leave the other architectures unchanged
+    n_leading_dense: int = 0      # first layers with a dense FFN of width n_ff
+    n_expert_shared: int = 0      # deepseek2: shared experts, one FFN of n_ff_exp * count
+    q_lora_rank: int = 0          # deepseek2: 0 = attn_q directly (V2-Lite)
+    kv_lora_rank: int = 0         # deepseek2: the cached latent's width
+    qk_rope_dim: int = 0          # deepseek2: rotated dims per head (head_dim = qk_nope + qk_rope)
+    v_head_dim: int = 0           # deepseek2
+    mla_legacy: bool = False      # deepseek2: write the legacy unsplit attn_kv_b instead of attn_k_b/attn_v_b
+    expert_weights_scale: float = 0.0
+    expert_weights_norm: bool = False
+    expert_gating_func: int = 0   # 0: not written (softmax); 1 softmax; 2 sigmoid
+    n_expert_groups: int = 0
+    n_group_used: int = 0
+    exp_probs_b: bool = False     # selection bias per expert (DeepSeek-V3 style)
+    rope_scaling: str = ""        # "yarn" (deepseek2) | "longrope" (phimoe)
+    rope_scaling_factor: float = 0.0
+    rope_orig_ctx: int = 0
+    yarn_mscale_all_dim: float = 0.0
 
     @property
     def n_embd_q(self) -> int:
@@ -99,7 +117,9 @@ class ModelShape:
         return self.n_head_kv * self.head_dim
 
     def with_layers(self, n_layer: int) -> "ModelShape":
-        return dataclasses.replace(self, n_layer=n_layer)
+        # keep at least one MoE layer: a 1-layer DeepSeek-V2-Lite is one MoE layer, not its dense layer 0
+        return dataclasses.replace(self, n_layer=n_layer,
+                                   n_leading_dense=min(self.n_leading_dense, max(n_layer - 1, 0)))
 
 
 def _tiny(arch: str, **kw: Any) -> ModelShape:
@@ -122,6 +142,37 @@ PRESETS: dict[str, ModelShape] = {
     "tiny-mixtral": _tiny("llama", n_layer=2, rms_eps=1e-5, rope_theta=1e6, name="tiny-mixtral"),
     # llama.cpp's olmoe k-norm has n_embd weights, so it needs n_head_kv == n_head (as OLMoE has).
     "tiny-olmoe": _tiny("olmoe", n_layer=2, n_head_kv=4, rms_eps=1e-5, name="tiny-olmoe"),
+    # deepseek2 (MLA). head_dim = qk_nope + qk_rope; YaRN as DeepSeek-V2 (factor 40 from 4096, mscale 0.707).
+    # qk_nope is 256 (V2: 128) so attn_k_b's input is K-quant friendly too: no fallback types (Q5_0) anywhere.
+    # V2 style: q_lora_rank, a dense first layer, group-limited softmax routing, scaled weights.
+    "tiny-deepseek2": _tiny("deepseek2", n_layer=3, n_head_kv=4, head_dim=320, qk_rope_dim=64, v_head_dim=128,
+                            q_lora_rank=256, kv_lora_rank=256, n_ff=512, n_leading_dense=1, n_expert_shared=1,
+                            n_expert_groups=4, n_group_used=2, expert_weights_scale=2.5, n_ctx=163840,
+                            rope_scaling="yarn", rope_scaling_factor=40.0, rope_orig_ctx=4096,
+                            yarn_mscale_all_dim=0.707, name="tiny-deepseek2"),
+    # V2-Lite style: no q_lora_rank, plain softmax top-k, two shared experts
+    "tiny-deepseek2-lite": _tiny("deepseek2", n_layer=2, n_head_kv=4, head_dim=320, qk_rope_dim=64,
+                                 v_head_dim=128, kv_lora_rank=256, n_ff=512, n_leading_dense=1, n_expert_used=3,
+                                 n_expert_shared=2, expert_weights_scale=1.0, n_ctx=163840, rope_scaling="yarn",
+                                 rope_scaling_factor=40.0, rope_orig_ctx=4096, yarn_mscale_all_dim=0.707,
+                                 name="tiny-deepseek2-lite"),
+    # V3 style gating on the deepseek2 graph: sigmoid + selection bias, groups, renormalized and scaled
+    "tiny-deepseek2-sigmoid": _tiny("deepseek2", n_layer=2, n_head_kv=4, head_dim=320, qk_rope_dim=64,
+                                    v_head_dim=128, q_lora_rank=256, kv_lora_rank=256, n_ff=512,
+                                    n_leading_dense=1, n_expert_shared=1, expert_gating_func=2, exp_probs_b=True,
+                                    expert_weights_norm=True, n_expert_groups=4, n_group_used=2,
+                                    expert_weights_scale=2.5, n_ctx=163840, rope_scaling="yarn",
+                                    rope_scaling_factor=40.0, rope_orig_ctx=4096, yarn_mscale_all_dim=1.0,
+                                    name="tiny-deepseek2-sigmoid"),
+    # the legacy layout (unsplit attn_kv_b, decompressed head sizes in the metadata)
+    "tiny-deepseek2-kvb": _tiny("deepseek2", n_layer=2, n_head_kv=4, head_dim=320, qk_rope_dim=64,
+                                v_head_dim=128, kv_lora_rank=256, q_lora_rank=256, n_ff=512, n_leading_dense=1,
+                                n_expert_shared=1, mla_legacy=True, n_ctx=163840, rope_scaling="yarn",
+                                rope_scaling_factor=40.0, rope_orig_ctx=4096, yarn_mscale_all_dim=0.707,
+                                name="tiny-deepseek2-kvb"),
+    # phimoe: biases everywhere, longrope factors (long ones used when the context exceeds 256)
+    "tiny-phimoe": _tiny("phimoe", n_layer=2, rms_eps=1e-5, n_ctx=4096, rope_scaling="longrope",
+                         rope_orig_ctx=256, name="tiny-phimoe"),
     # Real shapes (HF configs). n_vocab_hint is the HF embedding size; the file takes the vocab GGUF's.
     "qwen1.5-moe-a2.7b": ModelShape(
         arch="qwen2moe", n_layer=24, n_embd=2048, n_head=16, n_head_kv=16, head_dim=128, n_expert=60,
@@ -139,6 +190,16 @@ PRESETS: dict[str, ModelShape] = {
         arch="olmoe", n_layer=16, n_embd=2048, n_head=16, n_head_kv=16, head_dim=128, n_expert=64,
         n_expert_used=8, n_ff_exp=1024, n_ctx=4096, rope_theta=10000.0, rms_eps=1e-5,
         n_vocab_hint=50304, name="OLMoE-1B-7B (random weights)"),
+    "deepseek-v2-lite": ModelShape(
+        arch="deepseek2", n_layer=27, n_embd=2048, n_head=16, n_head_kv=16, head_dim=192, qk_rope_dim=64,
+        v_head_dim=128, kv_lora_rank=512, q_lora_rank=0, n_expert=64, n_expert_used=6, n_ff_exp=1408,
+        n_expert_shared=2, n_ff=10944, n_leading_dense=1, expert_weights_scale=1.0, n_ctx=163840,
+        rope_theta=10000.0, rms_eps=1e-6, rope_scaling="yarn", rope_scaling_factor=40.0, rope_orig_ctx=4096,
+        yarn_mscale_all_dim=0.707, n_vocab_hint=102400, name="DeepSeek-V2-Lite (random weights)"),
+    "phi-3.5-moe": ModelShape(
+        arch="phimoe", n_layer=32, n_embd=4096, n_head=32, n_head_kv=8, head_dim=128, n_expert=16,
+        n_expert_used=2, n_ff_exp=6400, n_ctx=131072, rope_theta=10000.0, rms_eps=1e-5, rope_scaling="longrope",
+        rope_orig_ctx=4096, n_vocab_hint=32064, name="Phi-3.5-MoE (random weights)"),
 }
 
 TINY_PRESETS = ("tiny-qwen2moe", "tiny-qwen3moe", "tiny-mixtral", "tiny-olmoe")
@@ -152,6 +213,8 @@ SUGGESTED_VOCAB = {
     "qwen3-30b-a3b": "ggml-vocab-qwen2.gguf",
     "mixtral-8x7b": "ggml-vocab-llama-spm.gguf",
     "olmoe-1b-7b": "ggml-vocab-gpt-neox.gguf",
+    "deepseek-v2-lite": "ggml-vocab-deepseek-llm.gguf",
+    "phi-3.5-moe": "ggml-vocab-phi-3.gguf",
 }
 
 
@@ -316,10 +379,123 @@ def _meta_olmoe(s: ModelShape, kv: dict[str, Any]) -> None:
     _meta_common(s, kv)
 
 
+# ---- deepseek2 (MLA) and phimoe: layouts as llama.cpp 0.3.36 loads them (src/models/{deepseek2,phimoe}.cpp)
+
+
+def _block_deepseek2(s: ModelShape, i: int) -> list[TensorSpec]:
+    p, d, H = f"blk.{i}", s.n_embd, s.n_head
+    r, rot, dk, dv = s.kv_lora_rank, s.qk_rope_dim, s.head_dim, s.v_head_dim
+    nope = dk - rot
+    t = [_norm(f"{p}.attn_norm.weight", d)]
+    if s.q_lora_rank:
+        t += [_w(f"{p}.attn_q_a.weight", d, s.q_lora_rank), _norm(f"{p}.attn_q_a_norm.weight", s.q_lora_rank),
+              _w(f"{p}.attn_q_b.weight", s.q_lora_rank, H * dk)]
+    else:
+        t.append(_w(f"{p}.attn_q.weight", d, H * dk))
+    t += [_w(f"{p}.attn_kv_a_mqa.weight", d, r + rot), _norm(f"{p}.attn_kv_a_norm.weight", r)]
+    if s.mla_legacy:
+        t.append(_w(f"{p}.attn_kv_b.weight", r, H * (nope + dv)))
+    else:
+        t += [_w(f"{p}.attn_k_b.weight", nope, r, H), _w(f"{p}.attn_v_b.weight", r, dv, H)]
+    t += [_w(f"{p}.attn_output.weight", H * dv, d), _norm(f"{p}.ffn_norm.weight", d)]
+    if i < s.n_leading_dense:
+        return t + [_w(f"{p}.ffn_gate.weight", d, s.n_ff), _w(f"{p}.ffn_down.weight", s.n_ff, d),
+                    _w(f"{p}.ffn_up.weight", d, s.n_ff)]
+    t += _routed_experts(s, p)
+    if s.exp_probs_b:
+        t.append(_bias(f"{p}.exp_probs_b.bias", s.n_expert))
+    f = s.n_ff_exp * s.n_expert_shared
+    if f:
+        t += [_w(f"{p}.ffn_gate_shexp.weight", d, f), _w(f"{p}.ffn_down_shexp.weight", f, d),
+              _w(f"{p}.ffn_up_shexp.weight", d, f)]
+    return t
+
+
+def _meta_deepseek2(s: ModelShape, kv: dict[str, Any]) -> None:
+    # what convert_hf_to_gguf.py (conversion/deepseek.py) writes: MLA as MQA over [latent | rope key]
+    a, r, rot = "deepseek2", s.kv_lora_rank, s.qk_rope_dim
+    if not (r and rot and s.v_head_dim and s.head_dim > rot):
+        raise SpecterError("deepseek2 needs kv_lora_rank, qk_rope_dim, v_head_dim and head_dim > qk_rope_dim")
+    _meta_common(s, kv)
+    kv.pop(f"{a}.attention.key_length", None)
+    kv.pop(f"{a}.attention.value_length", None)
+    kv[f"{a}.feed_forward_length"] = s.n_ff or s.n_ff_exp
+    if s.mla_legacy:  # older files: decompressed MHA head sizes, no *_mla keys
+        kv[f"{a}.attention.head_count_kv"] = s.n_head
+        kv[f"{a}.attention.key_length"] = s.head_dim
+        kv[f"{a}.attention.value_length"] = s.v_head_dim
+    else:
+        kv[f"{a}.attention.head_count_kv"] = 1
+        kv[f"{a}.attention.key_length"] = r + rot
+        kv[f"{a}.attention.value_length"] = r
+        kv[f"{a}.attention.key_length_mla"] = s.head_dim
+        kv[f"{a}.attention.value_length_mla"] = s.v_head_dim
+    kv[f"{a}.leading_dense_block_count"] = s.n_leading_dense
+    # llama.cpp requires q_lora_rank unless the file has 26/27 layers (V2-Lite); 0 = attn_q directly
+    kv[f"{a}.attention.q_lora_rank"] = s.q_lora_rank
+    kv[f"{a}.attention.kv_lora_rank"] = r
+    kv[f"{a}.expert_feed_forward_length"] = s.n_ff_exp
+    kv[f"{a}.expert_shared_count"] = s.n_expert_shared
+    if s.expert_weights_scale:
+        kv[f"{a}.expert_weights_scale"] = float(s.expert_weights_scale)
+    if s.expert_weights_norm:
+        kv[f"{a}.expert_weights_norm"] = True
+    if s.expert_gating_func:
+        kv[f"{a}.expert_gating_func"] = s.expert_gating_func
+    if s.n_expert_groups > 1:
+        kv[f"{a}.expert_group_count"] = s.n_expert_groups
+        kv[f"{a}.expert_group_used_count"] = s.n_group_used
+    kv[f"{a}.rope.dimension_count"] = rot
+    if s.rope_scaling == "yarn":
+        kv[f"{a}.rope.scaling.type"] = "yarn"
+        kv[f"{a}.rope.scaling.factor"] = float(s.rope_scaling_factor)
+        kv[f"{a}.rope.scaling.original_context_length"] = s.rope_orig_ctx
+        kv[f"{a}.rope.scaling.yarn_beta_fast"] = 32.0
+        kv[f"{a}.rope.scaling.yarn_beta_slow"] = 1.0
+        if s.yarn_mscale_all_dim:
+            kv[f"{a}.rope.scaling.yarn_log_multiplier"] = 0.1 * s.yarn_mscale_all_dim
+
+
+def _block_phimoe(s: ModelShape, i: int) -> list[TensorSpec]:
+    p = f"blk.{i}"
+    return [
+        _norm(f"{p}.attn_norm.weight", s.n_embd), _bias(f"{p}.attn_norm.bias", s.n_embd),
+        *_attention(s, p, bias=True), _bias(f"{p}.attn_output.bias", s.n_embd),
+        _norm(f"{p}.ffn_norm.weight", s.n_embd), _bias(f"{p}.ffn_norm.bias", s.n_embd),
+        *_routed_experts(s, p),
+    ]
+
+
+def _meta_phimoe(s: ModelShape, kv: dict[str, Any]) -> None:
+    # conversion/phi.py (Phi3MiniModel + PhiMoeModel): experts are feed_forward_length wide; longrope
+    if s.n_ff and s.n_ff != s.n_ff_exp:
+        raise SpecterError("phimoe: experts are feed_forward_length wide; set n_ff = n_ff_exp")
+    if s.n_embd_q != s.n_embd:
+        raise SpecterError("phimoe: llama.cpp needs n_head * head_dim == n_embd")
+    _meta_common(s, kv)
+    kv["phimoe.rope.dimension_count"] = s.head_dim
+    if s.rope_scaling == "longrope":
+        kv["phimoe.rope.scaling.type"] = "longrope"
+        kv["phimoe.rope.scaling.original_context_length"] = s.rope_orig_ctx
+        scale = s.n_ctx / s.rope_orig_ctx
+        kv["phimoe.rope.scaling.attn_factor"] = (
+            math.sqrt(1 + math.log(scale) / math.log(s.rope_orig_ctx)) if scale > 1.0 else 1.0)
+
+
+def _extra_phimoe(s: ModelShape, n_vocab: int) -> list[TensorSpec]:
+    t = [_bias("output_norm.bias", s.n_embd), _bias("output.bias", n_vocab)]
+    if s.rope_scaling == "longrope":
+        half = s.head_dim // 2
+        t += [TensorSpec("rope_factors_long.weight", (half,), "rope_long", f32=True),
+              TensorSpec("rope_factors_short.weight", (half,), "norm", f32=True)]
+    return t
+
+
 @dataclass(frozen=True)
 class ArchSpec:
     block: Callable[[ModelShape, int], list[TensorSpec]]
     metadata: Callable[[ModelShape, dict[str, Any]], None]
+    extra: Callable[[ModelShape, int], list[TensorSpec]] | None = None  # file-level tensors (shape, n_vocab)
 
 
 ARCHS: dict[str, ArchSpec] = {
@@ -327,6 +503,8 @@ ARCHS: dict[str, ArchSpec] = {
     "qwen3moe": ArchSpec(_block_qwen3moe, _meta_qwen3moe),
     "llama": ArchSpec(_block_llama, _meta_llama),
     "olmoe": ArchSpec(_block_olmoe, _meta_olmoe),
+    "deepseek2": ArchSpec(_block_deepseek2, _meta_deepseek2),
+    "phimoe": ArchSpec(_block_phimoe, _meta_phimoe, _extra_phimoe),
 }
 
 
@@ -338,6 +516,8 @@ def tensor_specs(shape: ModelShape, n_vocab: int) -> list[TensorSpec]:
         specs += arch.block(shape, i)
     specs += [_norm("output_norm.weight", shape.n_embd),
               TensorSpec("output.weight", (shape.n_embd, n_vocab), "output")]
+    if arch.extra is not None:
+        specs += arch.extra(shape, n_vocab)
     return specs
 
 
@@ -578,6 +758,10 @@ def _slabs(spec: TensorSpec, shape: ModelShape, dtype: str, seed: int, device: s
         t.mul_(std)
         if spec.init == "norm":
             t.add_(1.0)
+        elif spec.init == "rope_long":  # Phi-3 style long factors: smooth, 1 .. 32 over the dimensions
+            n = t.numel()
+            t = (1.0 + 31.0 * (torch.arange(n, device=device, dtype=torch.float32) / max(n - 1, 1)) ** 3
+                 ).reshape(t.shape)
         name = qtype.name
         if name == "F32":
             a = t.cpu().numpy()

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from specter_gguf.synthetic import MODELS_DIR, TINY_ARCH_PRESETS, write_synthetic
+from specter_gguf.synthetic import MODELS_DIR, PRESETS, TINY_ARCH_PRESETS, write_synthetic
 
 TINY_WRITTEN = ("f32", "f16")
 TINY_QUANTIZED = ("q8_0", "q4_k_m", "q2_k")
@@ -38,7 +38,8 @@ class TinyModels(Mapping):
 
     def __getitem__(self, key: tuple[str, str]) -> Path:
         arch, kind = key
-        if arch not in TINY_ARCH_PRESETS or kind not in TINY_KINDS:
+        # `arch` may also name a preset directly (e.g. "tiny-deepseek2-lite"); iteration covers the archs
+        if TINY_ARCH_PRESETS.get(arch, arch) not in PRESETS or kind not in TINY_KINDS:
             raise KeyError(key)
         with self._lock:
             if key not in self._paths:
@@ -46,7 +47,7 @@ class TinyModels(Mapping):
             return self._paths[key]
 
     def _build(self, arch: str, kind: str) -> Path:
-        preset = TINY_ARCH_PRESETS[arch]
+        preset = TINY_ARCH_PRESETS.get(arch, arch)
         path = self.root / f"{preset}-{kind}.gguf"
         if kind in TINY_WRITTEN:
             write_synthetic(path, preset, kind, seed=TINY_SEED)

@@ -1,7 +1,7 @@
 """The native library's CPU dequantization against the reference, bit for bit.
 
 Every test quantizes fresh random floats with a real quantizer (gguf's numpy quantizers for
-F16/BF16/Q4_0/Q8_0, llama.cpp's own `ggml_quantize_chunk` for the K-quants), dequantizes the bytes
+F16/BF16/Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, llama.cpp's own `ggml_quantize_chunk` for the K-quants), dequantizes the bytes
 with specter's native library and with `gguf.quants.dequantize` (which equals ggml's C code), and
 requires the two results to be identical bit for bit: same float32 bit patterns, hence
 `np.array_equal` holds too. Outputs are poisoned with NaN first so an unwritten element shows.
@@ -24,7 +24,9 @@ from gguf.constants import GGML_QUANT_SIZES
 from specter_gguf import native
 from specter_gguf.errors import SpecterError
 
-GGUF_QUANTIZED = [GT.F16, GT.BF16, GT.Q4_0, GT.Q8_0]
+GGUF_QUANTIZED = [GT.F16, GT.BF16, GT.Q4_0, GT.Q4_1, GT.Q5_0, GT.Q5_1, GT.Q8_0]
+# 32-element block types llama.cpp falls back to when a row is not a multiple of 256
+LEGACY_QUANTS = [GT.Q4_0, GT.Q4_1, GT.Q5_0, GT.Q5_1, GT.Q8_0]
 K_QUANTS = [GT.Q2_K, GT.Q3_K, GT.Q4_K, GT.Q5_K, GT.Q6_K]
 ALL_TYPES = [GT.F32, *GGUF_QUANTIZED, *K_QUANTS]
 
@@ -132,6 +134,18 @@ def test_dequantize_bit_exact(qtype: GT, rng: np.random.Generator, request: pyte
     assert_bitwise_equal(native.dequantize(q.reshape(-1), int(qtype), (rows, n)), ref)
 
 
+@pytest.mark.parametrize("qtype", LEGACY_QUANTS, ids=lambda t: t.name)
+def test_dequantize_llama_quantized_legacy(qtype: GT, rng: np.random.Generator, ggml_base: ctypes.CDLL) -> None:
+    """The legacy block types as llama.cpp's own quantizer writes them (what real GGUF files hold)."""
+    rows, n = 19, 1408  # Qwen1.5-MoE's expert width: not a multiple of 256
+    x = random_rows(rng, rows, n)
+    q = ggml_quantize(ggml_base, qtype, x)
+    ref = gguf.quants.dequantize(q, qtype).astype(np.float32, copy=False)
+    assert np.abs(ref - x).sum() <= 0.3 * np.abs(x).sum()
+    out = np.full((rows, n), np.nan, dtype=np.float32)
+    assert_bitwise_equal(native.dequantize(q, int(qtype), (rows, n), out=out), ref)
+
+
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
 def test_dequantize_f16_output(qtype: GT, rng: np.random.Generator, request: pytest.FixtureRequest) -> None:
     lib = request.getfixturevalue("ggml_base") if _needs_ggml(qtype) else None
@@ -199,9 +213,11 @@ def test_type_ids_and_block_sizes_match_ggml() -> None:
     for qtype in ALL_TYPES:
         assert native.block_size(int(qtype)) == GGML_QUANT_SIZES[qtype], qtype.name
     lb = native.lib()
-    assert (lb.SPECTER_TYPE_F32, lb.SPECTER_TYPE_F16, lb.SPECTER_TYPE_Q4_0, lb.SPECTER_TYPE_Q8_0,
+    assert (lb.SPECTER_TYPE_F32, lb.SPECTER_TYPE_F16, lb.SPECTER_TYPE_Q4_0, lb.SPECTER_TYPE_Q4_1,
+            lb.SPECTER_TYPE_Q5_0, lb.SPECTER_TYPE_Q5_1, lb.SPECTER_TYPE_Q8_0,
             lb.SPECTER_TYPE_Q2_K, lb.SPECTER_TYPE_Q3_K, lb.SPECTER_TYPE_Q4_K, lb.SPECTER_TYPE_Q5_K,
-            lb.SPECTER_TYPE_Q6_K, lb.SPECTER_TYPE_BF16) == (0, 1, 2, 8, 10, 11, 12, 13, 14, 30)
+            lb.SPECTER_TYPE_Q6_K, lb.SPECTER_TYPE_BF16) == (0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30)
+    assert (native.Q4_1, native.Q5_0, native.Q5_1) == (int(GT.Q4_1), int(GT.Q5_0), int(GT.Q5_1))
 
 
 def test_error_codes() -> None:
@@ -212,8 +228,8 @@ def test_error_codes() -> None:
     # row length not a multiple of the block
     assert lb.specter_dequantize_rows(lb.SPECTER_TYPE_Q4_K, src, dst, 1, 100, 1) == lb.SPECTER_ERR_BAD_SHAPE
     assert lb.specter_dequantize_rows(lb.SPECTER_TYPE_Q8_0, src, dst, 2, 48, 1) == lb.SPECTER_ERR_BAD_SHAPE
-    # unknown / unhandled types (Q4_1 = 3 exists in ggml but is not handled; 99 does not exist)
-    for t in (3, 99, -1):
+    # unknown / unhandled types (IQ2_XXS = 16 exists in ggml but is not handled; 4 was removed; 99 does not exist)
+    for t in (16, 4, 99, -1):
         assert lb.specter_dequantize_rows(t, src, dst, 1, 256, 1) == lb.SPECTER_ERR_UNSUPPORTED_TYPE
         assert lb.specter_type_block_size(t, f.NULL, f.NULL) == lb.SPECTER_ERR_UNSUPPORTED_TYPE
     # bad arguments
@@ -236,7 +252,7 @@ def test_python_errors() -> None:
     with pytest.raises(SpecterError, match="not a multiple"):
         native.dequantize(q, int(GT.Q8_0), (2, 31))
     with pytest.raises(SpecterError, match="unsupported ggml tensor type"):
-        native.dequantize(q, 3, (2, 32))
+        native.dequantize(q, 16, (2, 32))  # IQ2_XXS
     with pytest.raises(SpecterError, match="bytes given"):
         native.dequantize(q, int(GT.Q8_0), (3, 32))
     with pytest.raises(SpecterError, match="BAD_SHAPE|not a multiple"):

@@ -32,6 +32,45 @@ void dec_q4_0(const uint8_t * b, float * y) {
     }
 }
 
+// block_q4_1: f16 d; f16 m; uint8 qs[16]. As Q4_0, value q*d + m (q unsigned).
+void dec_q4_1(const uint8_t * b, float * y) {
+    const float d = load_half(b);
+    const float m = load_half(b + 2);
+    const uint8_t * qs = b + 4;
+    for (int l = 0; l < 16; ++l) {
+        y[l] = float(qs[l] & 0x0f) * d + m;
+        y[l + 16] = float(qs[l] >> 4) * d + m;
+    }
+}
+
+// block_q5_0: f16 d; uint8 qh[4] (a little-endian uint32: bit j is the fifth bit of element j);
+// uint8 qs[16] as Q4_0. Value (q - 16) * d.
+void dec_q5_0(const uint8_t * b, float * y) {
+    const float d = load_half(b);
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, 4);
+    const uint8_t * qs = b + 6;
+    for (int l = 0; l < 16; ++l) {
+        const int h0 = int((qh >> l) & 1) << 4, h1 = int((qh >> (l + 16)) & 1) << 4;
+        y[l] = float(int((qs[l] & 0x0f) | h0) - 16) * d;
+        y[l + 16] = float(int((qs[l] >> 4) | h1) - 16) * d;
+    }
+}
+
+// block_q5_1: f16 d; f16 m; uint8 qh[4]; uint8 qs[16]. As Q5_0 without the offset, value q*d + m.
+void dec_q5_1(const uint8_t * b, float * y) {
+    const float d = load_half(b);
+    const float m = load_half(b + 2);
+    uint32_t qh;
+    std::memcpy(&qh, b + 4, 4);
+    const uint8_t * qs = b + 8;
+    for (int l = 0; l < 16; ++l) {
+        const int h0 = int((qh >> l) & 1) << 4, h1 = int((qh >> (l + 16)) & 1) << 4;
+        y[l] = float((qs[l] & 0x0f) | h0) * d + m;
+        y[l + 16] = float((qs[l] >> 4) | h1) * d + m;
+    }
+}
+
 // block_q8_0: f16 d; int8 qs[32].
 void dec_q8_0(const uint8_t * b, float * y) {
     const float d = load_half(b);
@@ -165,6 +204,9 @@ const TypeInfo kTypes[] = {
     {SPECTER_TYPE_F16, 1, 2, dec_f16},
     {SPECTER_TYPE_BF16, 1, 2, dec_bf16},
     {SPECTER_TYPE_Q4_0, 32, 18, dec_q4_0},
+    {SPECTER_TYPE_Q4_1, 32, 20, dec_q4_1},
+    {SPECTER_TYPE_Q5_0, 32, 22, dec_q5_0},
+    {SPECTER_TYPE_Q5_1, 32, 24, dec_q5_1},
     {SPECTER_TYPE_Q8_0, 32, 34, dec_q8_0},
     {SPECTER_TYPE_Q2_K, QK_K, 84, dec_q2_k},
     {SPECTER_TYPE_Q3_K, QK_K, 110, dec_q3_k},

@@ -15,11 +15,11 @@ from specter_gguf.config import ModelConfig
 from specter_gguf.errors import SpecterError
 from specter_gguf.gguf_file import GGUFFile
 from specter_gguf.layers import Linear, RMSNorm, Transformer
-from specter_gguf.models import mixtral, olmoe, qwen2moe, qwen3moe
-from specter_gguf.models.common import Weights
+from specter_gguf.models import deepseek2, mixtral, olmoe, phimoe, qwen2moe, qwen3moe
+from specter_gguf.models.common import ExpertsFactory, Weights
 
 ARCHITECTURES: dict[str, ModuleType] = {"qwen2moe": qwen2moe, "qwen3moe": qwen3moe, "llama": mixtral,
-                                        "olmoe": olmoe}
+                                        "olmoe": olmoe, "deepseek2": deepseek2, "phimoe": phimoe}
 
 
 def check_architecture(f: GGUFFile) -> ModuleType:
@@ -30,21 +30,24 @@ def check_architecture(f: GGUFFile) -> ModuleType:
     return ARCHITECTURES[arch]
 
 
-def load_transformer(f: GGUFFile, device: torch.device, progress: bool = True) -> Transformer:
+def load_transformer(f: GGUFFile, device: torch.device, progress: bool = True,
+                     make_experts: ExpertsFactory | None = None) -> Transformer:
     module = check_architecture(f)
     cfg = ModelConfig.from_gguf(f)
     total = sum(t.n_bytes for t in f.tensors.values())
     with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=not progress,
               leave=False, delay=0.5) as bar:  # shown only when loading takes a while
-        w = Weights(f, device, bar)
+        w = Weights(f, device, bar, make_experts)
         token_embd = w("token_embd.weight", (cfg.n_vocab, cfg.n_embd))
         output = w("output.weight", (cfg.n_vocab, cfg.n_embd), optional=True)
         model = Transformer(
             config=cfg,
             token_embd=token_embd,
             blocks=[],
-            output_norm=RMSNorm(w("output_norm.weight", (cfg.n_embd,)), cfg.rms_eps),
-            output=Linear(token_embd if output is None else output),  # tied embeddings when absent
+            output_norm=RMSNorm(w("output_norm.weight", (cfg.n_embd,)), cfg.rms_eps,
+                                w("output_norm.bias", (cfg.n_embd,), optional=True)),  # bias: phimoe
+            output=Linear(token_embd if output is None else output,  # tied embeddings when absent
+                          w("output.bias", (cfg.n_vocab,), optional=True)),
         )
         model.blocks = [module.build_block(cfg, i, w.layer(i), model.observers) for i in range(cfg.n_layer)]
     return model

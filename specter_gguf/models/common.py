@@ -2,22 +2,32 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from tqdm import tqdm
 
 from specter_gguf.config import ModelConfig
 from specter_gguf.gguf_file import GGUFFile
-from specter_gguf.layers import (Attention, Block, FeedForward, Linear, MoE, ResidentExperts, RMSNorm, Rope, Router,
-                                  RoutingObserver)
+from specter_gguf.layers import (Attention, Block, Experts, FeedForward, Linear, MoE, ResidentExperts, RMSNorm, Rope,
+                                  Router, RoutingObserver, rope_for)
 from specter_gguf.weights import load_tensor
+
+
+ExpertsFactory = Callable[[ModelConfig, int, "Weights"], Experts]
+"""Makes layer i's routed experts; `routed_experts` (all resident on the device) unless the runtime
+supplies another placement (host store + GPU cache, quantized draft copy)."""
 
 
 class Weights:
     """Named tensors of the file, validated and loaded onto the device: `w(name, shape)`. `layer(i)` gives
-    the same accessor for names relative to block i (`attn_q.weight` -> `blk.i.attn_q.weight`)."""
+    the same accessor for names relative to block i (`attn_q.weight` -> `blk.i.attn_q.weight`).
+    `make_experts` places each layer's routed experts."""
 
-    def __init__(self, f: GGUFFile, device: torch.device, bar: tqdm, prefix: str = "") -> None:
+    def __init__(self, f: GGUFFile, device: torch.device, bar: tqdm, make_experts: ExpertsFactory | None = None,
+                 prefix: str = "") -> None:
         self.f, self.device, self.bar, self.prefix = f, device, bar, prefix
+        self.make_experts = make_experts or (lambda cfg, i, w: routed_experts(cfg, w))
 
     def __call__(self, name: str, shape: tuple[int, ...], optional: bool = False) -> torch.Tensor | None:
         name = self.prefix + name
@@ -28,7 +38,7 @@ class Weights:
         return load_tensor(t, self.device)
 
     def layer(self, i: int) -> Weights:
-        return Weights(self.f, self.device, self.bar, f"blk.{i}.")
+        return Weights(self.f, self.device, self.bar, self.make_experts, f"blk.{i}.")
 
 
 def attention(cfg: ModelConfig, w: Weights, neox: bool, qk_norm: str | None = None) -> Attention:
@@ -42,7 +52,7 @@ def attention(cfg: ModelConfig, w: Weights, neox: bool, qk_norm: str | None = No
         wk=Linear(w("attn_k.weight", (nkv, cfg.n_embd)), w("attn_k.bias", (nkv,), optional=True)),
         wv=Linear(w("attn_v.weight", (nkv, cfg.n_embd)), w("attn_v.bias", (nkv,), optional=True)),
         wo=Linear(w("attn_output.weight", (cfg.n_embd, nq)), w("attn_output.bias", (cfg.n_embd,), optional=True)),
-        rope=Rope(cfg.rope_dim, cfg.rope_base, neox, cfg.rope_freq_scale),
+        rope=rope_for(cfg, neox),  # plain Rope unless the file asks for YaRN scaling
         q_norm=RMSNorm(w("attn_q_norm.weight", (norm_q,)), cfg.rms_eps) if qk_norm else None,
         k_norm=RMSNorm(w("attn_k_norm.weight", (norm_k,)), cfg.rms_eps) if qk_norm else None,
     )
@@ -72,5 +82,5 @@ def moe_block(cfg: ModelConfig, i: int, w: Weights, observers: list[RoutingObser
         attn_norm=norm(cfg, w, "attn_norm"),
         attn=attention(cfg, w, neox=neox, qk_norm=qk_norm),
         ffn_norm=norm(cfg, w, "ffn_norm"),
-        ffn=MoE(i, router(cfg, w, normalize_topk), routed_experts(cfg, w), observers, shared, shared_gate),
+        ffn=MoE(i, router(cfg, w, normalize_topk), w.make_experts(cfg, i, w), observers, shared, shared_gate),
     )

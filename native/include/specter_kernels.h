@@ -1,0 +1,103 @@
+/*
+ * specter_kernels.h - matrix kernels over GGUF-typed weights (libspecter).
+ *
+ * Every operation has a CPU entry point (specter_*) and a CUDA one (specter_cuda_*) with the same
+ * data arguments; the last argument differs: `n_threads` (CPU threads, <= 0: all cores) for the
+ * CPU, `stream` (a cudaStream_t, NULL = the legacy default stream) for CUDA. CUDA entry points take
+ * device pointers, enqueue work on `stream` and never synchronize the host (so they can be captured
+ * in a CUDA graph); they return SPECTER_ERR_NO_CUDA in a CPU-only build. Argument errors are found
+ * on the host before anything is enqueued; a kernel launch failure gives SPECTER_ERR_CUDA.
+ *
+ * Weights are in GGUF block layout exactly as stored in the file: a matrix W [n, k] is n rows of
+ * k elements each, row r at byte offset r * row_size(type, k). k must be a multiple of the type's
+ * block (SPECTER_ERR_BAD_SHAPE otherwise). Types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+ * Q2_K..Q6_K.
+ * All accumulation is float32.
+ */
+#ifndef SPECTER_KERNELS_H
+#define SPECTER_KERNELS_H
+
+#include "specter.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* SPECTER_CDEF_BEGIN */
+
+/* Algorithm choice of specter_cuda_qmatmul (the CPU has one algorithm and ignores it). */
+enum specter_qmatmul_algo {
+    SPECTER_ALGO_AUTO  = 0, /* GEMV for m <= 8, the tiled f16 tensor-core kernel above            */
+    SPECTER_ALGO_GEMV  = 1, /* weights dequantized in registers, fp32 FMA, 8 rows of X per pass    */
+    SPECTER_ALGO_TILED = 2  /* W tile dequantized to f16 in shared memory, X rounded to f16, mma  */
+};
+
+/* ---- row dequantization on the GPU -------------------------------------------------------- */
+
+/* Same contract as specter_dequantize_rows(_f16) (bit-exact with ggml), device pointers. */
+SPECTER_API int specter_cuda_dequantize_rows(int type, const void * src, float * dst,
+                                             int64_t n_rows, int64_t row_len, void * stream);
+SPECTER_API int specter_cuda_dequantize_rows_f16(int type, const void * src, uint16_t * dst,
+                                                 int64_t n_rows, int64_t row_len, void * stream);
+
+/* Gather and dequantize rows: dst[i, :] = row ids[i] of the [n_rows, row_len] matrix src
+ * (embedding lookup). An id outside [0, n_rows) gives a row of NaN. */
+SPECTER_API int specter_get_rows(int type, const void * src, int64_t n_rows, int64_t row_len,
+                                 const int32_t * ids, int64_t n_ids, float * dst, int n_threads);
+SPECTER_API int specter_cuda_get_rows(int type, const void * src, int64_t n_rows, int64_t row_len,
+                                      const int32_t * ids, int64_t n_ids, float * dst, void * stream);
+
+/* ---- Y[m, n] = X[m, k] . W[n, k]^T ------------------------------------------------------- */
+
+/* x: m rows of k elements, x_type SPECTER_TYPE_F32 or SPECTER_TYPE_F16, contiguous. y: float32,
+ * m rows of n, contiguous. m >= 1 (any m; m <= 64 is the intended range). `algo` is a
+ * specter_qmatmul_algo (CUDA only). With the GEMV algorithm each row of y depends only on the
+ * same row of x (bitwise the same result whatever m is). */
+SPECTER_API int specter_qmatmul(int w_type, const void * w, int64_t n, int64_t k,
+                                int x_type, const void * x, int64_t m, float * y,
+                                int algo, int n_threads);
+SPECTER_API int specter_cuda_qmatmul(int w_type, const void * w, int64_t n, int64_t k,
+                                     int x_type, const void * x, int64_t m, float * y,
+                                     int algo, void * stream);
+
+/* ---- grouped MoE feed-forward ------------------------------------------------------------ */
+
+/* out[t] (+)= sum_j weights[t, j] * down_e( silu(gate_e x[t]) * up_e x[t] ),  e = ids[t, j]
+ *
+ * x [n_tokens, d_model] f32; ids [n_tokens, top_k] int32; weights [n_tokens, top_k] f32;
+ * out [n_tokens, d_model] f32 (overwritten, or added to when `accumulate` is non-zero).
+ * Experts are given by pointer tables: gate_ptrs/up_ptrs/down_ptrs are arrays of n_expert uint64
+ * addresses (device memory for CUDA, host memory for the CPU); address e points at expert e's
+ * matrix in its GGUF type: gate and up [d_ff, d_model], down [d_model, d_ff]. Expert storage is
+ * thus free: contiguous (base + e * stride), cache slots anywhere, a quantized copy ...
+ * A slot whose id is outside [0, n_expert), or whose expert has a zero address in any of the
+ * three tables, contributes nothing (lets a caller run only the experts that are resident).
+ * Deterministic: the same inputs give bitwise the same out, and each token's result does not
+ * depend on the other tokens of the batch. The workspace (any alignment >= 256 bytes) must hold
+ * specter_moe_workspace_size bytes; it is scratch (device memory for CUDA). */
+SPECTER_API int specter_moe_workspace_size(int64_t n_tokens, int64_t top_k, int64_t n_expert,
+                                           int64_t d_model, int64_t d_ff, size_t * out_bytes);
+SPECTER_API int specter_moe_ffn(const float * x, int64_t n_tokens, int64_t d_model,
+                                const int32_t * ids, const float * weights, int64_t top_k,
+                                int64_t n_expert, int64_t d_ff,
+                                const uint64_t * gate_ptrs, int gate_type,
+                                const uint64_t * up_ptrs, int up_type,
+                                const uint64_t * down_ptrs, int down_type,
+                                void * workspace, size_t workspace_bytes,
+                                float * out, int accumulate, int n_threads);
+SPECTER_API int specter_cuda_moe_ffn(const float * x, int64_t n_tokens, int64_t d_model,
+                                     const int32_t * ids, const float * weights, int64_t top_k,
+                                     int64_t n_expert, int64_t d_ff,
+                                     const uint64_t * gate_ptrs, int gate_type,
+                                     const uint64_t * up_ptrs, int up_type,
+                                     const uint64_t * down_ptrs, int down_type,
+                                     void * workspace, size_t workspace_bytes,
+                                     float * out, int accumulate, void * stream);
+
+/* SPECTER_CDEF_END */
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* SPECTER_KERNELS_H */

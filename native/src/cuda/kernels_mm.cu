@@ -1,0 +1,255 @@
+// CUDA kernels over GGUF-typed matrices: row dequantization / gather, the GEMV (weights decoded in
+// registers, fp32 FMA) and the tiled GEMM (a W tile decoded to f16 in shared memory, tensor-core
+// mma through WMMA, fp32 accumulation). Entry points of specter_kernels.h.
+#include <mma.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "kernels_common.h"
+#include "quant.cuh"
+
+namespace specter {
+namespace cuda {
+namespace {
+
+// ---- dequantize (optionally gathered) rows --------------------------------------------------------
+template <class TT, bool HALF>
+__global__ void dequant_kernel(const uint8_t * __restrict__ src, long long rb, long long n_out_rows, int k,
+                               const int32_t * __restrict__ ids, long long n_src_rows, void * __restrict__ dst) {
+    const long long upr = (long long)(k / TT::QK) * TT::NU;  // units per row
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n_out_rows * upr) return;
+    const long long row = i / upr, rem = i % upr;
+    const int b = int(rem / TT::NU), u = int(rem % TT::NU);
+    long long sr = row;
+    bool bad = false;
+    if (ids) {
+        sr = ids[row];
+        bad = sr < 0 || sr >= n_src_rows;
+    }
+    float v[TT::E];
+    if (bad) {
+#pragma unroll
+        for (int e = 0; e < TT::E; ++e) v[e] = __int_as_float(0x7fc00000);
+    } else {
+        TT::template decode<true>(src + sr * rb + (long long)b * TT::BYTES, u, v);
+    }
+    const long long base = row * k + (long long)b * TT::QK;
+#pragma unroll
+    for (int g = 0; g < TT::E / TT::G; ++g)
+#pragma unroll
+        for (int e = 0; e < TT::G; ++e) {
+            const long long o = base + TT::xoff(u, g) + e;
+            if (HALF)
+                static_cast<__half *>(dst)[o] = __float2half_rn(v[g * TT::G + e]);
+            else
+                static_cast<float *>(dst)[o] = v[g * TT::G + e];
+        }
+}
+
+int dequant(int type, const void * src, long long n_src_rows, long long row_len, const int32_t * ids, long long n_out,
+            void * dst, bool half, void * stream) {
+    const TypeInfo * t = nullptr;
+    int rc = check_weight(type, n_src_rows, row_len, &t);
+    if (rc != SPECTER_OK) return rc;
+    if (n_out < 0) return SPECTER_ERR_INVALID_ARG;
+    if (n_out == 0 || row_len == 0) return SPECTER_OK;
+    if (!src || !dst || !aligned_for(type, uintptr_t(src))) return SPECTER_ERR_INVALID_ARG;
+    if (row_len > (1LL << 31) - 256) return SPECTER_ERR_INVALID_ARG;
+    const long long rb = row_bytes(*t, row_len);
+    cudaGetLastError();
+    with_type(type, false, [&](auto tag) {
+        using TT = typename decltype(tag)::type;
+        const long long total = n_out * (row_len / TT::QK) * TT::NU;
+        const unsigned blocks = unsigned((total + 255) / 256);
+        auto kern = half ? dequant_kernel<TT, true> : dequant_kernel<TT, false>;
+        kern<<<blocks, 256, 0, cudaStream_t(stream)>>>(static_cast<const uint8_t *>(src), rb, n_out, int(row_len),
+                                                        ids, n_src_rows, dst);
+    });
+    return launch_status();
+}
+
+// ---- GEMV: NR rows of W per CTA, M rows of X per grid.y ---------------------------------------------
+// More rows per CTA at m = 1 puts more loads in flight per thread; the result of a row does not depend on
+// NR (each row's units are split over the threads the same way), so rows stay independent of m bitwise.
+__host__ __device__ constexpr int gemv_rows(int M) { return M == 1 ? 4 : 2; }
+
+template <class TT, int M, class XT>
+__global__ void __launch_bounds__(256) gemv_kernel(const uint8_t * __restrict__ w, long long rb, int n, int k,
+                                                   const XT * __restrict__ x, int m, float * __restrict__ y) {
+    constexpr int NR = gemv_rows(M);
+    __shared__ float red[8 * NR * M];
+    const int row0 = blockIdx.x * NR, t0 = blockIdx.y * M;
+    const uint8_t * rows[NR];
+#pragma unroll
+    for (int r = 0; r < NR; ++r) rows[r] = w + (long long)min(row0 + r, n - 1) * rb;
+    const XT * xs[M];
+#pragma unroll
+    for (int t = 0; t < M; ++t) xs[t] = x + (long long)min(t0 + t, m - 1) * k;
+    float acc[NR][M];
+#pragma unroll
+    for (int r = 0; r < NR; ++r)
+#pragma unroll
+        for (int t = 0; t < M; ++t) acc[r][t] = 0.0f;
+    cta_dot<TT, M, NR, XT>(rows, xs, k / TT::QK, acc);
+    float flat[NR * M];
+#pragma unroll
+    for (int r = 0; r < NR; ++r)
+#pragma unroll
+        for (int t = 0; t < M; ++t) flat[r * M + t] = acc[r][t];
+    const float s = cta_sum<NR * M>(flat, red);
+    if (threadIdx.x < NR * M) {
+        const int r = threadIdx.x / M, t = threadIdx.x % M;
+        if (row0 + r < n && t0 + t < m) y[(long long)(t0 + t) * n + row0 + r] = s;
+    }
+}
+
+template <class TT, class XT>
+void launch_gemv(const uint8_t * w, long long rb, int n, int k, const XT * x, int m, float * y, cudaStream_t st) {
+    const int M = m <= 1 ? 1 : m <= 2 ? 2 : m <= 4 ? 4 : 8;
+    const int nr = gemv_rows(M);
+    const dim3 grid(unsigned((n + nr - 1) / nr), unsigned((m + M - 1) / M));
+    const int threads = cta_threads((long long)(k / TT::QK) * TT::NU);
+    switch (M) {
+        case 1: gemv_kernel<TT, 1, XT><<<grid, threads, 0, st>>>(w, rb, n, k, x, m, y); break;
+        case 2: gemv_kernel<TT, 2, XT><<<grid, threads, 0, st>>>(w, rb, n, k, x, m, y); break;
+        case 4: gemv_kernel<TT, 4, XT><<<grid, threads, 0, st>>>(w, rb, n, k, x, m, y); break;
+        default: gemv_kernel<TT, 8, XT><<<grid, threads, 0, st>>>(w, rb, n, k, x, m, y); break;
+    }
+}
+
+// ---- tiled GEMM: C[64 x 64] per CTA, k in chunks of 128, 4 warps each owning 16 columns of W ------
+constexpr int TBM = 64, TBN = 64, TBK = 128, TLD = TBK + 8, CLD = TBN + 4;
+
+template <class TT>
+__global__ void __launch_bounds__(128) tiled_kernel(const uint8_t * __restrict__ w, long long rb, int n, int k,
+                                                    int x_half, const void * __restrict__ xv, int m,
+                                                    float * __restrict__ y) {
+    using namespace nvcuda;
+    static_assert(TT::NU * TBK % TT::QK == 0, "a k-chunk must hold whole units");
+    constexpr int UPC = TT::NU * TBK / TT::QK;  // units per row per k-chunk
+    __shared__ __align__(32) __half smem[2 * TBM * TLD];
+    __half * Xs = smem;
+    __half * Ws = smem + TBM * TLD;
+    float * Cs = reinterpret_cast<float *>(smem);
+    const int n0 = blockIdx.x * TBN, m0 = blockIdx.y * TBM, warp = threadIdx.x >> 5;
+    const int mrows = min(TBM, m - m0), mfrags = (mrows + 15) / 16;
+    const int nblocks = k / TT::QK;
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4];
+#pragma unroll
+    for (int f = 0; f < 4; ++f) wmma::fill_fragment(acc[f], 0.0f);
+
+    for (int k0 = 0; k0 < k; k0 += TBK) {
+        const int kvalid = min(TBK, k - k0);
+        for (int i = threadIdx.x; i < mfrags * 16 * TBK; i += blockDim.x) {
+            const int mi = i / TBK, kk = i % TBK;
+            __half h = __float2half_rn(0.0f);
+            if (mi < mrows && kk < kvalid) {
+                const long long o = (long long)(m0 + mi) * k + k0 + kk;
+                h = x_half ? static_cast<const __half *>(xv)[o] : __float2half_rn(static_cast<const float *>(xv)[o]);
+            }
+            Xs[mi * TLD + kk] = h;
+        }
+        if (kvalid < TBK)
+            for (int i = threadIdx.x; i < TBN * (TBK - kvalid); i += blockDim.x)
+                Ws[(i / (TBK - kvalid)) * TLD + kvalid + i % (TBK - kvalid)] = __float2half_rn(0.0f);
+        const int c = k0 / TBK;
+        for (int i = threadIdx.x; i < TBN * UPC; i += blockDim.x) {
+            const int ri = i / UPC, j = i % UPC;
+            const int gu = c * UPC + j, b = gu / TT::NU, u = gu % TT::NU;
+            if (b >= nblocks) continue;
+            const uint8_t * row = w + (long long)min(n0 + ri, n - 1) * rb;
+            float v[TT::E];
+            TT::template decode<false>(row + (long long)b * TT::BYTES, u, v);
+#pragma unroll
+            for (int g = 0; g < TT::E / TT::G; ++g)
+#pragma unroll
+                for (int e = 0; e < TT::G; ++e)
+                    Ws[ri * TLD + b * TT::QK + TT::xoff(u, g) + e - k0] = __float2half_rn(v[g * TT::G + e]);
+        }
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < TBK / 16; ++kk) {
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> bf;
+            wmma::load_matrix_sync(bf, Ws + warp * 16 * TLD + kk * 16, TLD);
+#pragma unroll
+            for (int f = 0; f < 4; ++f) {
+                if (f < mfrags) {
+                    wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> af;
+                    wmma::load_matrix_sync(af, Xs + f * 16 * TLD + kk * 16, TLD);
+                    wmma::mma_sync(acc[f], af, bf, acc[f]);
+                }
+            }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int f = 0; f < 4; ++f)
+        if (f < mfrags) wmma::store_matrix_sync(Cs + f * 16 * CLD + warp * 16, acc[f], CLD, wmma::mem_row_major);
+    __syncthreads();
+    for (int i = threadIdx.x; i < mrows * TBN; i += blockDim.x) {
+        const int mi = i / TBN, ni = i % TBN;
+        if (n0 + ni < n) y[(long long)(m0 + mi) * n + n0 + ni] = Cs[mi * CLD + ni];
+    }
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace specter
+
+using namespace specter;
+using namespace specter::cuda;
+
+extern "C" {
+
+int specter_cuda_dequantize_rows(int type, const void * src, float * dst, int64_t n_rows, int64_t row_len,
+                                 void * stream) {
+    return dequant(type, src, n_rows, row_len, nullptr, n_rows, dst, false, stream);
+}
+
+int specter_cuda_dequantize_rows_f16(int type, const void * src, uint16_t * dst, int64_t n_rows, int64_t row_len,
+                                     void * stream) {
+    return dequant(type, src, n_rows, row_len, nullptr, n_rows, dst, true, stream);
+}
+
+int specter_cuda_get_rows(int type, const void * src, int64_t n_rows, int64_t row_len, const int32_t * ids,
+                          int64_t n_ids, float * dst, void * stream) {
+    if (n_ids > 0 && row_len > 0 && !ids) return SPECTER_ERR_INVALID_ARG;
+    return dequant(type, src, n_rows, row_len, ids, n_ids, dst, false, stream);
+}
+
+int specter_cuda_qmatmul(int w_type, const void * w, int64_t n, int64_t k, int x_type, const void * x, int64_t m,
+                         float * y, int algo, void * stream) {
+    const TypeInfo * t = nullptr;
+    const int rc = check_qmatmul(w_type, w, n, k, x_type, x, m, y, &t);
+    if (rc != SPECTER_OK) return rc;
+    if (algo < SPECTER_ALGO_AUTO || algo > SPECTER_ALGO_TILED) return SPECTER_ERR_INVALID_ARG;
+    if (m == 0 || n == 0) return SPECTER_OK;
+    const cudaStream_t st = cudaStream_t(stream);
+    cudaGetLastError();
+    if (k == 0) {
+        cudaMemsetAsync(y, 0, size_t(m * n) * sizeof(float), st);
+        return launch_status();
+    }
+    if (!aligned_for(w_type, uintptr_t(w)) || uintptr_t(x) % 16 != 0) return SPECTER_ERR_INVALID_ARG;
+    const bool tiled = algo == SPECTER_ALGO_TILED || (algo == SPECTER_ALGO_AUTO && m > 8);
+    if (tiled && m > 65535LL * 64) return SPECTER_ERR_INVALID_ARG;
+    const bool vec = vec_ok(w_type, k, uintptr_t(w));
+    const long long rb = row_bytes(*t, k);
+    const uint8_t * wb = static_cast<const uint8_t *>(w);
+    with_type(w_type, vec, [&](auto tag) {
+        using TT = typename decltype(tag)::type;
+        if (tiled) {
+            const dim3 grid(unsigned((n + TBN - 1) / TBN), unsigned((m + TBM - 1) / TBM));
+            tiled_kernel<TT><<<grid, 128, 0, st>>>(wb, rb, int(n), int(k), x_type == SPECTER_TYPE_F16, x, int(m), y);
+        } else if (x_type == SPECTER_TYPE_F16) {
+            launch_gemv<TT, __half>(wb, rb, int(n), int(k), static_cast<const __half *>(x), int(m), y, st);
+        } else {
+            launch_gemv<TT, float>(wb, rb, int(n), int(k), static_cast<const float *>(x), int(m), y, st);
+        }
+    });
+    return launch_status();
+}
+
+}  // extern "C"

@@ -1,0 +1,253 @@
+// CUDA grouped MoE feed-forward (specter_cuda_moe_ffn): experts given by device tables of
+// per-expert addresses, routing read from device memory, no host synchronisation.
+//
+// Launches (all on the caller's stream, fixed workspace, capturable in a CUDA graph):
+//   1. route:   group the (token, slot) pairs by expert, deterministically (one CTA);
+//   2. gate/up: grid (d_ff rows / 1-2, groups); each CTA reads 1-2 gate rows and up rows of its group's
+//               expert once per chunk of <= 8 tokens and writes act = silu(gate.x) * (up.x)
+//               (gate and up of different types: two launches and an elementwise silu-mul);
+//   3. down:    grid (d_model rows / 2-4, groups): ypair[pair] = down . act[pair];
+//   4. reduce:  out[t] (+)= sum over the token's slots, in slot order, of weight * ypair.
+// Every value is computed by a fixed sequence of operations, so results are bitwise reproducible
+// and each token's result is independent of the other tokens in the batch.
+#include <cstdint>
+
+#include "kernels_common.h"
+#include "quant.cuh"
+
+namespace specter {
+namespace cuda {
+namespace {
+
+constexpr int kMaxExperts = 2048;
+
+__device__ __forceinline__ bool expert_ok(int e, int n_expert, const uint64_t * gp, const uint64_t * up,
+                                          const uint64_t * dp) {
+    return e >= 0 && e < n_expert && gp[e] != 0 && up[e] != 0 && dp[e] != 0;
+}
+
+// meta: group_expert[G], group_off[G + 1], n_groups[1], perm[P]
+__global__ void __launch_bounds__(1024) route_kernel(const int32_t * __restrict__ ids, int P, int n_expert,
+                                                     const uint64_t * __restrict__ gp,
+                                                     const uint64_t * __restrict__ up,
+                                                     const uint64_t * __restrict__ dp, int * __restrict__ meta,
+                                                     int G) {
+    __shared__ int cnt[kMaxExperts];
+    __shared__ int start[kMaxExperts];
+    int * group_expert = meta;
+    int * group_off = meta + G;
+    int * n_groups = meta + 2 * G + 1;
+    int * perm = meta + 2 * G + 2;
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) cnt[e] = 0;
+    __syncthreads();
+    for (int p = threadIdx.x; p < P; p += blockDim.x) {
+        const int e = ids[p];
+        if (expert_ok(e, n_expert, gp, up, dp)) atomicAdd(&cnt[e], 1);  // counts: order-free
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int off = 0, ng = 0;
+        for (int e = 0; e < n_expert; ++e) {
+            start[e] = off;
+            if (cnt[e] > 0) {
+                group_expert[ng] = e;
+                group_off[ng] = off;
+                ++ng;
+                off += cnt[e];
+            }
+        }
+        group_off[ng] = off;
+        *n_groups = ng;
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {  // stable placement, 32 pairs at a time, by one warp
+        const int lane = threadIdx.x;
+        for (int base = 0; base < P; base += 32) {
+            const int p = base + lane;
+            const int e = p < P ? ids[p] : -1;
+            const bool ok = p < P && expert_ok(e, n_expert, gp, up, dp);
+            const unsigned mask = __match_any_sync(0xffffffffu, ok ? e : -1);
+            const int lower = __popc(mask & ((1u << lane) - 1u));
+            if (ok) perm[start[e] + lower] = p;
+            __syncwarp();
+            if (ok && lower == 0) start[e] += __popc(mask);
+            __syncwarp();
+        }
+    }
+}
+
+__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
+
+// Weight rows per CTA (per matrix when fused): more at M = 1 for more loads in flight; a row's result does
+// not depend on it.
+__host__ __device__ constexpr int moe_rows(int M, bool fused) { return fused ? (M == 1 ? 2 : 1) : (M == 1 ? 4 : 2); }
+
+// FUSED: rows RF*blockIdx.x + r (r < RF) of tabA (gate) and tabB (up) -> dst[pair, row] = silu(a) * b.
+// else:  rows R*blockIdx.x + r of tabA -> dst[pair, row] = a.
+// X row of a pair: xin + (x_per_pair ? pair : pair / top_k) * k.
+template <class TT, int M, bool FUSED>
+__global__ void __launch_bounds__(256) moe_rows_kernel(const uint64_t * __restrict__ tabA,
+                                                       const uint64_t * __restrict__ tabB, long long rb, int n_out,
+                                                       int k, const float * __restrict__ xin, int x_per_pair,
+                                                       int top_k, const int * __restrict__ meta, int G,
+                                                       float * __restrict__ dst) {
+    constexpr int RF = moe_rows(M, FUSED);     // rows per matrix
+    constexpr int NR = FUSED ? 2 * RF : RF;    // rows dotted per CTA
+    __shared__ float red[8 * NR * M];
+    __shared__ float res[NR * M];
+    const int gi = blockIdx.y;
+    if (gi >= meta[2 * G + 1]) return;  // fewer groups than the grid allows for
+    const int e = meta[gi], q0 = meta[G + gi], q1 = meta[G + gi + 1];
+    const int * perm = meta + 2 * G + 2;
+    const int row0 = blockIdx.x * RF;
+    const uint8_t * rows[NR];
+#pragma unroll
+    for (int r = 0; r < RF; ++r) {
+        const long long off = (long long)min(row0 + r, n_out - 1) * rb;
+        rows[r] = reinterpret_cast<const uint8_t *>(tabA[e]) + off;
+        if (FUSED) rows[RF + r] = reinterpret_cast<const uint8_t *>(tabB[e]) + off;
+    }
+    for (int q = q0; q < q1; q += M) {
+        const int cnt = min(M, q1 - q);
+        const float * xs[M];
+        int pr[M];
+#pragma unroll
+        for (int t = 0; t < M; ++t) {
+            pr[t] = perm[q + min(t, cnt - 1)];
+            xs[t] = xin + (long long)(x_per_pair ? pr[t] : pr[t] / top_k) * k;
+        }
+        float acc[NR][M];
+#pragma unroll
+        for (int r = 0; r < NR; ++r)
+#pragma unroll
+            for (int t = 0; t < M; ++t) acc[r][t] = 0.0f;
+        cta_dot<TT, M, NR, float>(rows, xs, k / TT::QK, acc);
+        float flat[NR * M];
+#pragma unroll
+        for (int r = 0; r < NR; ++r)
+#pragma unroll
+            for (int t = 0; t < M; ++t) flat[r * M + t] = acc[r][t];
+        const float s = cta_sum<NR * M>(flat, red);
+        if (FUSED) {
+            if (threadIdx.x < NR * M) res[threadIdx.x] = s;
+            __syncthreads();
+            if (threadIdx.x < RF * M) {
+                const int r = threadIdx.x / M, t = threadIdx.x % M;
+                if (t < cnt && row0 + r < n_out)
+                    dst[(long long)perm[q + t] * n_out + row0 + r] = silu(res[r * M + t]) * res[(RF + r) * M + t];
+            }
+            __syncthreads();
+        } else if (threadIdx.x < NR * M) {
+            const int r = threadIdx.x / M, t = threadIdx.x % M;
+            if (t < cnt && row0 + r < n_out) dst[(long long)perm[q + t] * n_out + row0 + r] = s;
+        }
+    }
+}
+
+__global__ void silu_mul_kernel(float * __restrict__ act, const float * __restrict__ aux, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) act[i] = silu(act[i]) * aux[i];
+}
+
+__global__ void reduce_kernel(const float * __restrict__ ypair, const int32_t * __restrict__ ids,
+                              const float * __restrict__ weights, int top_k, int n_expert,
+                              const uint64_t * __restrict__ gp, const uint64_t * __restrict__ up,
+                              const uint64_t * __restrict__ dp, long long T, int d, float * __restrict__ out,
+                              int accumulate) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= T * d) return;
+    const long long t = i / d;
+    const int c = int(i % d);
+    float s = accumulate ? out[i] : 0.0f;
+    for (int j = 0; j < top_k; ++j) {
+        const long long p = t * top_k + j;
+        if (expert_ok(ids[p], n_expert, gp, up, dp)) s = fmaf(weights[p], ypair[p * d + c], s);
+    }
+    out[i] = s;
+}
+
+template <class TT, bool FUSED>
+void launch_rows(int M, dim3 grid, int threads, cudaStream_t st, const uint64_t * tabA, const uint64_t * tabB,
+                 long long rb, int n_out, int k, const float * xin, int x_per_pair, int top_k, const int * meta, int G,
+                 float * dst) {
+    switch (M) {
+        case 1: moe_rows_kernel<TT, 1, FUSED><<<grid, threads, 0, st>>>(tabA, tabB, rb, n_out, k, xin, x_per_pair, top_k, meta, G, dst); break;
+        case 2: moe_rows_kernel<TT, 2, FUSED><<<grid, threads, 0, st>>>(tabA, tabB, rb, n_out, k, xin, x_per_pair, top_k, meta, G, dst); break;
+        case 4: moe_rows_kernel<TT, 4, FUSED><<<grid, threads, 0, st>>>(tabA, tabB, rb, n_out, k, xin, x_per_pair, top_k, meta, G, dst); break;
+        default: moe_rows_kernel<TT, 8, FUSED><<<grid, threads, 0, st>>>(tabA, tabB, rb, n_out, k, xin, x_per_pair, top_k, meta, G, dst); break;
+    }
+}
+
+// dst[pair, rows] for one projection (single matrix per expert)
+void project(int type, const TypeInfo & t, const uint64_t * tab, int n_out, int k, const float * xin, int x_per_pair,
+             int top_k, const int * meta, int G, int M, float * dst, cudaStream_t st) {
+    const bool vec = vec_ok(type, k, 0);
+    with_type(type, vec, [&](auto tag) {
+        using TT = typename decltype(tag)::type;
+        const int rpc = moe_rows(M, false);
+        const dim3 grid(unsigned((n_out + rpc - 1) / rpc), unsigned(G));
+        launch_rows<TT, false>(M, grid, cta_threads((long long)(k / TT::QK) * TT::NU), st, tab, nullptr,
+                               row_bytes(t, k), n_out, k, xin, x_per_pair, top_k, meta, G, dst);
+    });
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace specter
+
+using namespace specter;
+using namespace specter::cuda;
+
+extern "C" int specter_cuda_moe_ffn(const float * x, int64_t n_tokens, int64_t d_model, const int32_t * ids,
+                                    const float * weights, int64_t top_k, int64_t n_expert, int64_t d_ff,
+                                    const uint64_t * gate_ptrs, int gate_type, const uint64_t * up_ptrs, int up_type,
+                                    const uint64_t * down_ptrs, int down_type, void * workspace,
+                                    size_t workspace_bytes, float * out, int accumulate, void * stream) {
+    const MoeArgs a{x, n_tokens, d_model, ids, weights, top_k, n_expert, d_ff, gate_ptrs, up_ptrs, down_ptrs,
+                    gate_type, up_type, down_type, workspace, workspace_bytes, out, accumulate};
+    MoeLayout L;
+    const TypeInfo *tg = nullptr, *tu = nullptr, *td = nullptr;
+    const int rc = check_moe(a, &L, &tg, &tu, &td);
+    if (rc != SPECTER_OK) return rc;
+    if (n_tokens == 0 || d_model == 0) return SPECTER_OK;
+    if (n_expert > kMaxExperts || L.P >= (int64_t(1) << 31) / (d_ff > d_model ? d_ff + 1 : d_model + 1))
+        return SPECTER_ERR_INVALID_ARG;
+    if (uintptr_t(x) % 16 != 0 || uintptr_t(workspace) % kWsAlign != 0) return SPECTER_ERR_INVALID_ARG;
+    const cudaStream_t st = cudaStream_t(stream);
+    cudaGetLastError();
+    char * ws = static_cast<char *>(workspace);
+    int * meta = reinterpret_cast<int *>(ws + L.meta);
+    float * act = reinterpret_cast<float *>(ws + L.act);
+    float * aux = reinterpret_cast<float *>(ws + L.aux);
+    float * ypair = reinterpret_cast<float *>(ws + L.ypair);
+    const int P = int(L.P), G = int(L.G), T = int(n_tokens), K = int(top_k), E = int(n_expert);
+    const int D = int(d_model), F = int(d_ff);
+    if (P > 0 && E > 0) {
+        route_kernel<<<1, 1024, 0, st>>>(ids, P, E, gate_ptrs, up_ptrs, down_ptrs, meta, G);
+        const int M = T <= 1 ? 1 : T <= 2 ? 2 : T <= 4 ? 4 : 8;  // rows of X per pass (<= tokens per group)
+        if (F == 0) {
+            cudaMemsetAsync(ypair, 0, size_t(P) * D * sizeof(float), st);
+        } else {
+            const bool vec = vec_ok(gate_type, D, 0);
+            if (gate_type == up_type) {
+                with_type(gate_type, vec, [&](auto tag) {
+                    using TT = typename decltype(tag)::type;
+                    const int rpc = moe_rows(M, true);
+                    launch_rows<TT, true>(M, dim3(unsigned((F + rpc - 1) / rpc), unsigned(G)),
+                                          cta_threads((long long)(D / TT::QK) * TT::NU), st, gate_ptrs, up_ptrs,
+                                          row_bytes(*tg, D), F, D, x, 0, K, meta, G, act);
+                });
+            } else {
+                project(gate_type, *tg, gate_ptrs, F, D, x, 0, K, meta, G, M, act, st);
+                project(up_type, *tu, up_ptrs, F, D, x, 0, K, meta, G, M, aux, st);
+                const long long n = (long long)P * F;
+                silu_mul_kernel<<<unsigned((n + 255) / 256), 256, 0, st>>>(act, aux, n);
+            }
+            project(down_type, *td, down_ptrs, D, F, act, 1, K, meta, G, M, ypair, st);
+        }
+    }
+    const long long n = (long long)T * D;
+    reduce_kernel<<<unsigned((n + 255) / 256), 256, 0, st>>>(ypair, ids, weights, K, E, gate_ptrs, up_ptrs,
+                                                             down_ptrs, T, D, out, accumulate);
+    return launch_status();
+}

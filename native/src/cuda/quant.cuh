@@ -1,0 +1,435 @@
+// Device-side GGUF block decoding shared by libspecter's CUDA kernels (internal header).
+//
+// A weight row of k elements is cut into blocks of TT::QK elements (TT::BYTES bytes); each block is
+// cut into TT::NU "units" of TT::E elements that one thread decodes from a few coalesced loads.
+// The E values of a unit are E/G runs of G consecutive elements: run g starts at element
+// TT::xoff(u, g) of its block, so X is read as float4 (G = 4) when possible.
+// decode<EXACT>: EXACT = true reproduces ggml's float32 dequantization bit for bit (no FMA
+// contraction: __fmul_rn/__fsub_rn); EXACT = false lets d*q - m be one FMA (GEMV/GEMM paths).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "specter.h"
+
+namespace specter {
+namespace cuda {
+
+__device__ __forceinline__ float ldh(const uint8_t * p) { return __half2float(*reinterpret_cast<const __half *>(p)); }
+__device__ __forceinline__ uint32_t ld32(const uint8_t * p) { return *reinterpret_cast<const uint32_t *>(p); }
+// 4 bytes at a 2-byte aligned address
+__device__ __forceinline__ uint32_t ld32a2(const uint8_t * p) {
+    const uint16_t * h = reinterpret_cast<const uint16_t *>(p);
+    return uint32_t(h[0]) | (uint32_t(h[1]) << 16);
+}
+
+// The four bytes of w (each < 256 - bias range as the caller knows) as exact floats minus bias:
+// 0x4B0000bb is the float 2^23 + bb.
+__device__ __forceinline__ void bytes_f4(uint32_t w, float bias, float * o) {
+    const float off = 8388608.0f + bias;
+    o[0] = __int_as_float(__byte_perm(w, 0x4B000000u, 0x7440)) - off;
+    o[1] = __int_as_float(__byte_perm(w, 0x4B000000u, 0x7441)) - off;
+    o[2] = __int_as_float(__byte_perm(w, 0x4B000000u, 0x7442)) - off;
+    o[3] = __int_as_float(__byte_perm(w, 0x4B000000u, 0x7443)) - off;
+}
+
+template <bool EXACT>
+__device__ __forceinline__ float dmq(float d, float q, float m) {  // d*q - m
+    if (EXACT) return __fsub_rn(__fmul_rn(d, q), m);
+    return fmaf(d, q, -m);
+}
+
+__device__ __forceinline__ void k4_scale_min(const uint8_t * s, int j, int & sc, int & m) {
+    if (j < 4) {
+        sc = s[j] & 63;
+        m = s[j + 4] & 63;
+    } else {
+        sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
+        m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+// ---- quantized types --------------------------------------------------------------------------
+
+struct TQ8_0 {  // f16 d; int8 qs[32]
+    static constexpr int QK = 32, BYTES = 34, NU = 4, E = 8, G = 4;
+    __device__ static int xoff(int u, int g) { return 8 * u + 4 * g; }
+    template <bool EXACT>
+    __device__ static void decode(const uint8_t * b, int u, float * v) {
+        const float d = ldh(b);
+        const uint32_t w0 = ld32a2(b + 2 + 8 * u) ^ 0x80808080u, w1 = ld32a2(b + 6 + 8 * u) ^ 0x80808080u;
+        bytes_f4(w0, 128.0f, v);
+        bytes_f4(w1, 128.0f, v + 4);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = __fmul_rn(v[i], d);
+    }
+};
+
+struct TQ4_0 {  // f16 d; uint8 qs[16]: element l low nibble of qs[l], l+16 high nibble
+    static constexpr int QK = 32, BYTES = 18, NU = 4, E = 8, G = 4;
+    __device__ static int xoff(int u, int g) { return 4 * u + 16 * g; }
+    template <bool EXACT>
+    __device__ static void decode(const uint8_t * b, int u, float * v) {
+        const float d = ldh(b);
+        const uint32_t w = ld32a2(b + 2 + 4 * u);
+        bytes_f4(w & 0x0f0f0f0fu, 8.0f, v);
+        bytes_f4((w >> 4) & 0x0f0f0f0fu, 8.0f, v + 4);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = __fmul_rn(v[i], d);
+    }
+};
+
+// Spreads bits 0..3 of h to bit 4 of bytes 0..3 (the fifth bit of four Q5_0/Q5_1 quants).
+__device__ __forceinline__ uint32_t hbits4(uint32_t h) {
+    return ((h & 1u) << 4) | ((h & 2u) << 11) | ((h & 4u) << 18) | ((h & 8u) << 25);
+}
+
+struct TQ4_1 {  // f16 d, m; uint8 qs[16]: as Q4_0, value q*d + m
+    static constexpr int QK = 32, BYTES = 20, NU = 4, E = 8, G = 4;
+    __device__ static int xoff(int u, int g) { return 4 * u + 16 * g; }
+    template <bool EXACT>
+    __device__ static void decode(const uint8_t * b, int u, float * v) {
+        const float d = ldh(b), m = ldh(b + 2);
+        const uint32_t w = ld32(b + 4 + 4 * u);
+        bytes_f4(w & 0x0f0f0f0fu, 0.0f, v);
+        bytes_f4((w >> 4) & 0x0f0f0f0fu, 0.0f, v + 4);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = dmq<EXACT>(d, v[i], -m);
+    }
+};
+
+struct TQ5_0 {  // f16 d; uint8 qh[4] (uint32: bit j = fifth bit of element j); uint8 qs[16] as Q4_0
+    static constexpr int QK = 32, BYTES = 22, NU = 4, E = 8, G = 4;
+    __device__ static int xoff(int u, int g) { return 4 * u + 16 * g; }
+    template <bool EXACT>
+    __device__ static void decode(const uint8_t * b, int u, float * v) {
+        const float d = ldh(b);
+        const uint32_t qh = ld32a2(b + 2);
+        const uint32_t w = ld32a2(b + 6 + 4 * u);
+        bytes_f4((w & 0x0f0f0f0fu) | hbits4(qh >> (4 * u)), 16.0f, v);
+        bytes_f4(((w >> 4) & 0x0f0f0f0fu) | hbits4(qh >> (16 + 4 * u)), 16.0f, v + 4);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = __fmul_rn(v[i], d);
+    }
+};
+
+struct TQ5_1 {  // f16 d, m; uint8 qh[4]; uint8 qs[16]: as Q5_0 without the offset, value q*d + m
+    static constexpr int QK = 32, BYTES = 24, NU = 4, E = 8, G = 4;
+    __device__ static int xoff(int u, int g) { return 4 * u + 16 * g; }
+    template <bool EXACT>
+    __device__ static void decode(const uint8_t * b, int u, float * v) {
+        const float d = ldh(b), m = ldh(b + 2);
+        const uint32_t qh = ld32(b + 4);
+        const uint32_t w = ld32(b + 8 + 4 * u);
+        bytes_f4((w & 0x0f0f0f0fu) | hbits4(qh >> (4 * u)), 0.0f, v);
+        bytes_f4(((w >> 4) & 0x0f0f0f0fu) | hbits4(qh >> (16 + 4 * u)), 0.0f, v + 4);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = dmq<EXACT>(d, v[i], -m);
+    }
+};
+
+struct TQ4_K {  // f16 d, dmin; uint8 scales[12]; uint8 qs[128]
+    static constexpr int QK = 256, BYTES = 144, NU = 16, E = 16, G = 4;
+    __device__ static int xoff(int u, int g) { return (u >> 2) * 64 + 8 * (u & 3) + (g & 1) * 4 + (g >> 1) * 32; }
+    template <bool EXACT>
+    __device__ static void decode(const uint8_t * b, int u, float * v) {
+        const int c = u >> 2, l0 = 8 * (u & 3);
+        int s0, m0, s1, m1;
+        k4_scale_min(b + 4, 2 * c, s0, m0);
+        k4_scale_min(b + 4, 2 * c + 1, s1, m1);
+        const float d = ldh(b), dmin = ldh(b + 2);
+        const float d0 = __fmul_rn(d, float(s0)), n0 = __fmul_rn(dmin, float(m0));
+        const float d1 = __fmul_rn(d, float(s1)), n1 = __fmul_rn(dmin, float(m1));
+        const uint32_t q0 = ld32(b + 16 + c * 32 + l0), q1 = ld32(b + 20 + c * 32 + l0);
+        bytes_f4(q0 & 0x0f0f0f0fu, 0.0f, v);
+        bytes_f4(q1 & 0x0f0f0f0fu, 0.0f, v + 4);
+        bytes_f4((q0 >> 4) & 0x0f0f0f0fu, 0.0f, v + 8);
+        bytes_f4((q1 >> 4) & 0x0f0f0f0fu, 0.0f, v + 12);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = dmq<EXACT>(d0, v[i], n0);
+#pragma unroll
+        for (int i = 8; i < 16; ++i) v[i] = dmq<EXACT>(d1, v[i], n1);
+    }
+};
+
+struct TQ5_K {  // f16 d, dmin; uint8 scales[12]; uint8 qh[32]; uint8 qs[128]
+    static constexpr int QK = 256, BYTES = 176, NU = 16, E = 16, G = 4;
+    __device__ static int xoff(int u, int g) { return TQ4_K::xoff(u, g); }
+    template <bool EXACT>
+    __device__ static void decode(const uint8_t * b, int u, float * v) {
+        const int c = u >> 2, l0 = 8 * (u & 3);
+        int s0, m0, s1, m1;
+        k4_scale_min(b + 4, 2 * c, s0, m0);
+        k4_scale_min(b + 4, 2 * c + 1, s1, m1);
+        const float d = ldh(b), dmin = ldh(b + 2);
+        const float d0 = __fmul_rn(d, float(s0)), n0 = __fmul_rn(dmin, float(m0));
+        const float d1 = __fmul_rn(d, float(s1)), n1 = __fmul_rn(dmin, float(m1));
+        const uint32_t q0 = ld32(b + 48 + c * 32 + l0), q1 = ld32(b + 52 + c * 32 + l0);
+        const uint32_t h0 = ld32(b + 16 + l0), h1 = ld32(b + 20 + l0);
+        const int g0 = 2 * c, g1 = 2 * c + 1;
+        bytes_f4((q0 & 0x0f0f0f0fu) | (((h0 >> g0) & 0x01010101u) << 4), 0.0f, v);
+        bytes_f4((q1 & 0x0f0f0f0fu) | (((h1 >> g0) & 0x01010101u) << 4), 0.0f, v + 4);
+        bytes_f4(((q0 >> 4) & 0x0f0f0f0fu) | (((h0 >> g1) & 0x01010101u) << 4), 0.0f, v + 8);
+        bytes_f4(((q1 >> 4) & 0x0f0f0f0fu) | (((h1 >> g1) & 0x01010101u) << 4), 0.0f, v + 12);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = dmq<EXACT>(d0, v[i], n0);
+#pragma unroll
+        for (int i = 8; i < 16; ++i) v[i] = dmq<EXACT>(d1, v[i], n1);
+    }
+};
+
+struct TQ6_K {  // uint8 ql[128]; uint8 qh[64]; int8 scales[16]; f16 d
+    static constexpr int QK = 256, BYTES = 210, NU = 16, E = 16, G = 4;
+    __device__ static int xoff(int u, int g) { return (u >> 3) * 128 + 4 * (u & 7) + 32 * g; }
+    template <bool EXACT>
+    __device__ static void decode(const uint8_t * b, int u, float * v) {
+        const int j = u >> 3, l0 = 4 * (u & 7), is = j * 8 + (l0 >> 4);
+        const uint32_t A = ld32a2(b + j * 64 + l0), B = ld32a2(b + j * 64 + 32 + l0);
+        const uint32_t H = ld32a2(b + 128 + j * 32 + l0);
+        const int8_t * sc = reinterpret_cast<const int8_t *>(b + 192);
+        const float d = ldh(b + 208);
+        bytes_f4((A & 0x0f0f0f0fu) | ((H & 0x03030303u) << 4), 32.0f, v);
+        bytes_f4((B & 0x0f0f0f0fu) | (((H >> 2) & 0x03030303u) << 4), 32.0f, v + 4);
+        bytes_f4(((A >> 4) & 0x0f0f0f0fu) | (((H >> 4) & 0x03030303u) << 4), 32.0f, v + 8);
+        bytes_f4(((B >> 4) & 0x0f0f0f0fu) | (((H >> 6) & 0x03030303u) << 4), 32.0f, v + 12);
+#pragma unroll
+        for (int g = 0; g < 4; ++g) {
+            const float dl = __fmul_rn(d, float(sc[is + 2 * g]));
+#pragma unroll
+            for (int i = 0; i < 4; ++i) v[4 * g + i] = __fmul_rn(dl, v[4 * g + i]);
+        }
+    }
+};
+
+struct TQ3_K {  // uint8 hmask[32]; uint8 qs[64]; uint8 scales[12]; f16 d
+    static constexpr int QK = 256, BYTES = 110, NU = 16, E = 16, G = 4;
+    __device__ static int xoff(int u, int g) { return (u >> 3) * 128 + 4 * (u & 7) + 32 * g; }
+    template <bool EXACT>
+    __device__ static void decode(const uint8_t * b, int u, float * v) {
+        const int j = u >> 3, l0 = 4 * (u & 7);
+        const uint32_t Q = ld32a2(b + 32 + j * 32 + l0), H = ld32a2(b + l0);
+        const uint8_t * sc = b + 96;
+        const float d = ldh(b + 108);
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            const int is = j * 8 + 2 * s + (l0 >> 4);
+            const int lo = is < 8 ? (sc[is] & 0x0f) : (sc[is - 8] >> 4);
+            const int hi = (sc[8 + (is & 3)] >> (2 * (is >> 2))) & 3;
+            const float dl = __fmul_rn(d, float((lo | (hi << 4)) - 32));
+            bytes_f4(((Q >> (2 * s)) & 0x03030303u) | (((H >> (4 * j + s)) & 0x01010101u) << 2), 4.0f, v + 4 * s);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) v[4 * s + i] = __fmul_rn(dl, v[4 * s + i]);
+        }
+    }
+};
+
+struct TQ2_K {  // uint8 scales[16]; uint8 qs[64]; f16 d, dmin
+    static constexpr int QK = 256, BYTES = 84, NU = 16, E = 16, G = 4;
+    __device__ static int xoff(int u, int g) { return (u >> 3) * 128 + 4 * (u & 7) + 32 * g; }
+    template <bool EXACT>
+    __device__ static void decode(const uint8_t * b, int u, float * v) {
+        const int j = u >> 3, l0 = 4 * (u & 7);
+        const uint32_t Q = ld32(b + 16 + j * 32 + l0);
+        const float d = ldh(b + 80), dmin = ldh(b + 82);
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            const int sc = b[j * 8 + 2 * s + (l0 >> 4)];
+            const float dl = __fmul_rn(d, float(sc & 0x0f)), ml = __fmul_rn(dmin, float(sc >> 4));
+            bytes_f4((Q >> (2 * s)) & 0x03030303u, 0.0f, v + 4 * s);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) v[4 * s + i] = dmq<EXACT>(dl, v[4 * s + i], ml);
+        }
+    }
+};
+
+// ---- float types: vector variants (k a multiple of the unit, 16-byte aligned rows) and scalar -----
+
+__device__ __forceinline__ float bf16f(uint32_t h) { return __uint_as_float(h << 16); }
+
+struct TF32V {
+    static constexpr int QK = 4, BYTES = 16, NU = 1, E = 4, G = 4;
+    __device__ static int xoff(int, int) { return 0; }
+    template <bool EXACT>
+    __device__ static void decode(const uint8_t * b, int, float * v) {
+        const float4 f = *reinterpret_cast<const float4 *>(b);
+        v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+    }
+};
+struct TF16V {
+    static constexpr int QK = 8, BYTES = 16, NU = 1, E = 8, G = 4;
+    __device__ static int xoff(int, int g) { return 4 * g; }
+    template <bool EXACT>
+    __device__ static void decode(const uint8_t * b, int, float * v) {
+        const uint4 w = *reinterpret_cast<const uint4 *>(b);
+        const uint32_t a[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float2 f = __half22float2(*reinterpret_cast<const __half2 *>(&a[i]));
+            v[2 * i] = f.x, v[2 * i + 1] = f.y;
+        }
+    }
+};
+struct TBF16V {
+    static constexpr int QK = 8, BYTES = 16, NU = 1, E = 8, G = 4;
+    __device__ static int xoff(int, int g) { return 4 * g; }
+    template <bool EXACT>
+    __device__ static void decode(const uint8_t * b, int, float * v) {
+        const uint4 w = *reinterpret_cast<const uint4 *>(b);
+        const uint32_t a[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[2 * i] = bf16f(a[i] & 0xffffu), v[2 * i + 1] = bf16f(a[i] >> 16);
+    }
+};
+struct TF32S {
+    static constexpr int QK = 1, BYTES = 4, NU = 1, E = 1, G = 1;
+    __device__ static int xoff(int, int) { return 0; }
+    template <bool EXACT>
+    __device__ static void decode(const uint8_t * b, int, float * v) { v[0] = *reinterpret_cast<const float *>(b); }
+};
+struct TF16S {
+    static constexpr int QK = 1, BYTES = 2, NU = 1, E = 1, G = 1;
+    __device__ static int xoff(int, int) { return 0; }
+    template <bool EXACT>
+    __device__ static void decode(const uint8_t * b, int, float * v) { v[0] = ldh(b); }
+};
+struct TBF16S {
+    static constexpr int QK = 1, BYTES = 2, NU = 1, E = 1, G = 1;
+    __device__ static int xoff(int, int) { return 0; }
+    template <bool EXACT>
+    __device__ static void decode(const uint8_t * b, int, float * v) {
+        v[0] = bf16f(*reinterpret_cast<const uint16_t *>(b));
+    }
+};
+
+// ---- X loads ----------------------------------------------------------------------------------
+
+template <int G>
+__device__ __forceinline__ void load_x(const float * p, float * o) {
+    if (G == 4) {
+        const float4 f = *reinterpret_cast<const float4 *>(p);
+        o[0] = f.x, o[1] = f.y, o[2] = f.z, o[3] = f.w;
+    } else {
+#pragma unroll
+        for (int i = 0; i < G; ++i) o[i] = p[i];
+    }
+}
+template <int G>
+__device__ __forceinline__ void load_x(const __half * p, float * o) {
+    if (G == 4) {
+        const uint2 w = *reinterpret_cast<const uint2 *>(p);
+        const float2 a = __half22float2(*reinterpret_cast<const __half2 *>(&w.x));
+        const float2 b = __half22float2(*reinterpret_cast<const __half2 *>(&w.y));
+        o[0] = a.x, o[1] = a.y, o[2] = b.x, o[3] = b.y;
+    } else {
+#pragma unroll
+        for (int i = 0; i < G; ++i) o[i] = __half2float(p[i]);
+    }
+}
+
+// ---- the CTA dot product: NR weight rows . M rows of X, partial sums per thread ------------------
+// All threads of the CTA stride over the units of the rows (unit i = block i / NU, unit i % NU).
+// Each thread's partial sums are a fixed sequence of FMAs: results depend only on blockDim.x.
+template <class TT, int M, int NR, class XT>
+__device__ __forceinline__ void cta_dot(const uint8_t * const (&rows)[NR], const XT * const (&xs)[M], int nblocks,
+                                        float (&acc)[NR][M]) {
+    const int nunits = nblocks * TT::NU;
+    for (int i = threadIdx.x; i < nunits; i += blockDim.x) {
+        const int b = i / TT::NU, u = i % TT::NU;
+        float v[NR][TT::E];
+#pragma unroll
+        for (int r = 0; r < NR; ++r) TT::template decode<false>(rows[r] + size_t(b) * TT::BYTES, u, v[r]);
+#pragma unroll
+        for (int g = 0; g < TT::E / TT::G; ++g) {
+            const int off = b * TT::QK + TT::xoff(u, g);
+#pragma unroll
+            for (int t = 0; t < M; ++t) {
+                float xv[TT::G];
+                load_x<TT::G>(xs[t] + off, xv);
+#pragma unroll
+                for (int r = 0; r < NR; ++r)
+#pragma unroll
+                    for (int e = 0; e < TT::G; ++e) acc[r][t] = fmaf(v[r][g * TT::G + e], xv[e], acc[r][t]);
+            }
+        }
+    }
+}
+
+// Sum N per-thread values over the CTA (blockDim.x a multiple of 32, <= 256) in a fixed order;
+// the totals are valid in threads 0 .. N-1 (thread i returns total i). `red` holds 8*N floats.
+template <int N>
+__device__ __forceinline__ float cta_sum(float (&v)[N], float * red) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int o = 16; o >= 1; o >>= 1) v[i] += __shfl_xor_sync(0xffffffffu, v[i], o);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    if (lane == 0)
+#pragma unroll
+        for (int i = 0; i < N; ++i) red[warp * N + i] = v[i];
+    __syncthreads();
+    float s = 0.0f;
+    if (threadIdx.x < N)
+        for (int w = 0; w < nw; ++w) s += red[w * N + threadIdx.x];
+    __syncthreads();  // `red` may be reused by the next call
+    return s;
+}
+
+// Threads per CTA for rows of `nunits` units: enough to give each thread ~2+ units, 32..256.
+inline int cta_threads(long long nunits) {
+    int t = 32;
+    while (t < 256 && t * 2 <= nunits) t *= 2;
+    return t;
+}
+
+// ---- type dispatch on the host ------------------------------------------------------------------
+template <class T>
+struct Tag {
+    using type = T;
+};
+
+// Calls fn(Tag<TT>{}) for the device type of ggml type `type`. `vec`: rows of float types are
+// k % 8 == 0 (F16/BF16) / k % 4 == 0 (F32) and 16-byte aligned. false for an unknown type.
+template <class Fn>
+bool with_type(int type, bool vec, Fn && fn) {
+    switch (type) {
+        case SPECTER_TYPE_Q8_0: fn(Tag<TQ8_0>{}); return true;
+        case SPECTER_TYPE_Q4_0: fn(Tag<TQ4_0>{}); return true;
+        case SPECTER_TYPE_Q4_1: fn(Tag<TQ4_1>{}); return true;
+        case SPECTER_TYPE_Q5_0: fn(Tag<TQ5_0>{}); return true;
+        case SPECTER_TYPE_Q5_1: fn(Tag<TQ5_1>{}); return true;
+        case SPECTER_TYPE_Q2_K: fn(Tag<TQ2_K>{}); return true;
+        case SPECTER_TYPE_Q3_K: fn(Tag<TQ3_K>{}); return true;
+        case SPECTER_TYPE_Q4_K: fn(Tag<TQ4_K>{}); return true;
+        case SPECTER_TYPE_Q5_K: fn(Tag<TQ5_K>{}); return true;
+        case SPECTER_TYPE_Q6_K: fn(Tag<TQ6_K>{}); return true;
+        case SPECTER_TYPE_F32: vec ? fn(Tag<TF32V>{}) : fn(Tag<TF32S>{}); return true;
+        case SPECTER_TYPE_F16: vec ? fn(Tag<TF16V>{}) : fn(Tag<TF16S>{}); return true;
+        case SPECTER_TYPE_BF16: vec ? fn(Tag<TBF16V>{}) : fn(Tag<TBF16S>{}); return true;
+        default: return false;
+    }
+}
+
+// Whether the float-type vector variant applies to rows of k elements at address `p` (0: unknown).
+inline bool vec_ok(int type, long long k, uintptr_t p) {
+    const long long unit = type == SPECTER_TYPE_F32 ? 4 : 8;
+    return k % unit == 0 && (p % 16) == 0;
+}
+
+// Quantized types whose decoders use 4-byte loads need 4-byte aligned rows.
+inline bool aligned_for(int type, uintptr_t p) {
+    if (type == SPECTER_TYPE_Q4_K || type == SPECTER_TYPE_Q5_K || type == SPECTER_TYPE_Q2_K ||
+        type == SPECTER_TYPE_Q4_1 || type == SPECTER_TYPE_Q5_1 || type == SPECTER_TYPE_F32)
+        return p % 4 == 0;
+    return p % 2 == 0;
+}
+
+inline int launch_status() {
+    const cudaError_t e = cudaGetLastError();
+    return e == cudaSuccess ? SPECTER_OK : SPECTER_ERR_CUDA;
+}
+
+}  // namespace cuda
+}  // namespace specter

@@ -1,0 +1,95 @@
+// Pieces shared by the CPU and CUDA kernel entry points (libspecter internal): argument checks
+// and the layout of the MoE workspace.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "dequant_cpu.h"
+#include "specter_kernels.h"
+
+namespace specter {
+
+// Bytes of one row of k elements of type t (k a multiple of the block, checked by the caller).
+inline int64_t row_bytes(const TypeInfo & t, int64_t k) { return k / t.block_elems * t.block_bytes; }
+
+// SPECTER_OK or the error for a weight matrix [n, k] of `type` (type known, k a block multiple).
+inline int check_weight(int type, int64_t n, int64_t k, const TypeInfo ** out) {
+    const TypeInfo * t = find_type(type);
+    if (!t) return SPECTER_ERR_UNSUPPORTED_TYPE;
+    if (n < 0 || k < 0) return SPECTER_ERR_INVALID_ARG;
+    if (k % t->block_elems != 0) return SPECTER_ERR_BAD_SHAPE;
+    *out = t;
+    return SPECTER_OK;
+}
+
+inline int check_qmatmul(int w_type, const void * w, int64_t n, int64_t k, int x_type, const void * x,
+                         int64_t m, const float * y, const TypeInfo ** t) {
+    const int rc = check_weight(w_type, n, k, t);
+    if (rc != SPECTER_OK) return rc;
+    if (x_type != SPECTER_TYPE_F32 && x_type != SPECTER_TYPE_F16) return SPECTER_ERR_UNSUPPORTED_TYPE;
+    if (m < 0) return SPECTER_ERR_INVALID_ARG;
+    if (m > 0 && n > 0 && (!y || (k > 0 && (!w || !x)))) return SPECTER_ERR_INVALID_ARG;
+    if (m > (int64_t(1) << 31) || n > (int64_t(1) << 31) || k > (int64_t(1) << 31)) return SPECTER_ERR_INVALID_ARG;
+    return SPECTER_OK;
+}
+
+constexpr size_t kWsAlign = 256;
+inline size_t ws_round(size_t b) { return (b + kWsAlign - 1) / kWsAlign * kWsAlign; }
+
+// MoE workspace: P = n_tokens * top_k (token, slot) pairs, G = min(P, n_expert) groups.
+//   int32 meta:  group_expert[G], group_off[G + 1], n_groups[1], perm[P]
+//   float act:   [P, d_ff]     silu(gate x) * up x
+//   float aux:   [P, d_ff]     up x, when gate and up have different types
+//   float ypair: [P, d_model]  down(act) per pair, reduced per token in slot order
+struct MoeLayout {
+    int64_t P, G;
+    size_t meta, act, aux, ypair, total;  // byte offsets of the regions, total size
+};
+
+inline bool moe_layout(int64_t n_tokens, int64_t top_k, int64_t n_expert, int64_t d_model, int64_t d_ff,
+                       MoeLayout * L) {
+    if (n_tokens < 0 || top_k < 0 || n_expert < 0 || d_model < 0 || d_ff < 0) return false;
+    if (n_tokens > (int64_t(1) << 24) || top_k > 1024 || n_expert > (int64_t(1) << 20) ||
+        d_model > (int64_t(1) << 24) || d_ff > (int64_t(1) << 24))
+        return false;
+    L->P = n_tokens * top_k;
+    L->G = L->P < n_expert ? L->P : n_expert;
+    L->meta = 0;
+    L->act = ws_round(size_t(L->G + (L->G + 1) + 1 + L->P) * 4);
+    L->aux = L->act + ws_round(size_t(L->P * d_ff) * 4);
+    L->ypair = L->aux + ws_round(size_t(L->P * d_ff) * 4);
+    L->total = L->ypair + ws_round(size_t(L->P * d_model) * 4);
+    return true;
+}
+
+struct MoeArgs {
+    const float * x;
+    int64_t n_tokens, d_model;
+    const int32_t * ids;
+    const float * weights;
+    int64_t top_k, n_expert, d_ff;
+    const uint64_t *gate_ptrs, *up_ptrs, *down_ptrs;
+    int gate_type, up_type, down_type;
+    void * workspace;
+    size_t workspace_bytes;
+    float * out;
+    int accumulate;
+};
+
+inline int check_moe(const MoeArgs & a, MoeLayout * L, const TypeInfo ** tg, const TypeInfo ** tu,
+                     const TypeInfo ** td) {
+    int rc = check_weight(a.gate_type, a.d_ff, a.d_model, tg);
+    if (rc == SPECTER_OK) rc = check_weight(a.up_type, a.d_ff, a.d_model, tu);
+    if (rc == SPECTER_OK) rc = check_weight(a.down_type, a.d_model, a.d_ff, td);
+    if (rc != SPECTER_OK) return rc;
+    if (!moe_layout(a.n_tokens, a.top_k, a.n_expert, a.d_model, a.d_ff, L)) return SPECTER_ERR_INVALID_ARG;
+    if (a.n_tokens == 0 || a.d_model == 0) return SPECTER_OK;
+    if (!a.x || !a.out) return SPECTER_ERR_INVALID_ARG;
+    if (L->P > 0 && (!a.ids || !a.weights)) return SPECTER_ERR_INVALID_ARG;
+    if (a.n_expert > 0 && (!a.gate_ptrs || !a.up_ptrs || !a.down_ptrs)) return SPECTER_ERR_INVALID_ARG;
+    if (L->P > 0 && (!a.workspace || a.workspace_bytes < L->total)) return SPECTER_ERR_INVALID_ARG;
+    return SPECTER_OK;
+}
+
+}  // namespace specter

@@ -1,0 +1,241 @@
+// CPU reference implementation of specter_kernels.h: row gather, Y = X.W^T and the grouped MoE
+// feed-forward over GGUF-typed weights. Each weight row is dequantized (bit-exact with ggml) into a
+// float buffer once per call and dotted with every row of X that needs it, in float32 with a
+// fixed summation order, so results do not depend on the thread count.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <exception>
+#include <new>
+#include <thread>
+#include <vector>
+
+#include "dequant_cpu.h"
+#include "fp16.h"
+#include "kernels_common.h"
+#include "specter_kernels.h"
+
+namespace specter {
+namespace {
+
+// Split [0, n) over up to n_threads threads (n_threads <= 0: all cores); at least `min_per` items
+// per thread. fn(begin, end) runs on the calling thread for the last share.
+template <class Fn>
+void parallel_for(int64_t n, int n_threads, int64_t min_per, Fn fn) {
+    if (n <= 0) return;
+    int hw = int(std::thread::hardware_concurrency());
+    if (hw <= 0) hw = 1;
+    int64_t nt = n_threads > 0 ? n_threads : hw;
+    nt = std::min<int64_t>(nt, std::max<int64_t>(1, n / std::max<int64_t>(1, min_per)));
+    if (nt <= 1) {
+        fn(int64_t(0), n);
+        return;
+    }
+    std::vector<std::thread> pool;
+    pool.reserve(size_t(nt - 1));
+    const int64_t per = n / nt, extra = n % nt;
+    int64_t b = 0;
+    for (int64_t i = 0; i < nt; ++i) {
+        const int64_t e = b + per + (i < extra ? 1 : 0);
+        if (i == nt - 1) {
+            fn(b, e);
+        } else {
+            try {
+                pool.emplace_back(fn, b, e);
+            } catch (...) {
+                fn(b, e);
+            }
+        }
+        b = e;
+    }
+    for (std::thread & th : pool) th.join();
+}
+
+// float32 dot product with 16 independent partial sums (vectorizes; fixed order).
+#if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(_M_X64))
+__attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+float dot_f32(const float * a, const float * b, int64_t k) {
+    float acc[16] = {0.f};
+    int64_t i = 0;
+    for (; i + 16 <= k; i += 16)
+        for (int j = 0; j < 16; ++j) acc[j] += a[i + j] * b[i + j];
+    for (int64_t j = 0; i + j < k; ++j) acc[j] += a[i + j] * b[i + j];
+    for (int w = 8; w >= 1; w /= 2)
+        for (int j = 0; j < w; ++j) acc[j] += acc[j + w];
+    return acc[0];
+}
+
+// Work per thread: at least this many weight elements.
+constexpr int64_t kMinElems = 1 << 16;
+
+int64_t rows_per_thread(int64_t k) { return std::max<int64_t>(1, kMinElems / std::max<int64_t>(1, k)); }
+
+template <class Fn>
+int guarded(Fn fn) {
+    try {
+        return fn();
+    } catch (const std::bad_alloc &) {
+        return SPECTER_ERR_OUT_OF_MEMORY;
+    } catch (...) {
+        return SPECTER_ERR_INTERNAL;
+    }
+}
+
+inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
+
+}  // namespace
+}  // namespace specter
+
+using namespace specter;
+
+extern "C" {
+
+int specter_get_rows(int type, const void * src, int64_t n_rows, int64_t row_len, const int32_t * ids,
+                     int64_t n_ids, float * dst, int n_threads) {
+    const TypeInfo * t = nullptr;
+    int rc = check_weight(type, n_rows, row_len, &t);
+    if (rc != SPECTER_OK) return rc;
+    if (n_ids < 0) return SPECTER_ERR_INVALID_ARG;
+    if (n_ids == 0 || row_len == 0) return SPECTER_OK;
+    if (!ids || !dst || !src) return SPECTER_ERR_INVALID_ARG;
+    return guarded([&] {
+        const int64_t rb = row_bytes(*t, row_len);
+        const uint8_t * s = static_cast<const uint8_t *>(src);
+        parallel_for(n_ids, n_threads, rows_per_thread(row_len), [&](int64_t b, int64_t e) {
+            for (int64_t i = b; i < e; ++i) {
+                const int64_t r = ids[i];
+                float * d = dst + i * row_len;
+                if (r < 0 || r >= n_rows)
+                    std::fill(d, d + row_len, std::nanf(""));
+                else
+                    dequantize_rows_f32(*t, s + r * rb, d, 1, row_len);
+            }
+        });
+        return SPECTER_OK;
+    });
+}
+
+int specter_qmatmul(int w_type, const void * w, int64_t n, int64_t k, int x_type, const void * x, int64_t m,
+                    float * y, int algo, int n_threads) {
+    (void)algo;
+    const TypeInfo * t = nullptr;
+    const int rc = check_qmatmul(w_type, w, n, k, x_type, x, m, y, &t);
+    if (rc != SPECTER_OK) return rc;
+    if (m == 0 || n == 0) return SPECTER_OK;
+    return guarded([&] {
+        std::vector<float> xf;
+        const float * xs = static_cast<const float *>(x);
+        if (x_type == SPECTER_TYPE_F16) {
+            xf.resize(size_t(m * k));
+            const uint16_t * h = static_cast<const uint16_t *>(x);
+            for (int64_t i = 0; i < m * k; ++i) xf[size_t(i)] = half_to_float(h[i]);
+            xs = xf.data();
+        }
+        const int64_t rb = row_bytes(*t, k);
+        const uint8_t * ws = static_cast<const uint8_t *>(w);
+        parallel_for(n, n_threads, std::max<int64_t>(1, rows_per_thread(k) / std::max<int64_t>(1, m)),
+                     [&](int64_t b, int64_t e) {
+                         std::vector<float> row(size_t(k) + 1);
+                         for (int64_t r = b; r < e; ++r) {
+                             dequantize_rows_f32(*t, ws + r * rb, row.data(), 1, k);
+                             for (int64_t i = 0; i < m; ++i) y[i * n + r] = dot_f32(row.data(), xs + i * k, k);
+                         }
+                     });
+        return SPECTER_OK;
+    });
+}
+
+int specter_moe_workspace_size(int64_t n_tokens, int64_t top_k, int64_t n_expert, int64_t d_model, int64_t d_ff,
+                               size_t * out_bytes) {
+    MoeLayout L;
+    if (!out_bytes || !moe_layout(n_tokens, top_k, n_expert, d_model, d_ff, &L)) return SPECTER_ERR_INVALID_ARG;
+    *out_bytes = L.total;
+    return SPECTER_OK;
+}
+
+int specter_moe_ffn(const float * x, int64_t n_tokens, int64_t d_model, const int32_t * ids, const float * weights,
+                    int64_t top_k, int64_t n_expert, int64_t d_ff, const uint64_t * gate_ptrs, int gate_type,
+                    const uint64_t * up_ptrs, int up_type, const uint64_t * down_ptrs, int down_type,
+                    void * workspace, size_t workspace_bytes, float * out, int accumulate, int n_threads) {
+    const MoeArgs a{x, n_tokens, d_model, ids, weights, top_k, n_expert, d_ff, gate_ptrs, up_ptrs, down_ptrs,
+                    gate_type, up_type, down_type, workspace, workspace_bytes, out, accumulate};
+    MoeLayout L;
+    const TypeInfo *tg = nullptr, *tu = nullptr, *td = nullptr;
+    const int rc = check_moe(a, &L, &tg, &tu, &td);
+    if (rc != SPECTER_OK) return rc;
+    if (n_tokens == 0 || d_model == 0) return SPECTER_OK;
+    return guarded([&] {
+        const int64_t P = L.P;
+        auto valid = [&](int64_t p) {
+            const int64_t e = ids[p];
+            return e >= 0 && e < n_expert && gate_ptrs[e] && up_ptrs[e] && down_ptrs[e];
+        };
+        // Group the pairs by expert (ascending expert, pairs in order inside a group).
+        std::vector<int64_t> count(size_t(n_expert) + 1, 0);
+        std::vector<int64_t> perm(static_cast<size_t>(P));
+        for (int64_t p = 0; p < P; ++p)
+            if (valid(p)) ++count[size_t(ids[p]) + 1];
+        for (int64_t e = 0; e < n_expert; ++e) count[size_t(e) + 1] += count[size_t(e)];
+        std::vector<int64_t> fill(count.begin(), count.end() - 1);
+        for (int64_t p = 0; p < P; ++p)
+            if (valid(p)) perm[size_t(fill[size_t(ids[p])]++)] = p;
+        std::vector<int64_t> groups;  // experts with at least one pair
+        for (int64_t e = 0; e < n_expert; ++e)
+            if (count[size_t(e) + 1] > count[size_t(e)]) groups.push_back(e);
+        const int64_t G = int64_t(groups.size());
+
+        char * ws = static_cast<char *>(workspace);
+        float * act = reinterpret_cast<float *>(ws + L.act);
+        float * ypair = reinterpret_cast<float *>(ws + L.ypair);
+        const int64_t rb_g = row_bytes(*tg, d_model), rb_u = row_bytes(*tu, d_model), rb_d = row_bytes(*td, d_ff);
+
+        // gate/up: one work item = (group, row of d_ff); act = silu(gate . x) * (up . x)
+        parallel_for(G * d_ff, n_threads, rows_per_thread(2 * d_model), [&](int64_t b, int64_t e) {
+            std::vector<float> rg(size_t(d_model) + 1), ru(size_t(d_model) + 1);
+            for (int64_t it = b; it < e; ++it) {
+                const int64_t gi = it / d_ff, r = it % d_ff, ex = groups[size_t(gi)];
+                const uint8_t * wg = reinterpret_cast<const uint8_t *>(uintptr_t(gate_ptrs[ex]));
+                const uint8_t * wu = reinterpret_cast<const uint8_t *>(uintptr_t(up_ptrs[ex]));
+                dequantize_rows_f32(*tg, wg + r * rb_g, rg.data(), 1, d_model);
+                dequantize_rows_f32(*tu, wu + r * rb_u, ru.data(), 1, d_model);
+                for (int64_t q = count[size_t(ex)]; q < count[size_t(ex) + 1]; ++q) {
+                    const int64_t p = perm[size_t(q)];
+                    const float * xt = x + (p / top_k) * d_model;
+                    act[p * d_ff + r] = silu(dot_f32(rg.data(), xt, d_model)) * dot_f32(ru.data(), xt, d_model);
+                }
+            }
+        });
+        // down: one work item = (group, row of d_model); ypair = down . act
+        parallel_for(G * d_model, n_threads, rows_per_thread(d_ff), [&](int64_t b, int64_t e) {
+            std::vector<float> rd(size_t(d_ff) + 1);
+            for (int64_t it = b; it < e; ++it) {
+                const int64_t gi = it / d_model, r = it % d_model, ex = groups[size_t(gi)];
+                const uint8_t * wd = reinterpret_cast<const uint8_t *>(uintptr_t(down_ptrs[ex]));
+                dequantize_rows_f32(*td, wd + r * rb_d, rd.data(), 1, d_ff);
+                for (int64_t q = count[size_t(ex)]; q < count[size_t(ex) + 1]; ++q) {
+                    const int64_t p = perm[size_t(q)];
+                    ypair[p * d_model + r] = dot_f32(rd.data(), act + p * d_ff, d_ff);
+                }
+            }
+        });
+        // weighted sum over each token's slots, in slot order
+        parallel_for(n_tokens, n_threads, std::max<int64_t>(1, kMinElems / std::max<int64_t>(1, d_model * top_k)),
+                     [&](int64_t b, int64_t e) {
+                         for (int64_t t = b; t < e; ++t) {
+                             float * o = out + t * d_model;
+                             if (!accumulate) std::fill(o, o + d_model, 0.0f);
+                             for (int64_t j = 0; j < top_k; ++j) {
+                                 const int64_t p = t * top_k + j;
+                                 if (!valid(p)) continue;
+                                 const float wt = weights[p];
+                                 const float * yp = ypair + p * d_model;
+                                 for (int64_t c = 0; c < d_model; ++c) o[c] += wt * yp[c];
+                             }
+                         }
+                     });
+        return SPECTER_OK;
+    });
+}
+
+}  // extern "C"

@@ -1,0 +1,22 @@
+// CUDA entry points of specter_kernels.h in a CPU-only build: all answer SPECTER_ERR_NO_CUDA.
+#include "specter_kernels.h"
+
+extern "C" {
+
+int specter_cuda_dequantize_rows(int, const void *, float *, int64_t, int64_t, void *) { return SPECTER_ERR_NO_CUDA; }
+int specter_cuda_dequantize_rows_f16(int, const void *, uint16_t *, int64_t, int64_t, void *) {
+    return SPECTER_ERR_NO_CUDA;
+}
+int specter_cuda_get_rows(int, const void *, int64_t, int64_t, const int32_t *, int64_t, float *, void *) {
+    return SPECTER_ERR_NO_CUDA;
+}
+int specter_cuda_qmatmul(int, const void *, int64_t, int64_t, int, const void *, int64_t, float *, int, void *) {
+    return SPECTER_ERR_NO_CUDA;
+}
+int specter_cuda_moe_ffn(const float *, int64_t, int64_t, const int32_t *, const float *, int64_t, int64_t, int64_t,
+                         const uint64_t *, int, const uint64_t *, int, const uint64_t *, int, void *, size_t, float *,
+                         int, void *) {
+    return SPECTER_ERR_NO_CUDA;
+}
+
+}  // extern "C"

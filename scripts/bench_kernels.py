@@ -1,0 +1,225 @@
+#!/usr/bin/env python3
+"""Benchmark the native CUDA kernels (needs a GPU): weight-read bandwidth of Y = X.W^T at m = 1 per GGUF type
+on MoE expert shapes, and the grouped MoE layer time.
+
+    python3 scripts/bench_kernels.py --out DIR [--iters 200] [--quick]
+
+- GEMV: W [n, k] for Qwen1.5-MoE experts (2048->1408 gate/up, 1408->2048 down) and Phi-3.5-MoE experts
+  (4096->6400, 6400->4096). Enough copies of W are cycled through that they do not fit the L2 cache, and the
+  calls are captured in a CUDA graph (launches back to back, no Python between them), timed with CUDA events.
+  Bandwidth = weight bytes / time per call, against the measured device-to-device copy rate (read+write bytes
+  / time) and the H200's nominal 4.3 TB/s. Beside it: torch's fp16 GEMV (F.linear, cuBLAS) on the same shape.
+  K-quants need k % 256 == 0: 1408 is not (llama.cpp falls back to Q5_0/Q8_0 there), so those cells are n/a.
+- MoE: one Qwen1.5-MoE layer (60 experts, top-4, 2048/1408) for 1, 8, 16 tokens, different random routings
+  cycled through, captured in a CUDA graph; types: all F16, all Q8_0, all Q4_0, Q4_K gate/up + Q8_0 or Q5_0
+  down, Q2_K gate/up + Q4_0 down (the types llama.cpp's quantizer gives a 1408-wide down matrix).
+Writes DIR/bench_kernels.json and prints a compact table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from specter_gguf import kernels, native  # noqa: E402
+from specter_gguf.kernels import ExpertTable, QuantizedTensor  # noqa: E402
+
+NOMINAL_TBS = 4.3
+L2_DEFEAT_BYTES = 384 << 20  # cycle through at least this much weight memory
+TYPES = {"Q8_0": native.Q8_0, "Q4_0": native.Q4_0, "Q4_1": native.Q4_1, "Q5_0": native.Q5_0,
+         "Q5_1": native.Q5_1, "Q2_K": native.Q2_K, "Q3_K": native.Q3_K, "Q4_K": native.Q4_K,
+         "Q5_K": native.Q5_K, "Q6_K": native.Q6_K, "F16": native.F16, "BF16": native.BF16}
+SCALE_FIELDS = {native.Q8_0: (0,), native.Q4_0: (0,), native.Q4_1: (0, 2), native.Q5_0: (0,), native.Q5_1: (0, 2),
+                native.Q2_K: (80, 82), native.Q3_K: (108,),
+                native.Q4_K: (0, 2), native.Q5_K: (0, 2), native.Q6_K: (208,)}
+SHAPES = {"qwen 2048->1408": (1408, 2048), "qwen 1408->2048": (2048, 1408),
+          "phi 4096->6400": (6400, 4096), "phi 6400->4096": (4096, 6400)}
+
+
+def random_weight(ggml_type: int, rows: int, cols: int, dev: torch.device) -> QuantizedTensor:
+    """Valid random GGUF data made on the GPU: random quants, small finite fp16 scales."""
+    if ggml_type in (native.F16, native.BF16):
+        dt = torch.float16 if ggml_type == native.F16 else torch.bfloat16
+        raw = (torch.randn(rows, cols, device=dev) * 0.02).to(dt).view(torch.uint8)
+        return QuantizedTensor(raw.reshape(-1), ggml_type, (rows, cols))
+    elems, nbytes = native.block_size(ggml_type)
+    nblocks = rows * cols // elems
+    raw = torch.randint(0, 256, (nblocks, nbytes), dtype=torch.uint8, device=dev)
+    for off in SCALE_FIELDS[ggml_type]:
+        scale = (torch.rand(nblocks, device=dev) * 3e-3 + 1e-3).half()
+        raw[:, off:off + 2] = scale.view(torch.uint8).reshape(nblocks, 2)
+    return QuantizedTensor(raw.reshape(-1), ggml_type, (rows, cols))
+
+
+def graph_time(fn_list, iters: int, reps: int = 3) -> float:
+    """Seconds per call of the callables in fn_list (cycled), captured in a CUDA graph of `iters` calls."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for fn in fn_list[:3]:
+            fn()  # warm-up (lazy module loading) outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(iters):
+            fn_list[i % len(fn_list)]()
+    g.replay()
+    torch.cuda.synchronize()
+    best = math.inf
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b) / 1e3 / iters)
+    del g
+    return best
+
+
+def copy_rate(dev: torch.device) -> float:
+    """Device-to-device copy, TB/s counting bytes read + written."""
+    n = 1 << 30
+    a, b = torch.empty(n, dtype=torch.uint8, device=dev), torch.empty(n, dtype=torch.uint8, device=dev)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(10):
+        b.copy_(a)
+    e1.record()
+    e1.synchronize()
+    t = e0.elapsed_time(e1) / 1e3 / 10
+    return 2 * n / t / 1e12
+
+
+def bench_gemv(dev: torch.device, iters: int, types: list[str]) -> list[dict]:
+    rows = []
+    for shape_name, (n, k) in SHAPES.items():
+        x = torch.randn(1, k, device=dev)
+        # torch fp16 baseline
+        w16 = torch.randn(n, k, device=dev, dtype=torch.float16) * 0.02
+        copies = max(2, math.ceil(L2_DEFEAT_BYTES / w16.nbytes))
+        ws16 = [w16] + [torch.randn_like(w16) for _ in range(copies - 1)]
+        x16 = x.half()
+        t = graph_time([lambda w=w: F.linear(x16, w) for w in ws16], iters)
+        rows.append(dict(kind="gemv", shape=shape_name, type="torch-f16", n=n, k=k, m=1, bytes=w16.nbytes,
+                         us=t * 1e6, tbs=w16.nbytes / t / 1e12))
+        del ws16, w16
+        for tname in types:
+            ty = TYPES[tname]
+            elems, _ = native.block_size(ty)
+            if k % elems:
+                rows.append(dict(kind="gemv", shape=shape_name, type=tname, n=n, k=k, m=1, na=f"k % {elems} != 0"))
+                continue
+            w0 = random_weight(ty, n, k, dev)
+            copies = max(2, math.ceil(L2_DEFEAT_BYTES / w0.nbytes))
+            ws = [w0] + [random_weight(ty, n, k, dev) for _ in range(copies - 1)]
+            res = dict(kind="gemv", shape=shape_name, type=tname, n=n, k=k, m=1, bytes=w0.nbytes)
+            for m in (1, 8, 16):
+                xm = torch.randn(m, k, device=dev)
+                algo = kernels.ALGO_AUTO
+                t = graph_time([lambda w=w: kernels.qmatmul(xm, w, algo) for w in ws], iters)
+                if m == 1:
+                    res.update(us=t * 1e6, tbs=w0.nbytes / t / 1e12)
+                else:
+                    res[f"us_m{m}"] = t * 1e6
+            rows.append(res)
+            del ws, w0
+            torch.cuda.empty_cache()
+    return rows
+
+
+MOE_CONFIGS = {"F16": ("F16", "F16", "F16"), "Q8_0": ("Q8_0", "Q8_0", "Q8_0"), "Q4_0": ("Q4_0", "Q4_0", "Q4_0"),
+               "Q4_K+Q8_0": ("Q4_K", "Q4_K", "Q8_0"), "Q4_K+Q5_0": ("Q4_K", "Q4_K", "Q5_0"),
+               "Q2_K+Q4_0": ("Q2_K", "Q2_K", "Q4_0")}
+
+
+def bench_moe(dev: torch.device, iters: int) -> list[dict]:
+    E, top_k, d, f = 60, 4, 2048, 1408
+    rows = []
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for cname, tnames in MOE_CONFIGS.items():
+        gt, ut, dt = (TYPES[t] for t in tnames)
+        gate, up = random_weight(gt, E * f, d, dev), random_weight(ut, E * f, d, dev)
+        down = random_weight(dt, E * d, f, dev)
+        gate, up, down = (QuantizedTensor(w.data, w.ggml_type, (E, *s)) for w, s in
+                          ((gate, (f, d)), (up, (f, d)), (down, (d, f))))
+        table = ExpertTable.from_tensors(gate, up, down)
+        expert_bytes = (gate.nbytes + up.nbytes + down.nbytes) / E
+        for T in (1, 8, 16):
+            x = torch.randn(T, d, device=dev)
+            routings = []
+            for _ in range(64):
+                ids = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(T)]).to(torch.int32)
+                routings.append((ids.to(dev), torch.rand(T, top_k, device=dev), len(set(ids.flatten().tolist()))))
+            ws = torch.empty(kernels.moe_workspace_size(T, top_k, E, d, f), dtype=torch.uint8, device=dev)
+            out = torch.empty(T, d, device=dev)
+            fns = [lambda r=r: kernels.moe_ffn(x, r[0], r[1], table, out=out, workspace=ws) for r in routings]
+            t = graph_time(fns, iters)
+            distinct = sum(r[2] for r in routings) / len(routings)
+            rows.append(dict(kind="moe", config=cname, tokens=T, top_k=top_k, n_expert=E, us=t * 1e6,
+                             experts_touched=distinct, tbs=distinct * expert_bytes / t / 1e12))
+        del gate, up, down, table
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench-out", help="directory for bench_kernels.json")
+    ap.add_argument("--iters", type=int, default=200, help="calls per captured CUDA graph")
+    ap.add_argument("--quick", action="store_true", help="Q8_0/Q4_K/F16 only")
+    args = ap.parse_args()
+    if not (torch.cuda.is_available() and native.has_cuda()):
+        print("bench_kernels: needs a CUDA GPU and libspecter built with CUDA", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    types = ["Q8_0", "Q4_K", "F16"] if args.quick else list(TYPES)
+    t0 = time.time()
+    copy = copy_rate(dev)
+    gemv = bench_gemv(dev, args.iters, types)
+    moe = bench_moe(dev, args.iters)
+    result = dict(date=time.strftime("%Y-%m-%d %H:%M:%S"), gpu=torch.cuda.get_device_name(dev),
+                  torch=torch.__version__, command=" ".join(sys.argv), copy_tbs=copy, nominal_tbs=NOMINAL_TBS,
+                  gemv=gemv, moe=moe, seconds=time.time() - t0)
+    (out_dir / "bench_kernels.json").write_text(json.dumps(result, indent=1))
+
+    print(f"\n{result['gpu']}  device copy {copy:.2f} TB/s (read+write)  nominal {NOMINAL_TBS} TB/s  "
+          f"({result['seconds']:.0f} s)")
+    print("GEMV m=1: us per call / TB/s of weights / % of 4.3 TB/s   [us at m=8, m=16]")
+    shapes = list(SHAPES)
+    print(f"{'type':10s}" + "".join(f"{s:>30s}" for s in shapes))
+    for tname in ["torch-f16", *types]:
+        cells = []
+        for s in shapes:
+            r = next((r for r in gemv if r["type"] == tname and r["shape"] == s), None)
+            if r is None or "na" in r:
+                cells.append(f"{'n/a':>30s}")
+                continue
+            extra = f" [{r['us_m8']:.0f},{r['us_m16']:.0f}]" if "us_m8" in r else ""
+            cells.append(f"{r['us']:6.1f} {r['tbs']:5.2f} {100 * r['tbs'] / NOMINAL_TBS:3.0f}%{extra:>11s}")
+        print(f"{tname:10s}" + "".join(cells))
+    print("MoE layer (Qwen1.5-MoE: 60 experts, top-4, 2048/1408): us per layer (TB/s of touched experts)")
+    print(f"{'config':12s}" + "".join(f"{f'T={T}':>18s}" for T in (1, 8, 16)))
+    for cname in MOE_CONFIGS:
+        cells = [next(r for r in moe if r["config"] == cname and r["tokens"] == T) for T in (1, 8, 16)]
+        print(f"{cname:12s}" + "".join(f"{r['us']:10.1f} ({r['tbs']:4.2f})" for r in cells))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One device run for the native kernels (on the GPU machine, repo root, after `source .gpu/on-device.sh`):
+# build libspecter with CUDA (sm_90) in place, run tests/test_kernels.py on the GPU, run the kernel benchmark.
+# Logs and bench_kernels.json go under $OUT; a short summary and the benchmark table are printed last.
+#   bash scripts/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/specter-gpu-check}
+mkdir -p "$OUT"
+if [ -f .gpu/on-device.sh ] && ! python3 -c "import gguf, cffi" 2>/dev/null; then
+  source .gpu/on-device.sh || { echo "gpu_check: sourcing .gpu/on-device.sh failed"; exit 1; }
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+export CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
+
+t0=$(date +%s)
+if ! python3 -m pip install --no-build-isolation --no-deps -e . \
+     --config-settings=cmake.define.CMAKE_CUDA_ARCHITECTURES=90 \
+     --config-settings=cmake.define.SPECTER_CUDA=ON > "$OUT/build.log" 2>&1; then
+  echo "gpu_check: build failed (log: $OUT/build.log)"; tail -60 "$OUT/build.log"; exit 1
+fi
+t1=$(date +%s)
+python3 -c "from specter_gguf import native; print('libspecter', native.version(), 'has_cuda', native.has_cuda(), 'devices', native.cuda_device_count())" \
+  > "$OUT/native.txt" 2>&1
+
+python3 -m pytest -q -rs tests/test_kernels.py > "$OUT/test_kernels.log" 2>&1
+test_rc=$?
+t2=$(date +%s)
+timeout 400 python3 scripts/bench_kernels.py --out "$OUT" > "$OUT/bench.log" 2>&1
+bench_rc=$?
+t3=$(date +%s)
+
+echo "== gpu: $(cat "$OUT/gpu.txt")"
+echo "== native: $(cat "$OUT/native.txt")"
+echo "== build $((t1 - t0)) s, tests $((t2 - t1)) s (rc $test_rc), bench $((t3 - t2)) s (rc $bench_rc)"
+echo "== tests/test_kernels.py:"
+grep -E "^(FAILED|ERROR)|passed|failed|skipped|error" "$OUT/test_kernels.log" | tail -25
+if [ $test_rc -ne 0 ]; then
+  grep -E "^E  |assert|Error" "$OUT/test_kernels.log" | head -40
+fi
+echo "== bench_kernels.py:"
+tail -25 "$OUT/bench.log"
+exit $(( test_rc != 0 || bench_rc != 0 ))

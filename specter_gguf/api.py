@@ -1,0 +1,163 @@
+"""llama-cpp-python / OpenAI–shaped results over the engine: ``create_completion`` and
+``create_chat_completion`` return the same dicts as ``llama_cpp.Llama``'s methods of those names (and as
+OpenAI's ``/v1/completions`` and ``/v1/chat/completions``), or, with ``stream=True``, an iterator of chunks.
+The HTTP server formats its answers with the same functions.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+
+from .errors import SpecterError
+from .sampling import SamplingParams
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .engine import Generation, Model
+
+__all__ = ["create_completion", "create_chat_completion", "start_completion", "start_chat_completion",
+           "completion_result", "completion_chunks", "chat_result", "chat_chunks", "usage"]
+
+
+def _stop_list(stop: str | Sequence[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if not all(isinstance(s, str) for s in stop):
+        raise SpecterError("stop must be a string or a list of strings")
+    return list(stop)
+
+
+def _max_tokens(max_tokens: int | None) -> int:
+    if max_tokens is None or max_tokens < 0:
+        return -1  # until the end of generation or a full context
+    if max_tokens == 0:
+        raise SpecterError("max_tokens must be at least 1 (or null: until the end of the text)")
+    return int(max_tokens)
+
+
+def _prompt_ids(model: Model, prompt: str | Sequence[int]) -> str | list[int]:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, Sequence) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        return _prompt_ids(model, prompt[0])  # a batch of one
+    if isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    raise SpecterError("prompt must be a string or a list of token ids (batches of several prompts are not supported)")
+
+
+def start_completion(model: Model, prompt: str | Sequence[int], max_tokens: int | None = 16,
+                     sampling: SamplingParams | None = None, stop: str | Sequence[str] | None = None) -> Generation:
+    """A Generation for a completion request (nothing is computed until it is iterated)."""
+    return model.generate(_prompt_ids(model, prompt), n_predict=_max_tokens(max_tokens), sampling=sampling,
+                          stop=_stop_list(stop))
+
+
+def start_chat_completion(model: Model, messages: Sequence[Mapping[str, Any]], max_tokens: int | None = None,
+                          sampling: SamplingParams | None = None,
+                          stop: str | Sequence[str] | None = None) -> Generation:
+    """A Generation for the assistant's reply to `messages`, prompted through the chat template."""
+    from .chat import start_chat
+
+    return start_chat(model, messages, n_predict=_max_tokens(max_tokens), sampling=sampling, stop=_stop_list(stop))
+
+
+def usage(gen: Generation) -> dict[str, int]:
+    p, c = len(gen.prompt_tokens), len(gen.tokens)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _head(kind: str, model_name: str, id_: str | None, created: int | None) -> dict[str, Any]:
+    prefix = "cmpl-" if kind.startswith("text") else "chatcmpl-"
+    return {"id": id_ or prefix + uuid.uuid4().hex, "object": kind,
+            "created": created if created is not None else int(time.time()), "model": model_name}
+
+
+def completion_result(gen: Generation, model_name: str, id_: str | None = None,
+                      created: int | None = None) -> dict[str, Any]:
+    """Run `gen` to the end; the ``text_completion`` object."""
+    gen.wait()
+    return {**_head("text_completion", model_name, id_, created),
+            "choices": [{"text": gen.text, "index": 0, "logprobs": None, "finish_reason": gen.finish_reason}],
+            "usage": usage(gen)}
+
+
+def completion_chunks(gen: Generation, model_name: str, id_: str | None = None, created: int | None = None,
+                      include_usage: bool = False) -> Iterator[dict[str, Any]]:
+    """Stream `gen` as ``text_completion`` chunks: one per text piece, then one with ``finish_reason``
+    (and, with `include_usage`, a last one with empty ``choices`` and the ``usage``, as OpenAI sends)."""
+    head = _head("text_completion", model_name, id_, created)
+    for piece in gen:
+        yield {**head, "choices": [{"text": piece, "index": 0, "logprobs": None, "finish_reason": None}]}
+    yield {**head, "choices": [{"text": "", "index": 0, "logprobs": None, "finish_reason": gen.finish_reason}]}
+    if include_usage:
+        yield {**head, "choices": [], "usage": usage(gen)}
+
+
+def chat_result(gen: Generation, model_name: str, id_: str | None = None,
+                created: int | None = None) -> dict[str, Any]:
+    """Run `gen` to the end; the ``chat.completion`` object."""
+    gen.wait()
+    return {**_head("chat.completion", model_name, id_, created),
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": gen.text},
+                         "logprobs": None, "finish_reason": gen.finish_reason}],
+            "usage": usage(gen)}
+
+
+def chat_chunks(gen: Generation, model_name: str, id_: str | None = None, created: int | None = None,
+                include_usage: bool = False) -> Iterator[dict[str, Any]]:
+    """Stream `gen` as ``chat.completion.chunk`` objects: the role first, then content deltas, then an
+    empty delta with ``finish_reason`` (and optionally a usage chunk)."""
+    head = _head("chat.completion.chunk", model_name, id_, created)
+
+    def chunk(delta: dict[str, str], finish: str | None = None) -> dict[str, Any]:
+        return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+    yield chunk({"role": "assistant", "content": ""})
+    for piece in gen:
+        yield chunk({"content": piece})
+    yield chunk({}, gen.finish_reason)
+    if include_usage:
+        yield {**head, "choices": [], "usage": usage(gen)}
+
+
+def sampling_params(temperature: float, top_p: float, top_k: int, min_p: float, repeat_penalty: float,
+                    presence_penalty: float, frequency_penalty: float, seed: int | None) -> SamplingParams:
+    return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                          repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
+                          frequency_penalty=frequency_penalty, seed=seed)
+
+
+def _model_name(model: Model) -> str:
+    return model.path.stem
+
+
+def create_completion(model: Model, prompt: str | Sequence[int], max_tokens: int | None = 16,
+                      temperature: float = 0.8, top_p: float = 0.95, top_k: int = 40, min_p: float = 0.05,
+                      stop: str | Sequence[str] | None = None, seed: int | None = None,
+                      presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repeat_penalty: float = 1.0,
+                      stream: bool = False) -> dict[str, Any] | Iterator[dict[str, Any]]:
+    """Complete `prompt` (text or token ids), with llama-cpp-python's defaults. ``max_tokens=None`` or
+    ``<0`` generates until the end of the text or a full context."""
+    sp = sampling_params(temperature, top_p, top_k, min_p, repeat_penalty, presence_penalty, frequency_penalty, seed)
+    gen = start_completion(model, prompt, max_tokens, sp, stop)
+    if stream:
+        return completion_chunks(gen, _model_name(model))
+    return completion_result(gen, _model_name(model))
+
+
+def create_chat_completion(model: Model, messages: Sequence[Mapping[str, Any]], max_tokens: int | None = None,
+                           temperature: float = 0.2, top_p: float = 0.95, top_k: int = 40, min_p: float = 0.05,
+                           stop: str | Sequence[str] | None = None, seed: int | None = None,
+                           presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                           repeat_penalty: float = 1.0,
+                           stream: bool = False) -> dict[str, Any] | Iterator[dict[str, Any]]:
+    """Answer OpenAI-style `messages` through the model's chat template, with llama-cpp-python's
+    defaults (``max_tokens=None``: until the end of the reply or a full context)."""
+    sp = sampling_params(temperature, top_p, top_k, min_p, repeat_penalty, presence_penalty, frequency_penalty, seed)
+    gen = start_chat_completion(model, messages, max_tokens, sp, stop)
+    if stream:
+        return chat_chunks(gen, _model_name(model))
+    return chat_result(gen, _model_name(model))

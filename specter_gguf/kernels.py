@@ -1,0 +1,317 @@
+"""GGUF-typed weights as torch tensors, and the native kernels over them (native/include/specter_kernels.h).
+
+- `QuantizedTensor`: the raw GGUF bytes of a tensor (uint8, on the CPU or a CUDA device), its ggml type and its
+  logical shape `[..., rows, cols]`; `expert(i)` is a zero-copy view of one matrix of a 3-D tensor.
+- `qmatmul(x, w)`: `x @ w.T` in float32 with `w` a `QuantizedTensor` (any GGUF type the library handles).
+- `moe_ffn(x, ids, weights, experts)`: the routed-expert feed-forward of a whole MoE layer in a few launches,
+  from device-resident routing; experts given by an `ExpertTable` of per-expert addresses, so contiguous
+  expert tensors, GPU cache slots and a quantized draft copy all run on the same kernel.
+
+CUDA calls are enqueued on `torch.cuda.current_stream()` and never synchronise the host (capturable in a
+CUDA graph when the caller passes a preallocated `workspace` / `out`); CPU calls use
+`torch.get_num_threads()` threads. Results are deterministic.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from specter_gguf import native
+from specter_gguf.errors import SpecterError
+
+ALGO_AUTO, ALGO_GEMV, ALGO_TILED = 0, 1, 2
+FLOAT_TYPES = {torch.float32: native.F32, torch.float16: native.F16, torch.bfloat16: native.BF16}
+_TORCH_OF = {native.F32: torch.float32, native.F16: torch.float16, native.BF16: torch.bfloat16}
+
+
+def _ffi() -> Any:
+    return native.ffi()
+
+
+def _ptr(t: torch.Tensor, ctype: str = "void *") -> Any:
+    return _ffi().cast(ctype, t.data_ptr())
+
+
+def _stream(device: torch.device) -> Any:
+    return _ffi().cast("void *", torch.cuda.current_stream(device).cuda_stream)
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t` contiguous and 16-byte aligned (a fresh copy when it is not)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def row_bytes(ggml_type: int, cols: int) -> int:
+    elems, nbytes = native.block_size(ggml_type)
+    if cols % elems:
+        raise SpecterError(f"row length {cols} is not a multiple of ggml type {ggml_type}'s block of {elems}")
+    return cols // elems * nbytes
+
+
+class QuantizedTensor:
+    """A GGUF tensor kept in its file encoding: `data` is uint8 `[*shape[:-1], row_bytes]`."""
+
+    __slots__ = ("data", "ggml_type", "shape")
+
+    def __init__(self, data: torch.Tensor, ggml_type: int, shape: Sequence[int]) -> None:
+        shape = tuple(int(s) for s in shape)
+        if len(shape) < 1 or any(s < 0 for s in shape):
+            raise SpecterError(f"QuantizedTensor: bad shape {shape}")
+        rb = row_bytes(int(ggml_type), shape[-1])
+        if data.dtype != torch.uint8 or data.numel() != int(np.prod(shape[:-1], dtype=np.int64)) * rb:
+            raise SpecterError(f"QuantizedTensor: {data.numel()} bytes of {data.dtype} do not hold shape {shape} "
+                               f"of ggml type {ggml_type}")
+        self.data = data.contiguous().reshape(*shape[:-1], rb)
+        self.ggml_type = int(ggml_type)
+        self.shape = shape
+
+    @classmethod
+    def from_numpy(cls, data: np.ndarray, ggml_type: int, shape: Sequence[int]) -> QuantizedTensor:
+        """Zero-copy wrapper of raw bytes (e.g. a memory-mapped GGUF tensor, never written)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only mapping
+            raw = torch.from_numpy(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+        return cls(raw, ggml_type, shape)
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    @property
+    def row_bytes(self) -> int:
+        return self.data.shape[-1]
+
+    def __repr__(self) -> str:
+        return f"QuantizedTensor(type={self.ggml_type}, shape={self.shape}, device={self.device})"
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> QuantizedTensor:
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        return QuantizedTensor(self.data.to(device, non_blocking=non_blocking), self.ggml_type, self.shape)
+
+    def expert(self, i: int) -> QuantizedTensor:
+        """Matrix `i` of a 3-D tensor (a view)."""
+        if self.ndim != 3:
+            raise SpecterError(f"expert() needs a 3-D tensor, not shape {self.shape}")
+        return QuantizedTensor(self.data[i], self.ggml_type, self.shape[1:])
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """All values as float32 or float16 (bit-exact with ggml; f16 rounds to nearest even)."""
+        if dtype not in (torch.float32, torch.float16):
+            raise SpecterError(f"dequantize: dtype must be float32 or float16, not {dtype}")
+        if self.device.type == "cpu":
+            np_dtype = np.float32 if dtype == torch.float32 else np.float16
+            return torch.from_numpy(native.dequantize(self.data.numpy(), self.ggml_type, self.shape,
+                                                      n_threads=torch.get_num_threads(), out_dtype=np_dtype))
+        out = torch.empty(self.shape, dtype=dtype, device=self.device)
+        rows = int(np.prod(self.shape[:-1], dtype=np.int64))
+        lb = native.lib()
+        if dtype == torch.float32:
+            code = lb.specter_cuda_dequantize_rows(self.ggml_type, _ptr(self.data), _ptr(out, "float *"), rows,
+                                                   self.shape[-1], _stream(self.device))
+        else:
+            code = lb.specter_cuda_dequantize_rows_f16(self.ggml_type, _ptr(self.data), _ptr(out, "uint16_t *"),
+                                                       rows, self.shape[-1], _stream(self.device))
+        native.check(code, f"dequantize on {self.device} (ggml type {self.ggml_type}, shape {self.shape})")
+        return out
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 rows `ids` of a 2-D tensor (embedding lookup): only those rows are dequantized."""
+        if self.ndim != 2:
+            raise SpecterError(f"rows() needs a 2-D tensor, not shape {self.shape}")
+        idx = ids.to(self.device, torch.int32).contiguous()
+        out = torch.empty((*ids.shape, self.shape[1]), dtype=torch.float32, device=self.device)
+        lb = native.lib()
+        args = (self.ggml_type, _ptr(self.data), self.shape[0], self.shape[1], _ptr(idx, "int32_t *"), idx.numel(),
+                _ptr(out, "float *"))
+        if self.device.type == "cuda":
+            code = lb.specter_cuda_get_rows(*args, _stream(self.device))
+        else:
+            code = lb.specter_get_rows(*args, torch.get_num_threads())
+        native.check(code, "embedding rows")
+        return out
+
+    def __getitem__(self, index: Any) -> Any:
+        """`qt[e]` of a 3-D tensor is `expert(e)`; `qt[a:b]` the QuantizedTensor of leading-dimension entries
+        a..b-1 (rows of a 2-D tensor, experts of a 3-D one; a view); `qt[ids]` of a 2-D tensor dequantizes rows
+        `ids` (float32)."""
+        if isinstance(index, int) and self.ndim == 3:
+            return self.expert(index)
+        if isinstance(index, slice):
+            if index.step not in (None, 1):
+                raise SpecterError("QuantizedTensor slices must be contiguous (step 1)")
+            part = self.data[index]
+            return QuantizedTensor(part, self.ggml_type, (part.shape[0], *self.shape[1:]))
+        if isinstance(index, int):
+            return self.rows(torch.tensor([index]))[0]
+        if isinstance(index, torch.Tensor):
+            return self.rows(index)
+        raise SpecterError(f"QuantizedTensor cannot be indexed with {type(index).__name__}")
+
+
+def _ggml_type_of(w: QuantizedTensor | torch.Tensor) -> int:
+    if isinstance(w, QuantizedTensor):
+        return w.ggml_type
+    if w.dtype not in FLOAT_TYPES:
+        raise SpecterError(f"no ggml type for a weight of dtype {w.dtype}")
+    return FLOAT_TYPES[w.dtype]
+
+
+def qmatmul(x: torch.Tensor, w: QuantizedTensor, algo: int = ALGO_AUTO) -> torch.Tensor:
+    """`x @ w.T` in float32: x `[..., k]` (float32 or float16), w a 2-D `QuantizedTensor` `[n, k]`.
+
+    On CUDA, m = rows of x <= 8 runs the GEMV kernel (weights decoded in registers, fp32 FMA: each output row
+    then depends only on its own input row, whatever m is), larger m the tiled f16 tensor-core kernel (x
+    rounded to f16); `algo` forces one of them."""
+    if w.ndim != 2:
+        raise SpecterError(f"qmatmul needs a 2-D weight, not shape {w.shape}")
+    n, k = w.shape
+    if x.shape[-1] != k:
+        raise SpecterError(f"qmatmul: x has {x.shape[-1]} columns, the weight {k}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.device != w.device:
+        raise SpecterError(f"qmatmul: x is on {x2.device}, the weight on {w.device}")
+    if x2.dtype not in (torch.float32, torch.float16):
+        x2 = x2.float()
+    x2 = _aligned(x2)
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=torch.float32, device=w.device)
+    lb = native.lib()
+    args = (w.ggml_type, _ptr(w.data), n, k, FLOAT_TYPES[x2.dtype], _ptr(x2), m, _ptr(y, "float *"), int(algo))
+    if w.device.type == "cuda":
+        code = lb.specter_cuda_qmatmul(*args, _stream(w.device))
+    else:
+        code = lb.specter_qmatmul(*args, torch.get_num_threads())
+    native.check(code, f"qmatmul (ggml type {w.ggml_type}, [{m}, {k}] x [{n}, {k}]^T)")
+    return y.reshape(*lead, n)
+
+
+@dataclass
+class ExpertTable:
+    """A layer's experts as addresses: `ptrs[0|1|2, e]` is the address of expert e's gate | up | down matrix
+    (int64, on the device the kernels run on) in its ggml type (`types`): gate and up `[n_ff, n_embd]`, down
+    `[n_embd, n_ff]`. A zero address (any of the three) makes expert e contribute nothing. An offload runtime
+    may rewrite columns of `ptrs` in place (a device-side copy, no host sync) as experts move between cache
+    slots; addresses must be 16-byte aligned and the memory must outlive the kernels that read it (`keep`
+    holds the tensors it came from)."""
+
+    ptrs: torch.Tensor
+    types: tuple[int, int, int]
+    n_embd: int
+    n_ff: int
+    keep: tuple = ()
+
+    @property
+    def n_expert(self) -> int:
+        return self.ptrs.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.ptrs.device
+
+    @classmethod
+    def from_tensors(cls, gate: QuantizedTensor | torch.Tensor, up: QuantizedTensor | torch.Tensor,
+                     down: QuantizedTensor | torch.Tensor) -> ExpertTable:
+        """From 3-D expert tensors `[n_expert, rows, cols]`: QuantizedTensors or float32/float16/bfloat16."""
+        mats = (gate, up, down)
+        if any(len(m.shape) != 3 for m in mats):
+            raise SpecterError(f"expert tensors must be 3-D, got shapes {[tuple(m.shape) for m in mats]}")
+        n_expert, n_ff, n_embd = (int(s) for s in gate.shape)
+        want = ((n_expert, n_ff, n_embd), (n_expert, n_ff, n_embd), (n_expert, n_embd, n_ff))
+        if any(tuple(m.shape) != w for m, w in zip(mats, want)):
+            raise SpecterError(f"expert tensor shapes {[tuple(m.shape) for m in mats]} do not fit gate/up/down")
+        devices = {m.device for m in mats}
+        if len(devices) != 1:
+            raise SpecterError(f"expert tensors are on several devices: {devices}")
+        rows = []
+        keep = []
+        for m in mats:
+            if isinstance(m, QuantizedTensor):
+                base, stride = m.data.data_ptr(), m.data[0].numel() if n_expert else 0
+                keep.append(m.data)
+            else:
+                if not m.is_contiguous():
+                    raise SpecterError("float expert tensors must be contiguous")
+                base, stride = m.data_ptr(), m.stride(0) * m.element_size()
+                keep.append(m)
+            rows.append([base + e * stride for e in range(n_expert)])
+        ptrs = torch.tensor(rows, dtype=torch.int64).to(gate.device)
+        return cls(ptrs, tuple(_ggml_type_of(m) for m in mats), n_embd, n_ff, tuple(keep))
+
+    @classmethod
+    def from_addresses(cls, gate: Sequence[int], up: Sequence[int], down: Sequence[int], types: Sequence[int],
+                       n_embd: int, n_ff: int, device: torch.device | str, keep: tuple = ()) -> ExpertTable:
+        """From per-expert addresses (e.g. GPU cache slots), one list per projection."""
+        if not len(gate) == len(up) == len(down):
+            raise SpecterError("gate/up/down address lists differ in length")
+        ptrs = torch.tensor([list(gate), list(up), list(down)], dtype=torch.int64).to(device)
+        return cls(ptrs, tuple(int(t) for t in types), int(n_embd), int(n_ff), keep)
+
+
+def moe_workspace_size(n_tokens: int, top_k: int, n_expert: int, n_embd: int, n_ff: int) -> int:
+    """Bytes of scratch `moe_ffn` needs (preallocate it once to capture the call in a CUDA graph)."""
+    f, lb = native.ffi(), native.lib()
+    out = f.new("size_t *")
+    native.check(lb.specter_moe_workspace_size(n_tokens, top_k, n_expert, n_embd, n_ff, out), "moe workspace size")
+    return int(out[0])
+
+
+def moe_ffn(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+            gate: ExpertTable | QuantizedTensor | torch.Tensor, up: QuantizedTensor | torch.Tensor | None = None,
+            down: QuantizedTensor | torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+            accumulate: bool = False, workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """`sum_j weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t)` with `e = ids[t, j]`, float32 `[T, n_embd]`.
+
+    x `[T, n_embd]`; ids `[T, top_k]` (any integer dtype, expert indices; out-of-range ids contribute
+    nothing); weights `[T, top_k]`. Experts: an `ExpertTable`, or 3-D gate/up/down tensors. `out` (float32,
+    contiguous) is written, or added to with `accumulate=True`."""
+    table = gate if isinstance(gate, ExpertTable) else ExpertTable.from_tensors(gate, up, down)
+    dev = table.device
+    T, d = x.shape
+    if d != table.n_embd or ids.shape != weights.shape or ids.shape[0] != T:
+        raise SpecterError(f"moe_ffn: x {tuple(x.shape)}, ids {tuple(ids.shape)}, weights {tuple(weights.shape)} "
+                           f"do not fit experts of n_embd {table.n_embd}")
+    top_k = ids.shape[1]
+    x32 = _aligned(x.to(dev, torch.float32))
+    ids32 = ids.to(dev, torch.int32).contiguous()
+    w32 = weights.to(dev, torch.float32).contiguous()
+    need = moe_workspace_size(T, top_k, table.n_expert, d, table.n_ff)
+    if workspace is None:
+        workspace = torch.empty(max(need, 1), dtype=torch.uint8, device=dev)
+    elif workspace.numel() < need or workspace.device != dev:
+        raise SpecterError(f"moe_ffn: the workspace must hold {need} bytes on {dev}")
+    if out is None:
+        if accumulate:
+            raise SpecterError("moe_ffn: accumulate=True needs `out`")
+        out = torch.empty((T, d), dtype=torch.float32, device=dev)
+    elif out.shape != (T, d) or out.dtype != torch.float32 or not out.is_contiguous() or out.device != dev:
+        raise SpecterError(f"moe_ffn: out must be a contiguous float32 [{T}, {d}] tensor on {dev}")
+    p = _ptr(table.ptrs, "uint64_t *")
+    n_expert = table.n_expert
+    gp, upp, dp = (p + i * n_expert for i in range(3))
+    gt, ut, dt = table.types
+    lb = native.lib()
+    args = (_ptr(x32, "float *"), T, d, _ptr(ids32, "int32_t *"), _ptr(w32, "float *"), top_k, n_expert, table.n_ff,
+            gp, gt, upp, ut, dp, dt, _ptr(workspace), workspace.numel(), _ptr(out, "float *"), int(accumulate))
+    if dev.type == "cuda":
+        code = lb.specter_cuda_moe_ffn(*args, _stream(dev))
+    else:
+        code = lb.specter_moe_ffn(*args, torch.get_num_threads())
+    native.check(code, f"moe_ffn (types {table.types}, T={T}, top_k={top_k})")
+    return out

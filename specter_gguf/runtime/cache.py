@@ -1,0 +1,269 @@
+"""ExpertCache: a fixed pool of expert slots on the compute device, filled from the ExpertStore.
+
+One device allocation holds `n_slots` slots of `slot_bytes` each; a slot holds one (layer, expert) record
+(gate|up|down, see `budget.record_layout`). Slots are grouped in *partitions*: one per MoE layer
+(`partition="layer"`, Mixtral-offloading's per-layer cache: a layer only evicts its own experts) or one for
+all (`"global"`: hot layers may take more slots). Inside a partition the policy picks the victim:
+
+- `lru`: least recently used;
+- `lfu`: fewest uses so far (lifetime counts, ties broken by recency);
+- `static-hot`: lowest count in a routing profile (a profiling run's counts per (layer, expert)); the hottest
+  experts are loaded up front (`warm`) and a cold expert brought in for a miss is the next to go, so the hot
+  set stays resident.
+
+CUDA ordering, without host waits:
+- copies run on a dedicated copy stream (`non_blocking` from pinned memory);
+- each slot has a **ready** event recorded after its copy; compute waits on it with `stream.wait_event` (a
+  GPU-side wait) — only when the copy is not already known complete;
+- each slot has a **last-use** event recorded on the compute stream after the kernels that read it were
+  enqueued; the copy stream waits on it before overwriting the slot, so a slot is never overwritten while a
+  kernel may still read it;
+- slots in use by the current wave are *pinned* (not evictable) until `release`.
+Timing: an event pair around every copy on the copy stream (copy time) and around every compute-side wait
+(exposed time: how long compute stalled on copies). They are read back lazily (`collect`), never forcing a
+synchronisation in the decode path except the one deliberate `collect(sync=True)` at the end of a generation.
+
+On the CPU the pool is a host buffer, a copy is a memcpy done at once (all of its time exposed), events are
+not needed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Iterable, Sequence
+
+import torch
+
+from specter_gguf.errors import SpecterError
+from specter_gguf.runtime.metrics import OffloadCounters
+from specter_gguf.runtime.routing import RoutingProfile
+from specter_gguf.runtime.store import ExpertStore
+
+Key = tuple[int, int]  # (layer, expert)
+POLICIES = ("lru", "lfu", "static-hot")
+
+
+class ExpertCache:
+    def __init__(self, store: ExpertStore, n_slots: int, slot_bytes: int, layers: Sequence[int],
+                 device: torch.device, policy: str = "lru", partition: str = "layer",
+                 profile: RoutingProfile | None = None, counters: OffloadCounters | None = None) -> None:
+        if policy not in POLICIES:
+            raise SpecterError(f"unknown cache policy '{policy}'; choose one of {', '.join(POLICIES)}")
+        if policy == "static-hot" and profile is None:
+            raise SpecterError("the static-hot cache policy needs a routing profile (--routing-profile FILE, "
+                               "written by a profiling run with --save-routing-profile)")
+        if partition not in ("layer", "global"):
+            raise SpecterError(f"partition must be 'layer' or 'global', not {partition!r}")
+        if n_slots < (len(layers) if partition == "layer" else 1):
+            raise SpecterError(f"an expert cache of {n_slots} slots cannot serve {len(layers)} MoE layers")
+        self.store, self.n_slots, self.slot_bytes, self.device = store, n_slots, slot_bytes, device
+        self.policy, self.partition, self.profile = policy, partition, profile
+        self.counters = counters or OffloadCounters()
+        self.cuda = device.type == "cuda"
+        # One allocation for every slot (the compute kernels get addresses inside it).
+        self.pool = torch.empty(n_slots * slot_bytes, dtype=torch.uint8, device=device)
+        self._pool_np = None if self.cuda else self.pool.numpy()
+        self.key: list[Key | None] = [None] * n_slots
+        self.where: dict[Key, int] = {}
+        self._pins = [0] * n_slots
+        self._uses: dict[Key, int] = {}  # lifetime uses (lfu)
+        # partitions: ordered least- to most-recently used (OrderedDict of slot -> None)
+        if partition == "layer":
+            base, extra = divmod(n_slots, len(layers))
+            self._part_of_layer, self._parts, s = {}, [], 0
+            for i, layer in enumerate(layers):
+                n = base + (1 if i < extra else 0)
+                self._part_of_layer[layer] = len(self._parts)
+                self._parts.append(OrderedDict((j, None) for j in range(s, s + n)))
+                s += n
+        else:
+            self._part_of_layer = {layer: 0 for layer in layers}
+            self._parts = [OrderedDict((j, None) for j in range(n_slots))]
+        self._free = [[j for j in part] for part in self._parts]
+        if self.cuda:
+            self.copy_stream = torch.cuda.Stream(device)
+            self._ready = [torch.cuda.Event() for _ in range(n_slots)]
+            self._last_use: list[torch.cuda.Event | None] = [None] * n_slots
+        self._ordered = [True] * n_slots  # compute is already ordered after the slot's last copy
+        self._copy_timers: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._wait_timers: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    # -- sizes and addresses -------------------------------------------------------------------------------
+    def capacity(self, layer: int) -> int:
+        """Slots layer `layer` can use at once (its partition)."""
+        return len(self._parts[self._part_of_layer[layer]])
+
+    def view(self, slot: int) -> torch.Tensor:
+        """The bytes of `slot` (uint8, on the device)."""
+        return self.pool[slot * self.slot_bytes:(slot + 1) * self.slot_bytes]
+
+    def slot_address(self, slot: int) -> int:
+        return self.pool.data_ptr() + slot * self.slot_bytes
+
+    def layer_table(self, layer: int, n_expert: int) -> list[int]:
+        """Device address of each expert's slot in `layer` (0: not resident) — the per-expert pointer table
+        of the grouped MoE kernel. Only meaningful for slots whose copy the compute stream waited for."""
+        return [self.slot_address(self.where[(layer, e)]) if (layer, e) in self.where else 0
+                for e in range(n_expert)]
+
+    # -- the public API of the planner (prefetch) ----------------------------------------------------------
+    def request(self, keys: Sequence[Key], priority: Sequence[float] | None = None) -> int:
+        """Make `keys` resident, most important first (`priority`, higher first; default: the order given).
+        Returns at once: copies are queued on the copy stream. A key already resident is refreshed (it
+        becomes most recently used); a key that finds no evictable slot in its partition (all pinned or
+        taken by higher-priority keys of this request) is skipped. Returns the number of copies issued."""
+        order = list(keys) if priority is None else \
+            [k for _, k in sorted(zip(priority, keys), key=lambda pk: -pk[0])]
+        protect: set[int] = set()
+        issued = 0
+        for key in order:
+            slot = self.where.get(key)
+            if slot is None:
+                slot = self._victim(key[0], protect)
+                if slot is None:
+                    continue
+                self._load(slot, key)
+                self.counters.prefetches += 1
+                issued += 1
+            self._touch(slot)
+            protect.add(slot)
+        return issued
+
+    def resident(self, keys: Iterable[Key], include_in_flight: bool = False) -> list[bool]:
+        """Which of `keys` are resident now: copy finished (or, with `include_in_flight`, at least issued).
+        Queries events only, never waits."""
+        out = []
+        for key in keys:
+            slot = self.where.get(key)
+            out.append(slot is not None and (include_in_flight or not self.cuda or self._ordered[slot]
+                                             or self._ready[slot].query()))
+        return out
+
+    def warm(self) -> int:
+        """Load the hottest experts of the routing profile (static-hot), as many as the partitions hold."""
+        if self.profile is None:
+            return 0
+        keys = [k for k in self.profile.hottest() if k[0] in self._part_of_layer]
+        return self.request(keys, [self.profile.count(k) for k in keys])
+
+    # -- the decode path -----------------------------------------------------------------------------------
+    def acquire(self, layer: int, experts: Sequence[int], reuse: bool = True) -> list[int]:
+        """Slots holding `experts` of `layer`, copying the misses; the slots are pinned until `release`.
+        `reuse=False` (on-demand mode) copies every expert again. At most `capacity(layer)` experts."""
+        slots: list[int] = []
+        for e in experts:
+            key = (layer, e)
+            self.counters.cache_lookups += 1
+            self._uses[key] = self._uses.get(key, 0) + 1
+            slot = self.where.get(key)
+            if slot is not None and reuse:
+                self.counters.cache_hits += 1
+            else:
+                self.counters.cache_misses += 1
+                if slot is None:
+                    slot = self._victim(layer, ())
+                    if slot is None:
+                        raise SpecterError(f"expert cache: layer {layer} needs more than its "
+                                           f"{self.capacity(layer)} slots at once")
+                self._load(slot, key)
+            self._pins[slot] += 1
+            self._touch(slot)
+            slots.append(slot)
+        return slots
+
+    def wait(self, slot: int) -> None:
+        """Order the compute stream after `slot`'s copy — a GPU-side wait, no host synchronisation. Timed
+        with an event pair (the exposed copy time) only when the copy may still be running."""
+        if not self.cuda or self._ordered[slot]:
+            return
+        self._ordered[slot] = True
+        if self._ready[slot].query():  # finished already: nothing to wait for (a non-blocking query)
+            return
+        stream = torch.cuda.current_stream(self.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        stream.wait_event(self._ready[slot])
+        end.record(stream)
+        self._wait_timers.append((start, end))
+
+    def release(self, slots: Sequence[int]) -> None:
+        """The kernels reading `slots` are enqueued: record their last use and unpin them."""
+        if self.cuda:
+            stream = torch.cuda.current_stream(self.device)
+            for slot in slots:
+                ev = self._last_use[slot] = torch.cuda.Event()
+                ev.record(stream)
+        for slot in slots:
+            self._pins[slot] -= 1
+        if len(self._copy_timers) + len(self._wait_timers) > 4096:
+            self.collect(sync=False)
+
+    def collect(self, sync: bool = False) -> None:
+        """Add the finished copies' and waits' times to the counters. `sync=True` first waits for the device
+        — the one deliberate host synchronisation, at the end of a generation, so the figures are complete."""
+        if not self.cuda:
+            return
+        if sync:
+            torch.cuda.synchronize(self.device)
+        for timers, field in ((self._copy_timers, "copy_s"), (self._wait_timers, "copy_exposed_s")):
+            keep = []
+            for start, end in timers:
+                if end.query():
+                    setattr(self.counters, field, getattr(self.counters, field) + start.elapsed_time(end) / 1000)
+                else:
+                    keep.append((start, end))
+            timers[:] = keep
+
+    # -- internals -----------------------------------------------------------------------------------------
+    def _touch(self, slot: int) -> None:
+        part = self._parts[self._part_of_layer[self.key[slot][0]]] if self.partition == "layer" else self._parts[0]
+        part.move_to_end(slot)
+
+    def _score(self, slot: int) -> float:
+        key = self.key[slot]
+        if self.policy == "lfu":
+            return self._uses.get(key, 0)
+        return self.profile.count(key)  # static-hot
+
+    def _victim(self, layer: int, protect: Iterable[int]) -> int | None:
+        p = self._part_of_layer[layer]
+        free = self._free[p]
+        if free:
+            return free.pop()
+        candidates = (s for s in self._parts[p] if self._pins[s] == 0 and s not in protect)
+        if self.policy == "lru":
+            return next(candidates, None)  # the partition is ordered least recently used first
+        return min(candidates, key=self._score, default=None)  # ties: least recently used (min is stable)
+
+    def _load(self, slot: int, key: Key) -> None:
+        """Copy `key`'s record into `slot` (evicting what it held)."""
+        old = self.key[slot]
+        if old is not None and old != key:
+            del self.where[old]
+            self.counters.cache_evictions += 1
+        self.key[slot], self.where[key] = key, slot
+        chunks = self.store.chunks(*key)
+        base = slot * self.slot_bytes
+        nbytes = sum(c.shape[0] for _, c in chunks)
+        self.counters.bytes_copied += nbytes
+        self.counters.copies += 1
+        if not self.cuda:  # a memcpy; compute runs after it on the same thread: all of it is exposed
+            t0 = time.perf_counter()
+            for offset, src in chunks:
+                self._pool_np[base + offset:base + offset + src.shape[0]] = src
+            dt = time.perf_counter() - t0
+            self.counters.copy_s += dt
+            self.counters.copy_exposed_s += dt
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.copy_stream):
+            if self._last_use[slot] is not None:  # never overwrite a slot a kernel may still read
+                self.copy_stream.wait_event(self._last_use[slot])
+            start.record(self.copy_stream)
+            for offset, src in chunks:
+                self.pool[base + offset:base + offset + src.shape[0]].copy_(src, non_blocking=True)
+            end.record(self.copy_stream)
+            self._ready[slot].record(self.copy_stream)
+        self._ordered[slot] = False
+        self._copy_timers.append((start, end))

@@ -1,0 +1,33 @@
+"""Counters of the offload runtime, read as a difference between two snapshots (one generation)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+
+@dataclass
+class OffloadCounters:
+    """Monotonic counters. A *lookup* is one (layer, expert) that a layer needed to compute; a *hit* found
+    it in a slot already (resident, or its copy already issued by a prefetch); a *miss* had to be copied.
+    `copy_s` is the time copies took on the copy stream (CPU: the memcpy), `copy_exposed_s` the time compute
+    waited for them (CUDA events around the waits; CPU copies are synchronous, so all of it)."""
+
+    cache_lookups: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    cache_evictions: int = 0
+    prefetches: int = 0          # copies issued ahead of need (gate-prefetch, `request`)
+    bytes_copied: int = 0
+    copies: int = 0
+    copy_s: float = 0.0
+    copy_exposed_s: float = 0.0
+
+    def snapshot(self) -> OffloadCounters:
+        return OffloadCounters(**asdict(self))
+
+    def since(self, start: OffloadCounters) -> OffloadCounters:
+        return OffloadCounters(**{f.name: getattr(self, f.name) - getattr(start, f.name) for f in fields(self)})
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,255 @@
+"""Offloaded experts: the `Experts` of a MoE layer served from the ExpertStore through the ExpertCache,
+and the baseline decoding modes built on them (no speculation):
+
+- `on-demand`: copy the experts a layer needs, every time (no reuse across tokens);
+- `lru`: Mixtral-offloading's per-layer LRU cache (a hit costs nothing, a miss one copy);
+- `gate-prefetch`: lru, plus Mixtral-offloading's speculative loading: the *next* MoE layer's router is
+  applied to this layer's input and its predicted experts are prefetched on the copy stream while this layer
+  computes.
+
+Host synchronisation in the decode path (deliberate, one per MoE layer): the layer's expert ids are read back
+to the host (`tolist`) because the host decides which records to copy; gate-prefetch reads the next layer's
+predicted ids in the same transfer. Nothing else waits: compute waits for copies with `stream.wait_event`.
+(The speculative engine replaces this per-layer read by the draft's ELB counts, read once per chunk.)
+
+Computing from slots: slots keep the GGUF type of the file; the grouped kernel `kernels.moe_ffn` reads them
+through a per-layer pointer table of slot addresses (`OffloadedExperts.table`), exactly as the resident engine
+runs its experts; the dense path (big batches) views float slots as torch tensors and dequantizes quantized
+ones, again as the resident engine does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from gguf import GGMLQuantizationType as T
+
+from specter_gguf.config import ModelConfig
+from specter_gguf.errors import SpecterError
+from specter_gguf.gguf_file import GGUFFile
+from specter_gguf.kernels import ExpertTable, QuantizedTensor, moe_ffn
+from specter_gguf.layers import FeedForward, MoE, ResidentExperts, Router, Transformer
+from specter_gguf.runtime.budget import (MemoryPlan, RecordLayout, format_size, moe_layers, plan_memory,
+                                         record_layout, slots_after_load)
+from specter_gguf.runtime.cache import POLICIES, ExpertCache
+from specter_gguf.runtime.metrics import OffloadCounters
+from specter_gguf.runtime.routing import RoutingProfile
+from specter_gguf.runtime.store import ExpertStore
+
+MODES = ("on-demand", "lru", "gate-prefetch")
+_TORCH_TYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
+DENSE_MIN_TOKENS_PER_EXPERT = getattr(ResidentExperts, "DENSE_MIN_TOKENS_PER_EXPERT", 16)
+
+
+def quantized_slots_supported(device_type: str) -> bool:
+    """Whether slots can hold quantized experts as the file stores them: yes on both devices, the grouped
+    kernel reads every GGUF type through the slot pointer table (the store's F16 fallback stays for a kernel
+    build that lacks a type)."""
+    return True
+
+
+class OffloadedExperts:
+    """One MoE layer's routed experts, served through the cache (see the module docstring). Computes exactly
+    as `layers.ResidentExperts` does, from slots instead of whole tensors: the native grouped kernel
+    (`kernels.moe_ffn`, experts given by a pointer table of slot addresses) for small batches, one GEMM per
+    expert (ascending, `index_add_`) for batches of `DENSE_MIN_TOKENS_PER_EXPERT` tokens per expert or more —
+    so the output is bitwise the resident engine's whenever a layer's experts fit its slots at once (always
+    in decoding). A batch needing more distinct experts than the layer has slots runs in waves; in the kernel
+    path each wave accumulates into the output, which may change the rounding of a token's k-term sum."""
+
+    def __init__(self, runtime: OffloadRuntime, layer: int, layout: RecordLayout) -> None:
+        self.runtime, self.layer, self.layout = runtime, layer, layout
+        self.next_router: Router | None = None  # gate-prefetch: the next MoE layer's router
+        self.next_layer: int | None = None
+        self.types = tuple(int(p.type) for p in layout.parts)
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        rt = self.runtime
+        cache = rt.cache
+        flat = ids.reshape(-1)
+        n = flat.shape[0]
+        predicted: list[int] = []
+        if self.next_router is not None:
+            pred, _ = self.next_router(x)
+            # HOST SYNC (deliberate): this layer's ids and the next layer's predicted ids, in one transfer
+            host = torch.cat([flat, pred.reshape(-1)]).tolist()
+            host_ids, predicted = host[:n], host[n:]
+        else:
+            host_ids = flat.tolist()  # HOST SYNC (deliberate): the ids decide which experts to copy in
+        counts: dict[int, int] = {}
+        for e in host_ids:
+            counts[e] = counts.get(e, 0) + 1
+        needed = sorted(counts)
+        # hits first: they compute while the misses are still being copied
+        resident = cache.resident([(self.layer, e) for e in needed], include_in_flight=True)
+        needed = [e for e, r in zip(needed, resident) if r] + [e for e, r in zip(needed, resident) if not r]
+        dense = n >= DENSE_MIN_TOKENS_PER_EXPERT * rt.cfg.n_expert
+        if dense:
+            order = torch.argsort(flat, stable=True)  # positions grouped by expert, experts ascending
+            spans, start = {}, 0
+            for e in sorted(counts):
+                spans[e] = (start, counts[e])
+                start += counts[e]
+            results: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        out = torch.empty((x.shape[0], x.shape[1]), dtype=torch.float32, device=x.device)
+        cap = cache.capacity(self.layer)
+        for w0 in range(0, len(needed), cap):  # waves, when a batch needs more experts than the layer's slots
+            wave = needed[w0:w0 + cap]
+            slots = cache.acquire(self.layer, wave, reuse=rt.mode != "on-demand")
+            if w0 == 0 and predicted and self.next_layer is not None:
+                ranked = sorted(set(predicted), key=lambda e: (-predicted.count(e), e))
+                cache.request([(self.next_layer, e) for e in ranked])  # queued after this layer's misses
+            for slot in slots:
+                cache.wait(slot)
+            if dense:
+                k = ids.shape[1]
+                w_flat = weights.reshape(-1)
+                for e, slot in zip(wave, slots):
+                    s, c = spans[e]
+                    pos = order[s:s + c]
+                    tokens = pos // k
+                    results[e] = (tokens, self.ffn(slot)(x[tokens]) * w_flat[pos, None])
+            else:
+                moe_ffn(x, ids, weights, self.table(dict(zip(wave, slots))), out=out, accumulate=w0 > 0)
+            cache.release(slots)
+        if dense:
+            out.zero_()
+            for e in sorted(results):  # ascending experts: the summation order of ResidentExperts._dense
+                tokens, y = results[e]
+                out.index_add_(0, tokens, y)
+        return out
+
+    def table(self, slots: dict[int, int]) -> ExpertTable:
+        """The kernel's pointer table: expert e -> its slot's gate|up|down addresses; 0 for experts not in
+        `slots` (they contribute nothing)."""
+        cache, cfg = self.runtime.cache, self.runtime.cfg
+        rows = [[0] * cfg.n_expert for _ in self.layout.parts]
+        for e, slot in slots.items():
+            base = cache.slot_address(slot)
+            for row, part in zip(rows, self.layout.parts):
+                row[e] = base + part.offset
+        ptrs = torch.tensor(rows, dtype=torch.int64)
+        if cache.cuda:  # pinned staging: an asynchronous copy, ordered on the compute stream, no host wait
+            ptrs = ptrs.pin_memory().to(cache.device, non_blocking=True)
+        return ExpertTable(ptrs, self.types, cfg.n_embd, cfg.n_ff_exp, (cache.pool,))
+
+    def ffn(self, slot: int) -> FeedForward:
+        """The expert in `slot` as torch matrices (the dense path): float parts are views of the slot,
+        quantized ones dequantized as `ResidentExperts._matrix` does (f16 on CUDA, f32 on the CPU)."""
+        raw = self.runtime.cache.view(slot)
+        mats = []
+        for p in self.layout.parts:
+            b = raw[p.offset:p.offset + p.nbytes]
+            if p.type in _TORCH_TYPES:
+                mats.append(b.view(_TORCH_TYPES[p.type]).view(p.shape))
+            else:
+                q = QuantizedTensor(b, int(p.type), p.shape)
+                mats.append(q.dequantize(torch.float16 if b.is_cuda else torch.float32))
+        return FeedForward(*mats)
+
+
+@dataclass
+class OffloadOptions:
+    budget: int
+    mode: str = "lru"
+    policy: str = "lru"
+    profile: RoutingProfile | None = None
+    pin: str = "background"
+
+
+class OffloadRuntime:
+    """Everything the offloaded model shares: plan, store, cache, counters."""
+
+    def __init__(self, f: GGUFFile, cfg: ModelConfig, plan: MemoryPlan, device: torch.device,
+                 options: OffloadOptions, progress: bool) -> None:
+        self.f, self.cfg, self.plan, self.device, self.options = f, cfg, plan, device, options
+        self.mode = options.mode
+        self.layers = moe_layers(f, cfg)
+        slot_f16 = not quantized_slots_supported(device.type)
+        self.layouts = {i: record_layout(f, cfg, i, slot_f16) for i in self.layers}
+        self.counters = OffloadCounters()
+        self.store = ExpertStore(f, self.layouts, cfg.n_expert, device, options.pin, progress)
+        self.cache: ExpertCache = None  # type: ignore[assignment]  # made by `start`, after the weights
+        self.experts: dict[int, OffloadedExperts] = {}
+
+    def make_experts(self, cfg: ModelConfig, layer: int, w: Any) -> OffloadedExperts:
+        """The `ExpertsFactory` given to `load_transformer`: nothing of the experts goes to the device."""
+        w.bar.update(sum(w.f.tensor(f"blk.{layer}.ffn_{p}_exps.weight").n_bytes for p in ("gate", "up", "down")))
+        self.experts[layer] = OffloadedExperts(self, layer, self.layouts[layer])
+        return self.experts[layer]
+
+    def start(self, n_slots: int, transformer: Transformer) -> None:
+        opts = self.options
+        partition = "layer" if opts.policy == "lru" else "global"
+        self.cache = ExpertCache(self.store, n_slots, self.plan.slot_bytes, self.layers, self.device,
+                                 opts.policy, partition, opts.profile, self.counters)
+        if self.mode == "gate-prefetch":
+            moes = [b.ffn for b in transformer.blocks if isinstance(b.ffn, MoE)]
+            for cur, nxt in zip(moes, moes[1:]):
+                if isinstance(cur.experts, OffloadedExperts):
+                    cur.experts.next_router, cur.experts.next_layer = nxt.router, nxt.layer
+        if opts.policy == "static-hot":
+            self.cache.warm()
+
+    def stats(self, start: OffloadCounters) -> OffloadCounters:
+        """Counters since `start`. Waits for the device once to read the copy timings (end of a generation)."""
+        self.cache.collect(sync=True)
+        return self.counters.since(start)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def load_offloaded(f: GGUFFile, device: torch.device, ctx_size: int, progress: bool, gpu_budget: int | str | None,
+                   offload: str | None, cache_policy: str | None = None,
+                   routing_profile: RoutingProfile | str | None = None, pin: str = "background",
+                   ) -> tuple[Transformer, OffloadRuntime | None, MemoryPlan | None]:
+    """Plan the budget, then load: the plain way when the model fits (and no mode is forced), else with
+    offloaded experts. Returns (transformer, runtime or None, plan or None)."""
+    from specter_gguf.models import check_architecture, load_transformer
+
+    check_architecture(f)
+    if offload is not None and offload not in (*MODES, "none"):
+        raise SpecterError(f"unknown --offload mode '{offload}'; choose one of {', '.join(MODES)} or none")
+    if cache_policy is not None and cache_policy not in POLICIES:
+        raise SpecterError(f"unknown cache policy '{cache_policy}'; choose one of {', '.join(POLICIES)}")
+    if gpu_budget is None:
+        if offload not in (None, "none"):
+            raise SpecterError(f"--offload {offload} needs a GPU memory budget: give --gpu-budget SIZE")
+        return load_transformer(f, device, progress), None, None
+    plan = plan_memory(f, gpu_budget, ctx_size, device.type)
+    if offload is None:
+        offload = "none" if plan.fits_all else "lru"
+    if offload == "none":
+        if not plan.fits_all:
+            raise SpecterError(f"the model needs {format_size(plan.fixed + plan.resident_expert_bytes)} on the "
+                               f"device, more than the budget {format_size(plan.budget)}; offload its experts "
+                               f"(--offload lru) or raise --gpu-budget")
+        return load_transformer(f, device, progress), None, plan
+    plan.check()
+    if isinstance(routing_profile, (str, bytes)) or hasattr(routing_profile, "__fspath__"):
+        routing_profile = RoutingProfile.load(routing_profile)  # type: ignore[arg-type]
+    policy = cache_policy or ("static-hot" if routing_profile is not None else "lru")
+    cfg = ModelConfig.from_gguf(f)
+    runtime = OffloadRuntime(f, cfg, plan, device, OffloadOptions(plan.budget, offload, policy, routing_profile,
+                                                                  pin), progress)
+    try:
+        before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        transformer = load_transformer(f, device, progress, make_experts=runtime.make_experts)
+        if device.type == "cuda":  # size the pool from what the weights really took
+            n_slots = slots_after_load(plan, torch.cuda.memory_allocated(device) - before)
+        else:
+            n_slots = plan.n_slots
+        need = plan.n_moe_layers * plan.top_k
+        if n_slots < need:
+            raise SpecterError(f"after loading, the non-expert weights took more than planned: {n_slots} expert "
+                               f"slots fit in {format_size(plan.budget)}, at least {need} are needed; raise "
+                               f"--gpu-budget")
+        plan.n_slots = n_slots
+        runtime.start(n_slots, transformer)
+    except BaseException:
+        runtime.close()
+        raise
+    return transformer, runtime, plan

@@ -1,0 +1,93 @@
+"""Routing hooks: what the MoE layers chose, gathered without host synchronisation.
+
+`DeviceRoutingCounts` is a `RoutingObserver` (register it in `Transformer.observers`): it adds each layer's
+selected expert ids into a `[n_layer, n_expert]` counts tensor on the compute device with `index_add_` — no
+host sync per layer, nothing read back until someone asks (`snapshot`, `profile`). It is the seed of the ELB
+(expert lookahead buffer): the draft path registers one, `reset()`s it at the start of a draft, and the planner
+reads a `snapshot()` at chunk boundaries.
+
+`RoutingProfile` is the host-side result of a profiling run: counts per (layer, expert), saved and loaded as
+JSON, used by the static-hot cache policy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from specter_gguf.errors import SpecterError
+
+PROFILE_FORMAT = "specter-gguf routing profile v1"
+
+
+class DeviceRoutingCounts:
+    """Per-(layer, expert) counts of routed tokens, accumulated on the device."""
+
+    def __init__(self, n_layer: int, n_expert: int, device: torch.device | str, weighted: bool = False) -> None:
+        """`weighted`: also accumulate the routing weights (`weight_sums`), e.g. to rank experts by mass."""
+        self.n_layer, self.n_expert = n_layer, n_expert
+        self.counts = torch.zeros((n_layer, n_expert), dtype=torch.int32, device=device)
+        self.weight_sums = torch.zeros((n_layer, n_expert), dtype=torch.float32, device=device) if weighted else None
+        self._flat = self.counts.view(-1)
+
+    def __call__(self, layer: int, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        flat = ids.reshape(-1)
+        # enqueued on the compute stream like the layer itself: no host synchronisation
+        self.counts[layer].index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        if self.weight_sums is not None:
+            self.weight_sums[layer].index_add_(0, flat, weights.reshape(-1).float())
+
+    def reset(self) -> None:
+        self.counts.zero_()
+        if self.weight_sums is not None:
+            self.weight_sums.zero_()
+
+    def snapshot(self) -> torch.Tensor:
+        """A copy of the counts, still on the device (no sync); the planner reads it when it decides."""
+        return self.counts.clone()
+
+    def profile(self) -> RoutingProfile:
+        """The counts as a host-side profile (reads the device: a host synchronisation, once)."""
+        counts = self.counts.cpu().tolist()
+        return RoutingProfile({(i, e): int(c) for i, row in enumerate(counts) for e, c in enumerate(row) if c})
+
+
+class RoutingProfile:
+    """Counts per (layer, expert) from a profiling run."""
+
+    def __init__(self, counts: dict[tuple[int, int], int], model: str = "") -> None:
+        self.counts, self.model = dict(counts), model
+
+    def count(self, key: tuple[int, int] | None) -> int:
+        return self.counts.get(key, 0) if key is not None else 0
+
+    def hottest(self) -> list[tuple[int, int]]:
+        """Keys by descending count (ties: layer, expert order)."""
+        return sorted(self.counts, key=lambda k: (-self.counts[k], k))
+
+    def merge(self, other: RoutingProfile) -> RoutingProfile:
+        keys: Iterable[tuple[int, int]] = set(self.counts) | set(other.counts)
+        return RoutingProfile({k: self.count(k) + other.count(k) for k in keys}, self.model or other.model)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        layers: dict[str, dict[str, int]] = {}
+        for (layer, expert), c in sorted(self.counts.items()):
+            layers.setdefault(str(layer), {})[str(expert)] = c
+        Path(path).write_text(json.dumps({"format": PROFILE_FORMAT, "model": self.model, "counts": layers},
+                                         indent=1) + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> RoutingProfile:
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+            if data.get("format") != PROFILE_FORMAT:
+                raise ValueError(f"format is {data.get('format')!r}, expected {PROFILE_FORMAT!r}")
+            counts = {(int(layer), int(e)): int(c) for layer, row in data["counts"].items() for e, c in row.items()}
+        except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:
+            raise SpecterError(f"{path}: not a routing profile ({e}); write one with "
+                               f"`specter-gguf run ... --save-routing-profile {path}`") from None
+        return cls(counts, data.get("model", ""))

@@ -1,0 +1,509 @@
+"""The benchmark harness (specter_gguf/benchmark.py, scripts/bench.py), tested on the CPU.
+
+These tests check the harness's logic and formatting — budget parsing, the -ncmoe estimate from real GGUF
+files, medians, the systems matrix, llama-server process handling (against a stand-in server script), the
+report and plots from fake result records — and run bench.py end to end with our real engine on a tiny
+model. None of the numbers they produce or read says anything about speed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specter_gguf import benchmark as B
+from specter_gguf.errors import SpecterError
+from specter_gguf.synthetic import PRESETS, tensor_specs, write_synthetic
+
+REPO = Path(__file__).resolve().parent.parent
+QWEN2_VOCAB = sorted(Path("/tmp").glob("*/llama_cpp_python-*/vendor/llama.cpp/models/ggml-vocab-qwen2.gguf"))
+
+
+# ------------------------------------------------------------------------------------------- sizes
+@pytest.mark.parametrize("text,expect", [
+    ("16GiB", 16 * 2**30), ("16G", 16 * 2**30), ("16 GiB", 16 * 2**30), ("16GB", 16 * 10**9),
+    ("512MiB", 512 * 2**20), ("1.5GiB", int(1.5 * 2**30)), ("1024", 1024), ("2TiB", 2 * 2**40), ("16gib", 16 * 2**30),
+])
+def test_parse_size(text, expect):
+    assert B.parse_size(text) == expect
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "16 parsecs", "-3GiB", "16XB"])
+def test_parse_size_rejects(text):
+    with pytest.raises(SpecterError):
+        B.parse_size(text)
+
+
+def test_parse_budgets():
+    bs = B.parse_budgets("16GiB, 20GiB")
+    assert [(b.label, b.bytes) for b in bs] == [("16GiB", 16 * 2**30), ("20GiB", 20 * 2**30)]
+    assert bs[0].gib == 16
+    rel = B.parse_budgets("50%,75%", model_bytes=1000)
+    assert [(b.label, b.bytes) for b in rel] == [("50%", 500), ("75%", 750)]
+    with pytest.raises(SpecterError):
+        B.parse_budgets("50%")  # relative without a model size
+    with pytest.raises(SpecterError):
+        B.parse_budgets("0GiB")
+    assert B.parse_budgets("") == []
+
+
+def test_format_size():
+    assert B.format_size(None) == "—"
+    assert B.format_size(3 * 2**30) == "3.0 GiB"
+    assert B.format_size(300 * 2**20) == "300.0 MiB"
+
+
+# ----------------------------------------------------------------------------------------- metrics
+def test_median_and_tpot():
+    assert B.median([3.0, 1.0, 2.0]) == 2.0
+    assert B.median([4.0, 1.0, 2.0, 3.0]) == 2.5
+    assert B.median([None, 5.0, float("nan")]) == 5.0
+    assert B.median([]) is None
+    # 128 generated tokens: 127 decode steps after the first token (llama-server's and our definition)
+    assert B.tpot_ms(1.27, 128) == pytest.approx(10.0)
+    assert B.tpot_ms(0.5, 1) is None
+
+
+def _run(dec, tpot, n=128, warmup=False, **extra):
+    return {"decoding": dec, "tpot_ms": tpot, "generated_tokens": n, "prompt_tokens": 32, "prefill_ms": 5.0,
+            "warmup": warmup, "extra": extra}
+
+
+def test_summarize_runs_medians_counts_and_rates():
+    runs = [
+        _run("greedy", 999.0, warmup=True),  # warm-up: ignored
+        _run("greedy", 10.0, draft_tokens=80, draft_accepted=8, bytes_copied=1280),
+        _run("greedy", 30.0, draft_tokens=20, draft_accepted=12, bytes_copied=0),
+        _run("greedy", 20.0, draft_tokens=100, draft_accepted=0, bytes_copied=1280),
+        _run("sampled", 40.0, cache_hit_rate=0.5, hidden_copy_share=0.9),
+        _run("sampled", 50.0, cache_hit_rate=0.7, hidden_copy_share=0.7),
+    ]
+    s = B.summarize_runs(runs)
+    g, m = s["greedy"], s["sampled"]
+    assert g["n_prompts"] == 3 and m["n_prompts"] == 2
+    assert g["tpot_ms"] == 20.0 and g["tokens_per_s"] == pytest.approx(50.0)
+    assert g["tpot_ms_min"] == 10.0 and g["tpot_ms_max"] == 30.0
+    assert g["acceptance"] == pytest.approx(20 / 200)  # summed counts, not a mean of ratios
+    assert g["bytes_per_token"] == pytest.approx(2560 / (3 * (32 + 128)))  # per processed token
+    assert "cache_hit_rate" not in g
+    assert m["tpot_ms"] == 45.0
+    assert m["cache_hit_rate"] == pytest.approx(0.6) and m["hidden_copy_share"] == pytest.approx(0.8)
+    assert "acceptance" not in m
+
+
+# ----------------------------------------------------------------------------------------- prompts
+def test_prompts_file_is_varied_and_round_robin():
+    data = json.loads(B.PROMPTS_FILE.read_text())
+    kinds = [p["kind"] for p in data["prompts"]]
+    assert len(kinds) >= 20 and {"code", "math", "prose", "chat"} <= set(kinds)
+    assert len({p["id"] for p in data["prompts"]}) == len(kinds)
+    first = B.load_prompts(n=4)
+    assert sorted(p.kind for p in first) == ["chat", "code", "math", "prose"]
+    assert len(B.load_prompts()) == len(kinds)
+    with pytest.raises(SpecterError):
+        B.load_prompts(n=0)
+
+
+@pytest.mark.skipif(not QWEN2_VOCAB, reason="llama.cpp's ggml-vocab-qwen2.gguf (llama-cpp-python sdist) not found")
+def test_prompt_lengths_and_stored_ids_match_llama_cpp_tokenizer():
+    pytest.importorskip("llama_cpp")
+    from specter_gguf.tokenizer import Tokenizer
+
+    vocab = QWEN2_VOCAB[0]
+    tok = Tokenizer.from_gguf(vocab)
+    stored = B.stored_token_ids(B.PROMPTS_FILE, B.vocab_fingerprint(vocab))
+    for p in B.load_prompts():
+        ids = tok.encode(p.text)
+        assert 16 <= len(ids) <= 128, (p.id, len(ids))
+        assert stored[p.id] == ids, p.id  # the ids used where llama-cpp-python is missing
+
+
+# ------------------------------------------------------------------------------- -ncmoe estimate
+@pytest.fixture(scope="module")
+def qwen_like(tmp_path_factory):
+    """A real GGUF in qwen2moe layout (tiny widths, 4 layers) written by the synthetic writer."""
+    path = tmp_path_factory.mktemp("bench") / "tiny-qwen2moe-l4-f16.gguf"
+    shape = PRESETS["tiny-qwen2moe"].with_layers(4)
+    write_synthetic(path, shape, "f16", seed=0)
+    return path, shape
+
+
+def test_model_sizes_from_real_gguf(qwen_like):
+    path, s = qwen_like
+    sizes = B.ModelSizes.from_gguf(path)
+    assert sizes.arch == "qwen2moe" and sizes.n_layer == 4
+    per_layer = 3 * s.n_expert * s.n_embd * s.n_ff_exp * 2  # gate, up, down in F16
+    assert sizes.expert_bytes == [per_layer] * 4
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+    n_vocab = len(r.fields["tokenizer.ggml.tokens"].data)
+    total = sum(sp.n_elements * (4 if sp.f32 else 2) for sp in tensor_specs(s, n_vocab))
+    assert sizes.cpu_only_bytes == n_vocab * s.n_embd * 2  # token_embd stays on the CPU in llama.cpp
+    assert sizes.nonexpert_bytes + sizes.cpu_only_bytes + sum(sizes.expert_bytes) == total
+    assert sizes.kv_bytes_per_token == 4 * 2 * s.n_head_kv * s.head_dim * 2
+    assert sizes.gpu_bytes(0, 100) == sizes.nonexpert_bytes + 4 * per_layer + 100 * sizes.kv_bytes_per_token
+    assert sizes.gpu_bytes(3, 0) == sizes.nonexpert_bytes + per_layer
+    assert sizes.gpu_bytes(99, 0) == sizes.nonexpert_bytes
+
+
+def test_smallest_ncmoe_boundaries(qwen_like):
+    sizes = B.ModelSizes.from_gguf(qwen_like[0])
+    ctx, margin = 256, 1000
+    for n in range(sizes.n_layer + 1):
+        exact = sizes.gpu_bytes(n, ctx) + margin
+        assert B.smallest_ncmoe(exact, sizes, ctx, margin) == n
+        if n < sizes.n_layer:
+            assert B.smallest_ncmoe(exact - 1, sizes, ctx, margin) == n + 1
+    assert B.smallest_ncmoe(10**15, sizes, ctx, margin) == 0
+    assert B.smallest_ncmoe(sizes.gpu_bytes(sizes.n_layer, ctx) + margin - 1, sizes, ctx, margin) is None
+    # with a draft fully on the GPU, the target must give up more layers
+    draft = B.ModelSizes.from_gguf(qwen_like[0])
+    budget = sizes.gpu_bytes(2, ctx) + margin + draft.gpu_bytes(0, ctx) + 500
+    assert B.smallest_ncmoe(budget, sizes, ctx, margin, draft, 500) == 2
+    assert B.smallest_ncmoe(budget - 1, sizes, ctx, margin, draft, 500) == 3
+    assert B.smallest_ncmoe(budget, sizes, ctx, margin) == 0
+
+
+def test_expert_regex_on_real_qwen_shape():
+    """Qwen1.5-MoE-A2.7B's tensor list: llama.cpp's -ncmoe regex finds 60 x 3 x 2048 x 1408 F16 = 1.04 GB of
+    experts per layer (23.2 GiB in all, DESIGN.md's 26.7 GiB file minus embeddings, attention, shared experts)."""
+    shape = PRESETS["qwen1.5-moe-a2.7b"]
+    per_layer = [0] * shape.n_layer
+    for sp in tensor_specs(shape, 151936):
+        m = B.EXPERT_RE.match(sp.name)
+        if m:
+            per_layer[int(m.group(1))] += sp.n_elements * 2
+    assert per_layer == [60 * 3 * 2048 * 1408 * 2] * 24
+    assert sum(per_layer) / 2**30 == pytest.approx(23.2, abs=0.1)
+
+
+@pytest.mark.skipif(not QWEN2_VOCAB, reason="ggml-vocab-qwen2.gguf not found")
+def test_synthetic_model_has_the_vocab_fingerprint_of_its_vocab(tmp_path):
+    """A model written with --vocab-from tokenizes like the vocab GGUF, so the stored prompt ids apply."""
+    path = tmp_path / "q.gguf"
+    write_synthetic(path, PRESETS["tiny-qwen2moe"].with_layers(1), "f16", vocab_from=QWEN2_VOCAB[0])
+    assert B.vocab_fingerprint(path) == B.vocab_fingerprint(QWEN2_VOCAB[0])
+    assert B.ModelSizes.from_gguf(path).cpu_only_bytes == 151936 * 256 * 2
+    assert B.stored_token_ids(B.PROMPTS_FILE, B.vocab_fingerprint(path))  # ids for this vocab are stored
+
+
+# ------------------------------------------------------------------------------------------- matrix
+def _fake_sizes(n_layer=24, expert=2**30, nonexpert=3 * 2**30, path="t.gguf"):
+    return B.ModelSizes(path, "qwen2moe", n_layer, nonexpert + n_layer * expert, 2**29, nonexpert,
+                        [expert] * n_layer, 2**17)
+
+
+def test_build_matrix_and_parts():
+    t, d = _fake_sizes(), _fake_sizes(expert=2**28, nonexpert=2**30, path="d.gguf")
+    cfg = B.MatrixConfig(t, d, "Q4_K_M", B.parse_budgets("16GiB,20GiB"), ctx_size=1024, margin_bytes=2**30,
+                         draft_margin_bytes=2**29, ncmoe_sweep=(-1, 0, 1), synth_lens=(2, 4))
+    specs, notes = B.build_matrix(B.select_families("*"), cfg)
+    fams = [s.family for s in specs]
+    assert fams[0] == "llama-gpu" and "ours" in fams
+    nc16 = [s for s in specs if s.family == "llama-ncmoe" and s.budget.label == "16GiB"]
+    n0 = B.smallest_ncmoe(16 * 2**30, t, 1024, 2**30)
+    assert [s.params["n_cpu_moe"] for s in nc16] == [n0 - 1, n0, n0 + 1]
+    assert [s.est_gpu_bytes <= 16 * 2**30 for s in nc16] == [False, True, True]
+    spec = [s for s in specs if s.family == "llama-spec"]
+    synth = [s for s in specs if s.family == "llama-spec-synth"]
+    assert len(spec) == 2 and len(synth) == 4
+    assert all(s.params["n_cpu_moe"] > n0 for s in spec if s.budget.label == "16GiB")
+    assert {s.params["synth_len"] for s in synth} == {2.0, 4.0}
+    # each of our modes runs (once, or once per budget) or is reported as not available here
+    for name, mode in B.OURS_MODES.items():
+        runs = [s for s in specs if s.family == name]
+        noted = any(n.startswith(name + ":") for n in notes)
+        assert noted != bool(runs), name
+        if runs:
+            assert len(runs) == (1 if not mode.budget_bound else 2 * (2 if mode.synthetic else 1)), name
+            assert all((s.budget is None) == (not mode.budget_bound) for s in runs)
+    assert len(B.split_part(specs, "1/2")) + len(B.split_part(specs, "2/2")) == len(specs)
+    assert set(map(id, B.split_part(specs, "1/2"))).isdisjoint(map(id, B.split_part(specs, "2/2")))
+    for bad in ("0/2", "3/2", "x"):
+        with pytest.raises(SpecterError):
+            B.split_part(specs, bad)
+
+
+def test_matrix_when_nothing_fits():
+    t = _fake_sizes()
+    cfg = B.MatrixConfig(t, None, None, B.parse_budgets("1GiB"), ncmoe_sweep=(0, 1))
+    specs, notes = B.build_matrix(["llama-ncmoe", "llama-spec"], cfg)
+    assert [s.params["n_cpu_moe"] for s in specs] == [24]
+    assert "does not fit" in specs[0].note and notes == ["llama-spec: no draft model"]
+
+
+def test_select_families():
+    assert B.select_families("ours") == ["ours"]
+    assert B.select_families("llama-*") == list(B.LLAMA_FAMILIES)
+    with pytest.raises(SpecterError):
+        B.select_families("vllm")
+
+
+def test_llama_server_args_use_flags_of_this_llama_cpp():
+    spec = B.SystemSpec("llama-spec-synth", "llama", "x", B.Budget("16GiB", 16 * 2**30),
+                        {"n_cpu_moe": 13, "draft": "/m/d.gguf", "draft_n_max": 8, "synth_len": 4.0})
+    a = B.llama_server_args(spec, "/m/t.gguf", 1024, None)
+    s = " ".join(a)
+    for frag in ("-m /m/t.gguf", "-ngl 999", "--fit off", "-c 1024", "-np 1", "-ncmoe 13", "--model-draft /m/d.gguf",
+                 "--spec-type draft-simple", "--spec-draft-n-max 8", "-ngld 999", "--spec-synth-len 4"):
+        assert frag in s, frag
+    src = sorted(Path("/tmp").glob("*/llama_cpp_python-*/vendor/llama.cpp/common/arg.cpp"))
+    if src:  # every flag we pass exists in the llama.cpp source we build
+        text = src[0].read_text()
+        for flag in [x for x in a if x.startswith("-")]:
+            assert f'"{flag}"' in text, flag
+
+
+# ------------------------------------------------------------------------------- llama-server handling
+FAKE_SERVER = r'''
+import json, sys, time, os
+from http.server import BaseHTTPRequestHandler, HTTPServer
+args = sys.argv[1:]
+port = int(args[args.index("--port") + 1])
+mode = os.environ.get("FAKE_MODE", "ok")
+if mode == "crash":
+    print("error: failed to load model", flush=True); sys.exit(3)
+t0 = time.time()
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a): pass
+    def _send(self, code, obj):
+        b = json.dumps(obj).encode(); self.send_response(code)
+        self.send_header("Content-Type", "application/json"); self.send_header("Content-Length", str(len(b)))
+        self.end_headers(); self.wfile.write(b)
+    def do_GET(self):
+        if time.time() - t0 < 0.7: return self._send(503, {"error": "loading"})
+        self._send(200, {"status": "ok"})
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/tokenize": return self._send(200, {"tokens": [ord(c) for c in body["content"][:20]]})
+        n = body["n_predict"]
+        assert body["ignore_eos"] is True and body["cache_prompt"] is False
+        t = {"prompt_n": len(body["prompt"]), "prompt_ms": 1.5, "predicted_n": n, "predicted_ms": 2.0 * (n - 1),
+             "predicted_per_token_ms": 2.0 if body["temperature"] == 0 else 3.0}
+        if "--model-draft" in args: t.update(draft_n=10, draft_n_accepted=4)
+        if mode == "hang": time.sleep(60)
+        self._send(200, {"tokens": list(range(n)), "timings": t})
+HTTPServer(("127.0.0.1", port), H).serve_forever()
+'''
+
+
+@pytest.fixture()
+def fake_bin(tmp_path):
+    d = tmp_path / "bin"
+    d.mkdir()
+    exe = d / "llama-server"
+    exe.write_text(f"#!{sys.executable}\n" + FAKE_SERVER)
+    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+    return d
+
+
+def _ctx(tmp_path, llama_bin, prompts=3, **kw):
+    ps = B.load_prompts(n=prompts)
+    for i, p in enumerate(ps):
+        p.ids = list(range(1, 10 + i))
+    settings = B.RunSettings(n_predict=8, decodings=("greedy", "sampled"), seed=7, seconds_per_system=60)
+    return B.BenchContext("/m/t.gguf", "fake", ps, settings, tmp_path / "out", llama_bin=llama_bin,
+                          log=lambda s: None, **kw)
+
+
+def test_llama_system_against_stand_in_server(tmp_path, fake_bin):
+    spec = B.SystemSpec("llama-spec", "llama", "draft", B.Budget("16GiB", 16 * 2**30),
+                        {"n_cpu_moe": 3, "draft": "/m/d.gguf", "draft_n_max": 8})
+    r = B.run_system(spec, _ctx(tmp_path, fake_bin))
+    assert r["status"] == "ok", r["error"]
+    measured = [x for x in r["runs"] if not x.get("warmup")]
+    assert len(measured) == 6 and r["runs"][0]["warmup"] and r["runs"][0]["generated_tokens"] == 8
+    assert r["summary"]["greedy"]["tpot_ms"] == 2.0 and r["summary"]["sampled"]["tpot_ms"] == 3.0
+    assert r["summary"]["greedy"]["acceptance"] == pytest.approx(0.4)
+    assert all(x["tokens"] == [] for x in measured if x["decoding"] == "sampled")
+    assert "--model-draft /m/d.gguf" in r["command"] and r["load_s"] > 0.5  # waited for /health
+
+
+def test_llama_system_failures_are_recorded(tmp_path, fake_bin, monkeypatch):
+    spec = B.SystemSpec("llama-gpu", "llama", "all on GPU", None, {"n_cpu_moe": 0})
+    monkeypatch.setenv("FAKE_MODE", "crash")
+    r = B.run_system(spec, _ctx(tmp_path, fake_bin))
+    assert r["status"] == "error" and "exited with code 3" in r["error"] and "failed to load" in r["error"]
+    monkeypatch.setenv("FAKE_MODE", "hang")
+    r = B.run_system(spec, _ctx(tmp_path, fake_bin, job_timeout=8))
+    assert r["status"] == "error" and r["wall_s"] < 30
+    r = B.run_system(spec, _ctx(tmp_path, tmp_path / "nowhere"))
+    assert r["status"] == "error" and "not found" in r["error"]
+    import time
+
+    r = B.run_system(spec, _ctx(tmp_path, fake_bin, deadline=time.monotonic()))
+    assert r["status"] == "skipped"
+
+
+def test_server_tokenizer_and_stored_ids(tmp_path, fake_bin, monkeypatch):
+    with B.server_tokenizer(fake_bin, "/m/t.gguf", tmp_path / "tok.log") as tok:
+        assert tok("abc") == [97, 98, 99]
+    # without llama-cpp-python, stored ids of the same vocabulary are used, else the server
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    ps = B.load_prompts(n=2)
+    monkeypatch.setattr(B, "vocab_fingerprint", lambda p: "none")
+    assert B.tokenize_prompts(ps, "/m/t.gguf", server_tokenize=lambda s: [1, 2]) == "llama-server /tokenize"
+    assert ps[0].ids == [1, 2]
+    with pytest.raises(SpecterError):
+        B.tokenize_prompts(ps, "/m/t.gguf")
+
+
+# --------------------------------------------------------------------------- report (formatting only)
+def _fake_doc():
+    """Fake results: they test the report's formatting, not anybody's speed."""
+    def res(family, setting, budget, tpot, peak, status="ok", error=None, **extra):
+        runs = [{"decoding": d, "tpot_ms": tpot * (1.1 if d == "sampled" else 1), "generated_tokens": 64,
+                 "prefill_ms": 1.0, "extra": extra} for d in ("greedy", "sampled") for _ in range(3)]
+        return {"family": family, "kind": "llama" if family.startswith("llama") else "ours", "setting": setting,
+                "budget": budget, "budget_bytes": B.parse_size(budget) if budget else None,
+                "params": {"synth_len": float(setting[-1])} if "L=" in setting else {}, "note": "",
+                "status": status, "error": error, "runs": runs if status == "ok" else [],
+                "summary": B.summarize_runs(runs) if status == "ok" else {}, "peak_gpu_bytes": peak,
+                "torch_peak_bytes": None}
+    G = 2**30
+    results = [
+        res("llama-gpu", "all on GPU", None, 3.3, 28 * G),
+        res("llama-ncmoe", "-ncmoe 12", "16GiB", 13.8, 15 * G),
+        res("llama-ncmoe", "-ncmoe 11", "16GiB", 12.0, 17 * G),
+        res("llama-spec", "draft Q4_K_M, -ncmoe 16", "16GiB", 100.0, 15.5 * G, draft_tokens=650, draft_accepted=9),
+        res("llama-spec-synth", "draft Q4_K_M, -ncmoe 16, L=2", "16GiB", 70.0, 15.5 * G),
+        res("llama-spec-synth", "draft Q4_K_M, -ncmoe 16, L=4", "16GiB", 30.0, 15.5 * G),
+        res("ours", "whole model", None, 0, None, status="error", error="SpecterError: CUDA out of memory | oops"),
+    ]
+    meta = {"date": "2026-01-01 00:00 UTC", "stamp": "test", "gpu": {"gpu": "FAKE GPU", "cpu": "fake"},
+            "model": "/w/m-f16.gguf", "model_label": "fake model", "model_bytes": 28 * G, "draft": "/w/m-q4_k_m.gguf",
+            "draft_bytes": 8 * G, "budgets": {"16GiB": 16 * G}, "n_prompts": 3, "n_predict": 64,
+            "decodings": ["greedy", "sampled"], "seed": 1, "ctx_size": 1024, "tokenized_by": "test",
+            "llama_version": "fake", "command": "python3 scripts/bench.py --fake"}
+    return {"meta": meta, "notes": ["ours-lru: not implemented"], "results": results}
+
+
+def test_report_formatting_from_fake_results():
+    doc = _fake_doc()
+    md = B.render_markdown(doc, ["img/x.png"])
+    lines = md.splitlines()
+    header = next(i for i, ln in enumerate(lines) if ln.startswith("| System"))
+    rows = [ln for ln in lines[header + 2:] if ln.startswith("| ")]
+    assert len(rows) == len(doc["results"])
+    ncols = lines[header].count("|")
+    assert all(r.count("|") - r.count("\\|") == ncols for r in rows)  # pipes inside cells are escaped
+    assert "FAKE GPU" in md and "python3 scripts/bench.py --fake" in md and "16GiB" in md
+    assert "| 13.80 / 15.18 |" in md  # greedy / sampled TPOT
+    assert "1.4% / 1.4%" in md  # 9 of 650 drafted
+    assert "**error**: SpecterError: CUDA out of memory" in md
+    assert "**no**" in md  # -ncmoe 11 measured above its budget
+    assert "synthetic acceptance" in md and "![x](img/x.png)" in md
+    assert "Best llama.cpp setting within 16GiB (greedy): llama-ncmoe -ncmoe 12" in md
+    assert "Not run: ours-lru" in md
+
+
+def test_plots_from_fake_results(tmp_path):
+    pytest.importorskip("matplotlib")
+    files = B.write_plots(_fake_doc(), tmp_path, "t")
+    assert [f.name for f in files] == ["t-tpot.png", "t-synth.png"]
+    assert all(f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for f in files)
+
+
+def test_append_report_and_merge(tmp_path):
+    rep = tmp_path / "docs" / "B.md"
+    B.append_report(rep, "### one\n")
+    B.append_report(rep, "### two\n")
+    text = rep.read_text()
+    assert text.startswith("# Benchmarks") and text.index("### one") < text.index("### two")
+    a, b = _fake_doc(), _fake_doc()
+    b["meta"]["command"] = "python3 scripts/bench.py --part 2/2"
+    m = B.merge_docs([a, b])
+    assert len(m["results"]) == 2 * len(a["results"]) and "--part 2/2" in m["meta"]["command"]
+
+
+# ------------------------------------------------------------------------------------- end to end
+def _bench(*args, env=None, timeout=300):
+    e = dict(os.environ)
+    e.update(env or {})
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=str(REPO), env=e)
+
+
+def test_bench_end_to_end_ours_on_cpu(tmp_path):
+    """bench.py with the real engine on a tiny model (CPU, 2 prompts, 4 tokens): JSON and Markdown come out.
+    The timings it prints are not looked at."""
+    pytest.importorskip("llama_cpp")
+    out, work, report = tmp_path / "out", tmp_path / "work", tmp_path / "docs" / "BENCHMARKS.md"
+    p = _bench("--model-preset", "tiny-qwen2moe", "--systems", "ours", "--device", "cpu", "--prompts", "2",
+               "--n-predict", "4", "--out", str(out), "--work-dir", str(work), "--report", str(report),
+               "--img-dir", str(tmp_path / "docs" / "img"))
+    assert p.returncode == 0, p.stdout + p.stderr
+    doc = json.loads((out / "results.json").read_text())
+    (r,) = doc["results"]
+    assert r["family"] == "ours" and r["status"] == "ok", r["error"]
+    measured = [x for x in r["runs"] if not x["warmup"]]
+    assert len(measured) == 4 and all(x["generated_tokens"] == 4 for x in measured)
+    assert {x["decoding"] for x in measured} == {"greedy", "sampled"}
+    assert all(x["tpot_ms"] > 0 for x in measured)
+    assert r["summary"]["greedy"]["n_prompts"] == 2
+    md = (out / "section.md").read_text()
+    assert "| ours |" in md and "tiny-qwen2moe" in md
+    assert "| ours |" in report.read_text()
+    # the model is reused on a second run, which also exercises --from-results
+    p2 = _bench("--from-results", str(out / "results.json"), "--out", str(tmp_path / "again"))
+    assert p2.returncode == 0, p2.stdout + p2.stderr
+    assert (tmp_path / "again" / "section.md").read_text().count("| ours |") == 1
+
+
+def test_ours_worker_without_llama_cpp_tokenizer(tmp_path, shipped_model):
+    """On the GPU machine llama-cpp-python is missing: the worker then loads the model with an ids-only
+    tokenizer; greedy tokens must equal those of a run with the real tokenizer."""
+    pytest.importorskip("llama_cpp")
+    prompts = B.load_prompts(n=1)
+    prompts[0].ids = [39, 730, 78, 266, 282, 339]
+    settings = B.RunSettings(n_predict=5, decodings=("greedy",), seed=3, seconds_per_system=60, warmup_tokens=2)
+    tokens = []
+    for force in ("", "1"):
+        job = {"mode": "ours", "model": str(shipped_model), "device": "cpu", "ctx_size": 256, "budget_bytes": None,
+               "draft": None, "synth_len": None, "prompts": [vars(p) for p in prompts],
+               "settings": vars(settings) | {"decodings": ["greedy"]}, "time_budget_s": 120,
+               "result": str(tmp_path / f"r{force}.json")}
+        (tmp_path / "job.json").write_text(json.dumps(job))
+        env = dict(os.environ, SPECTER_BENCH_NO_LLAMA_CPP=force, PYTHONPATH=str(REPO))
+        p = subprocess.run([sys.executable, "-m", "specter_gguf.benchmark", "worker", str(tmp_path / "job.json")],
+                           capture_output=True, text=True, env=env, timeout=120, cwd=str(REPO))
+        assert p.returncode == 0, p.stdout + p.stderr
+        res = json.loads((tmp_path / f"r{force}.json").read_text())
+        (run,) = [r for r in res["runs"] if not r["warmup"]]
+        assert run["generated_tokens"] == 5
+        tokens.append(run["tokens"])
+    assert tokens[0] == tokens[1]
+
+
+def test_dry_run_prints_matrix(tmp_path, qwen_like):
+    p = _bench("--model", str(qwen_like[0]), "--budgets", "60%,80%", "--dry-run", "--out", str(tmp_path),
+               "--llama-bin", str(tmp_path), "--systems", "llama-gpu,llama-ncmoe,ours", "--no-build")
+    # no llama-server in --llama-bin: refused before anything runs
+    assert p.returncode == 2 and "llama-server not found" in p.stdout
+    p = _bench("--model", str(qwen_like[0]), "--budgets", "60%,80%", "--dry-run", "--out", str(tmp_path),
+               "--systems", "ours")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "ours [" in p.stdout
+
+
+def test_find_vocab_extracts_from_the_carried_tarball(tmp_path, monkeypatch):
+    import tarfile
+
+    repo = tmp_path / "repo"
+    (repo / ".gpu").mkdir(parents=True)
+    src = tmp_path / "v.gguf"
+    src.write_bytes(b"GGUF fake vocab")
+    with tarfile.open(repo / ".gpu" / "llama-src.tar.gz", "w:gz") as tf:
+        tf.add(src, arcname="llama-src/vendor/llama.cpp/models/ggml-vocab-test.gguf")
+    monkeypatch.setattr(B, "REPO_ROOT", repo)
+    got = B.find_vocab("ggml-vocab-test.gguf", tmp_path / "work")
+    assert got == tmp_path / "work" / "ggml-vocab-test.gguf" and got.read_bytes() == b"GGUF fake vocab"
+    with pytest.raises(SpecterError):
+        B.find_vocab("ggml-vocab-none.gguf", tmp_path / "work")

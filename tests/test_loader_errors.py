@@ -1,0 +1,238 @@
+"""Unusable model files fail with one clear line, never a traceback.
+
+Each case is a crafted file (or path). The CLI (`run`, and `inspect` where the problem is in the file's
+header or metadata) must print one line starting with `Error:` that names the problem, exit with status 1
+and show no traceback; the Python API (`Model.load`) must raise `SpecterError` with the same message.
+Broken files are written from a tiny model with `gguf.GGUFWriter` (metadata edited, tensors dropped,
+reshaped or stored in a type the engine does not run) or cut short.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+
+from specter_gguf.cli import cli
+from specter_gguf.engine import Model
+from specter_gguf.errors import SpecterError
+
+BASE = ("llama", "f16")  # the tiny Mixtral-style model: every crafted file starts from it
+SUPPORTED = ("llama", "olmoe", "qwen2moe", "qwen3moe")
+DROP = object()
+
+
+def rewrite(src: Path, dst: Path, *, arch: str | None = None, kv: dict[str, Any] | None = None,
+            tensors: dict[str, Any] | None = None) -> Path:
+    """A copy of GGUF `src` at `dst` with edits. `arch`: a new general.architecture. `kv`: key -> DROP, or
+    (value, GGUFValueType) to set. `tensors`: name -> DROP, or (array, raw_dtype or None) to store instead
+    (raw_dtype given: `array` holds the raw bytes of that type, rows last)."""
+    kv, tensors = kv or {}, tensors or {}
+    reader = GGUFReader(src)
+    old_arch = str(reader.fields["general.architecture"].contents())
+    w = GGUFWriter(dst, arch or old_arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture" or name in kv:
+            continue
+        vtype = GGUFValueType(field.types[0])
+        sub = GGUFValueType(field.types[-1]) if vtype == GGUFValueType.ARRAY else None
+        w.add_key_value(name, field.contents(), vtype, sub)
+    for name, edit in kv.items():
+        if edit is not DROP:
+            value, vtype = edit
+            w.add_key_value(name, value, vtype)
+    for t in reader.tensors:
+        edit = tensors.get(t.name)
+        if edit is DROP:
+            continue
+        if edit is not None:
+            data, raw_dtype = edit
+            w.add_tensor(t.name, data, raw_dtype=raw_dtype)
+            continue
+        quantized = t.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
+        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type if quantized else None)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def raw_blocks(qtype: GGMLQuantizationType, rows: int, row_len: int, seed: int = 0) -> np.ndarray:
+    """Random raw bytes of a [rows, row_len] tensor stored as `qtype` (uint8, rows last)."""
+    from gguf import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, (rows, row_len // block * size), dtype=np.uint8)
+
+
+# --------------------------------------------------------------------------------------------------
+# The cases: name -> (make(base model path, directory) -> path, pattern the message must match,
+#                     whether `inspect` must fail too)
+# --------------------------------------------------------------------------------------------------
+
+
+def not_gguf(base: Path, d: Path) -> Path:
+    p = d / "notes.gguf"
+    p.write_text("This is a text file, not a model.\n" * 10)
+    return p
+
+
+def empty(base: Path, d: Path) -> Path:
+    p = d / "empty.gguf"
+    p.write_bytes(b"")
+    return p
+
+
+def truncated_half(base: Path, d: Path) -> Path:
+    data = base.read_bytes()
+    p = d / "half.gguf"
+    p.write_bytes(data[: len(data) // 2])
+    return p
+
+
+def truncated_after_header(base: Path, d: Path) -> Path:
+    data = base.read_bytes()
+    p = d / "header-only.gguf"
+    p.write_bytes(data[:24])  # magic, version, tensor count, metadata count: nothing more
+    return p
+
+
+def truncated_in_metadata(base: Path, d: Path) -> Path:
+    data = base.read_bytes()
+    p = d / "cut-in-metadata.gguf"
+    p.write_bytes(data[:200])
+    return p
+
+
+def unsupported_arch(base: Path, d: Path) -> Path:
+    return rewrite(base, d / "gpt2.gguf", arch="gpt2")
+
+
+def dense(base: Path, d: Path) -> Path:
+    return rewrite(base, d / "dense.gguf", kv={"llama.expert_count": DROP, "llama.expert_used_count": DROP})
+
+
+def missing_tensor(base: Path, d: Path) -> Path:
+    return rewrite(base, d / "missing-tensor.gguf", tensors={"blk.1.ffn_up_exps.weight": DROP})
+
+
+def wrong_shape(base: Path, d: Path) -> Path:
+    bad = np.zeros((128, 256), dtype=np.float16)  # attn_q is [256, 256] in numpy order
+    return rewrite(base, d / "wrong-shape.gguf", tensors={"blk.0.attn_q.weight": (bad, None)})
+
+
+def iq4_xs_tensor(base: Path, d: Path) -> Path:
+    raw = raw_blocks(GGMLQuantizationType.IQ4_XS, 256, 256)
+    return rewrite(base, d / "iq4_xs.gguf", tensors={"blk.0.attn_q.weight": (raw, GGMLQuantizationType.IQ4_XS)})
+
+
+def iq4_nl_tensor(base: Path, d: Path) -> Path:
+    raw = np.stack([raw_blocks(GGMLQuantizationType.IQ4_NL, 256, 256, seed=e) for e in range(8)])
+    return rewrite(base, d / "iq4_nl.gguf",
+                   tensors={"blk.1.ffn_gate_exps.weight": (raw, GGMLQuantizationType.IQ4_NL)})
+
+
+def nonexistent(base: Path, d: Path) -> Path:
+    return d / "no-such-model.gguf"
+
+
+def directory(base: Path, d: Path) -> Path:
+    p = d / "a-directory.gguf"
+    p.mkdir()
+    return p
+
+
+CASES: dict[str, tuple[Callable[[Path, Path], Path], str, bool]] = {
+    "not_gguf": (not_gguf, r"not a GGUF file", True),
+    "empty": (empty, r"not a GGUF file|empty", True),
+    "truncated_half": (truncated_half, r"truncated", True),
+    "truncated_after_header": (truncated_after_header, r"truncated", True),
+    "truncated_in_metadata": (truncated_in_metadata, r"truncated", True),
+    "unsupported_arch": (unsupported_arch, r"'gpt2' is not supported.*" + r".*".join(SUPPORTED), True),
+    "dense": (dense, r"no experts", True),
+    "missing_tensor": (missing_tensor, r"blk\.1\.ffn_up_exps\.weight.*missing", False),
+    "wrong_shape": (wrong_shape, r"blk\.0\.attn_q\.weight.*shape", False),
+    "iq4_xs_tensor": (iq4_xs_tensor, r"blk\.0\.attn_q\.weight.*IQ4_XS.*not supported", False),
+    "iq4_nl_tensor": (iq4_nl_tensor, r"blk\.1\.ffn_gate_exps\.weight.*IQ4_NL.*not supported", False),
+    "nonexistent": (nonexistent, r"no such file|does not exist", True),
+    "directory": (directory, r"directory|not a file", True),
+}
+
+
+@pytest.fixture(scope="module")
+def crafted(tiny_models, tmp_path_factory) -> dict[str, Path]:
+    base = tiny_models[BASE]
+    d = tmp_path_factory.mktemp("broken-models")
+    return {name: make(base, d) for name, (make, _, _) in CASES.items()}
+
+
+def assert_one_error_line(result, pattern: str, only: bool = True) -> None:
+    """Exit status 1, no traceback, exactly one line `Error: ...` matching `pattern`; with `only`, nothing
+    else but a (cleared) loading bar. `inspect` may print what it could read before the error."""
+    out = result.output  # stdout and stderr together
+    assert "Traceback" not in out, out
+    assert result.exit_code == 1, f"exit code {result.exit_code}; output:\n{out}\nexception: {result.exception!r}"
+    # what a terminal shows: each line's text after its last carriage return (progress bars redraw)
+    lines = [line.rsplit("\r", 1)[-1] for line in out.split("\n")]
+    errors = [line for line in lines if "Error" in line]
+    assert len(errors) == 1 and errors[0].startswith("Error: "), f"want one 'Error: ...' line, got:\n{out}"
+    assert re.search(pattern, errors[0], re.S), f"{errors[0]!r} does not name the problem ({pattern})"
+    assert not only or not [line for line in lines if line.strip() and line is not errors[0]
+                and not line.strip().startswith("loading")], f"unexpected output besides the error:\n{out}"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_run_fails_with_one_line(case: str, crafted: dict[str, Path]) -> None:
+    _, pattern, _ = CASES[case]
+    result = CliRunner().invoke(cli, ["run", "-p", "hi", "-n", "1", "--device", "cpu", str(crafted[case])])
+    assert_one_error_line(result, pattern)
+
+
+@pytest.mark.parametrize("case", [c for c, (_, _, header_level) in CASES.items() if header_level])
+def test_inspect_fails_with_one_line(case: str, crafted: dict[str, Path]) -> None:
+    _, pattern, _ = CASES[case]
+    result = CliRunner().invoke(cli, ["inspect", str(crafted[case])])
+    assert_one_error_line(result, pattern, only=False)
+
+
+@pytest.mark.parametrize("case", [c for c, (_, _, header_level) in CASES.items() if not header_level])
+def test_inspect_describes_files_with_tensor_problems(case: str, crafted: dict[str, Path]) -> None:
+    """A bad tensor does not stop `inspect` from describing the file (it reads no tensor data), and
+    never gives a traceback."""
+    result = CliRunner().invoke(cli, ["inspect", str(crafted[case])])
+    assert "Traceback" not in result.output, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    if result.exit_code != 0:
+        assert_one_error_line(result, CASES[case][1], only=False)
+    else:
+        assert "architecture  llama" in result.output
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_model_load_raises_specter_error(case: str, crafted: dict[str, Path]) -> None:
+    _, pattern, _ = CASES[case]
+    with pytest.raises(SpecterError) as info:
+        Model.load(crafted[case], device="cpu", progress=False)
+    message = str(info.value)
+    assert "\n" not in message, f"multi-line message: {message!r}"
+    assert re.search(pattern, message, re.S), f"{message!r} does not name the problem ({pattern})"
+
+
+def test_base_model_loads(tiny_models) -> None:
+    """The crafted files differ from a model that loads: the failures come from the edits alone."""
+    base = tiny_models[BASE]
+    ok = rewrite(base, base.with_name("rewritten-unchanged.gguf"))
+    for path in (base, ok):
+        m = Model.load(path, device="cpu", progress=False)
+        assert m.logits([1, 2, 3]).shape == (3, m.config.n_vocab)
+    a = Model.load(base, device="cpu", progress=False).logits([1, 2, 3])
+    b = Model.load(ok, device="cpu", progress=False).logits([1, 2, 3])
+    assert np.array_equal(a, b)

@@ -1,0 +1,291 @@
+"""The offload runtime on the CPU: memory plan, expert store, cache policies, routing hooks, and that every
+offload mode generates exactly the no-offload engine's greedy tokens with a cache small enough to evict."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from specter_gguf.cli import cli
+from specter_gguf.engine import Model
+from specter_gguf.errors import SpecterError
+from specter_gguf.gguf_file import GGUFFile
+from specter_gguf.runtime import (MODES, DeviceRoutingCounts, ExpertCache, OffloadCounters, RoutingProfile,
+                                  parse_size, plan_memory)
+from specter_gguf.runtime.budget import moe_layers, record_layout
+from specter_gguf.runtime.store import ExpertStore
+from specter_gguf.config import ModelConfig
+from specter_gguf.sampling import SamplingParams
+from specter_gguf.synthetic import TINY_ARCH_PRESETS
+
+GREEDY = SamplingParams(temperature=0.0)
+CTX = 128
+N_TOKENS = 32
+PROMPT = "The expert cache"
+
+
+# ---------------------------------------------------------------------------------------------- sizes, plan
+@pytest.mark.parametrize("text,expected", [("16GiB", 16 << 30), ("12000MiB", 12000 << 20), ("1.5GB", 1_500_000_000),
+                                           ("16G", 16 << 30), ("1024", 1024), ("512 MiB", 512 << 20)])
+def test_parse_size(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["", "16 parsecs", "GiB", "-1GiB"])
+def test_parse_size_rejects(bad: str) -> None:
+    with pytest.raises(SpecterError, match="cannot read the size"):
+        parse_size(bad)
+
+
+def test_plan_splits_the_budget(shipped_model) -> None:
+    f = GGUFFile(shipped_model)
+    cfg = ModelConfig.from_gguf(f)
+    huge = plan_memory(f, "64GiB", CTX, "cuda")
+    assert huge.fits_all and huge.n_slots == huge.n_experts_total == cfg.n_layer * cfg.n_expert
+    slot = max(record_layout(f, cfg, i).nbytes for i in moe_layers(f, cfg))
+    assert huge.slot_bytes == slot and slot % 256 == 0
+    assert huge.non_expert == sum((t.n_bytes + 511) // 512 * 512 for n, t in f.tensors.items() if "_exps." not in n)
+    assert huge.kv_cache == 2 * cfg.n_layer * cfg.n_head_kv * cfg.head_dim * CTX * 2
+    assert huge.minimum == huge.fixed + cfg.n_layer * cfg.n_expert_used * slot
+    tight = plan_memory(f, huge.minimum + 3 * slot, CTX, "cuda")
+    assert tight.n_slots == cfg.n_layer * cfg.n_expert_used + 3 and not tight.fits_all
+    assert tight.fixed + tight.slots_bytes <= tight.budget
+    text = tight.describe()
+    assert f"{tight.n_slots} of {tight.n_experts_total}" in text and "minimum budget" in text
+    # a draft's routed experts are counted (here the model itself stands in for a draft)
+    with_draft = plan_memory(f, "64GiB", CTX, "cuda", draft=f)
+    assert with_draft.draft_experts == huge.resident_expert_bytes
+    assert with_draft.minimum == huge.minimum + huge.resident_expert_bytes
+
+
+def test_budget_below_minimum_is_refused_before_loading(shipped_model, monkeypatch) -> None:
+    import specter_gguf.models as models
+
+    f = GGUFFile(shipped_model)
+    p = plan_memory(f, "64GiB", CTX, "cpu")
+    monkeypatch.setattr(models, "load_transformer", lambda *a, **k: pytest.fail("loaded despite the refusal"))
+    with pytest.raises(SpecterError, match=f"minimum .* is .*{p.minimum} bytes"):
+        Model.load(shipped_model, device="cpu", ctx_size=CTX, progress=False, gpu_budget=p.minimum - 1)
+
+
+def test_offload_needs_a_budget_and_none_needs_room(shipped_model) -> None:
+    with pytest.raises(SpecterError, match="needs a GPU memory budget"):
+        Model.load(shipped_model, device="cpu", ctx_size=CTX, progress=False, offload="lru")
+    p = plan_memory(GGUFFile(shipped_model), "64GiB", CTX, "cpu")
+    with pytest.raises(SpecterError, match="offload its experts"):
+        Model.load(shipped_model, device="cpu", ctx_size=CTX, progress=False, gpu_budget=p.minimum, offload="none")
+    m = Model.load(shipped_model, device="cpu", ctx_size=CTX, progress=False, gpu_budget="64GiB")
+    assert m.offload is None and m.memory_plan.fits_all  # fits: the plain engine, default mode none
+
+
+def test_plan_command(shipped_model) -> None:
+    r = CliRunner().invoke(cli, ["plan", str(shipped_model), "--gpu-budget", "16GiB", "-c", "512"])
+    assert r.exit_code == 0, r.output
+    assert "expert cache" in r.output and "KV cache" in r.output and "minimum budget" in r.output
+    r = CliRunner().invoke(cli, ["plan", str(shipped_model), "--gpu-budget", "1MiB", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert d["budget"] == 1 << 20 and d["minimum"] > d["budget"] and d["n_slots"] == 0
+
+
+# ---------------------------------------------------------------------------------------------- store, cache
+def _small_cache(shipped_model, n_slots: int, policy: str = "lru", profile: RoutingProfile | None = None
+                 ) -> ExpertCache:
+    """As the runtime makes them: per-layer partitions for lru, one global partition for lfu/static-hot."""
+    partition = "layer" if policy == "lru" else "global"
+    f = GGUFFile(shipped_model)
+    cfg = ModelConfig.from_gguf(f)
+    layers = moe_layers(f, cfg)
+    layouts = {i: record_layout(f, cfg, i) for i in layers}
+    store = ExpertStore(f, layouts, cfg.n_expert, torch.device("cpu"))
+    slot = max(r.nbytes for r in layouts.values())
+    return ExpertCache(store, n_slots, slot, layers, torch.device("cpu"), policy, partition, profile)
+
+
+def test_store_records_are_the_file_bytes(shipped_model) -> None:
+    cache = _small_cache(shipped_model, 4)
+    f = cache.store.f
+    (slot,) = cache.acquire(1, [5])
+    raw = cache.view(slot).numpy()
+    for part in cache.store.layouts[1].parts:
+        t = f.tensor(f"blk.1.ffn_{part.name}_exps.weight")
+        assert np.array_equal(raw[part.offset:part.offset + part.nbytes], np.asarray(t.data[5]).reshape(-1).view(np.uint8))
+    cache.release([slot])
+
+
+def test_lru_evicts_least_recently_used(shipped_model) -> None:
+    cache = _small_cache(shipped_model, 6)  # 3 slots per layer
+    for e in (0, 1, 2):
+        cache.release(cache.acquire(0, [e]))
+    cache.release(cache.acquire(0, [0]))      # 0 is now the most recent; 1 the least
+    cache.release(cache.acquire(0, [3]))      # evicts 1
+    assert cache.resident([(0, 0), (0, 1), (0, 2), (0, 3)]) == [True, False, True, True]
+    c = cache.counters
+    assert (c.cache_lookups, c.cache_hits, c.cache_misses, c.cache_evictions) == (5, 1, 4, 1)
+    assert c.bytes_copied == 4 * cache.store.record_bytes(0)
+    # the other layer's partition is untouched
+    assert cache.resident([(1, 0)]) == [False]
+
+
+def test_pinned_slots_are_never_evicted(shipped_model) -> None:
+    cache = _small_cache(shipped_model, 4)  # 2 per layer
+    slots = cache.acquire(0, [0, 1])
+    assert cache.request([(0, 2)]) == 0     # nothing evictable: skipped
+    with pytest.raises(SpecterError, match="needs more than"):
+        cache.acquire(0, [2])
+    cache.release(slots)
+    assert cache.request([(0, 2)]) == 1
+
+
+def test_lfu_keeps_the_frequent(shipped_model) -> None:
+    cache = _small_cache(shipped_model, 6, policy="lfu")  # global partition of 6
+    for e, uses in ((0, 3), (1, 1), (2, 2), (3, 2), (4, 2), (5, 2)):
+        for _ in range(uses):
+            cache.release(cache.acquire(0, [e]))
+    cache.release(cache.acquire(0, [6]))      # evicts expert 1 (one use), though 0 is older
+    assert cache.resident([(0, 0), (0, 1), (0, 6)]) == [True, False, True]
+
+
+def test_static_hot_keeps_the_profiled_hot_set(shipped_model) -> None:
+    profile = RoutingProfile({(0, 7): 100, (0, 6): 90, (1, 3): 80, (0, 1): 5})
+    cache = _small_cache(shipped_model, 3, policy="static-hot", profile=profile)
+    assert cache.warm() == 3
+    assert cache.resident([(0, 7), (0, 6), (1, 3)]) == [True, True, True]
+    for e in (0, 2, 4):                       # cold experts only take the coldest slot, one after the other
+        cache.release(cache.acquire(0, [e]))
+    assert cache.resident([(0, 7), (0, 6), (0, 4), (1, 3)]) == [True, True, True, False]
+    with pytest.raises(SpecterError, match="routing profile"):
+        _small_cache(shipped_model, 3, policy="static-hot")
+
+
+def test_request_priority_and_resident(shipped_model) -> None:
+    cache = _small_cache(shipped_model, 4)  # 2 per layer
+    assert cache.request([(0, 1), (0, 2), (0, 3)], priority=[1.0, 3.0, 2.0]) == 2
+    assert cache.resident([(0, 1), (0, 2), (0, 3)]) == [False, True, True]  # the lowest priority did not fit
+    assert cache.counters.prefetches == 2 and cache.counters.cache_lookups == 0
+    table = cache.layer_table(0, 8)
+    assert table[2] and table[3] and not any(table[e] for e in (0, 1, 4, 5, 6, 7))
+
+
+# ---------------------------------------------------------------------------------------------- routing hooks
+def test_device_routing_counts_and_profile_roundtrip(tmp_path) -> None:
+    counts = DeviceRoutingCounts(3, 8, "cpu", weighted=True)
+    counts(0, torch.tensor([[1, 2], [2, 5]]), torch.tensor([[0.5, 0.5], [0.25, 0.75]]))
+    counts(2, torch.tensor([[7, 0]]), torch.tensor([[0.9, 0.1]]))
+    assert counts.counts[0].tolist() == [0, 1, 2, 0, 0, 1, 0, 0]
+    assert counts.weight_sums[0, 2].item() == pytest.approx(0.75)
+    snap = counts.snapshot()
+    counts.reset()
+    assert counts.counts.sum().item() == 0 and snap.sum().item() == 6
+    counts(0, torch.tensor([[1, 2], [2, 5]]), torch.ones(2, 2))
+    p = counts.profile()
+    assert p.count((0, 2)) == 2 and p.hottest()[0] == (0, 2)
+    p.save(tmp_path / "p.json")
+    q = RoutingProfile.load(tmp_path / "p.json")
+    assert q.counts == p.counts
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(SpecterError, match="not a routing profile"):
+        RoutingProfile.load(tmp_path / "bad.json")
+
+
+# ---------------------------------------------------------------------------------------------- equality
+def _budget_for(path, extra_slots_per_layer: int = 1) -> int:
+    """The minimum budget plus one slot per MoE layer: each layer has top_k + 1 slots, so it evicts."""
+    p = plan_memory(GGUFFile(path), 1 << 40, CTX, "cpu")
+    return p.minimum + extra_slots_per_layer * p.n_moe_layers * p.slot_bytes
+
+
+_reference: dict = {}
+
+
+def _reference_tokens(path) -> list[int]:
+    if path not in _reference:
+        m = Model.load(path, device="cpu", ctx_size=CTX, progress=False)
+        _reference[path] = m.generate(PROMPT, n_predict=N_TOKENS, sampling=GREEDY).wait().tokens
+    return _reference[path]
+
+
+CASES = [(arch, "f16") for arch in TINY_ARCH_PRESETS] + [("qwen2moe", "q4_k_m"), ("llama", "q4_k_m")]
+
+
+@pytest.mark.parametrize("arch,kind", CASES, ids=[f"{a}-{k}" for a, k in CASES])
+def test_every_mode_matches_the_plain_engine(tiny_models, arch: str, kind: str) -> None:
+    path = tiny_models[(arch, kind)]
+    expected = _reference_tokens(path)
+    assert len(expected) == N_TOKENS
+    for mode in MODES:
+        m = Model.load(path, device="cpu", ctx_size=CTX, progress=False, gpu_budget=_budget_for(path), offload=mode)
+        g = m.generate(PROMPT, n_predict=N_TOKENS, sampling=GREEDY).wait()
+        s = g.stats
+        assert g.tokens == expected, f"{mode}: tokens differ from the no-offload engine"
+        assert s.offload == mode and s.cache_misses > 0 and s.bytes_copied > 0
+        assert s.cache_hits + s.cache_misses == s.cache_lookups
+        if mode == "on-demand":
+            assert s.cache_hits == 0 and s.cache_misses == s.cache_lookups
+        else:
+            assert s.cache_evictions > 0, f"{mode}: the cache never evicted; the budget is too large for the test"
+        if mode == "gate-prefetch":
+            assert s.prefetches > 0
+        d = s.to_dict()
+        assert d["cache_hit_rate"] == s.cache_hits / s.cache_lookups and d["bytes_copied_per_token"] > 0
+        assert d["copy_exposed_s"] <= d["copy_s"] + 1e-12 and "tpot_ms" in d and "prefill_s" in d
+
+
+@pytest.mark.parametrize("policy", ["lfu", "static-hot"])
+def test_policies_match_the_plain_engine(tiny_models, tmp_path, policy: str) -> None:
+    path = tiny_models[("qwen3moe", "f16")]
+    expected = _reference_tokens(path)
+    kwargs = {}
+    if policy == "static-hot":  # a profiling run with the routing observer, then the profile
+        m = Model.load(path, device="cpu", ctx_size=CTX, progress=False)
+        counts = DeviceRoutingCounts(m.config.n_layer, m.config.n_expert, "cpu")
+        m.transformer.observers.append(counts)
+        m.generate("A different prompt for profiling", n_predict=8, sampling=GREEDY).wait()
+        counts.profile().save(tmp_path / "profile.json")
+        kwargs["routing_profile"] = tmp_path / "profile.json"
+    m = Model.load(path, device="cpu", ctx_size=CTX, progress=False, gpu_budget=_budget_for(path), offload="lru",
+                   cache_policy=policy, **kwargs)
+    g = m.generate(PROMPT, n_predict=N_TOKENS, sampling=GREEDY).wait()
+    assert g.tokens == expected
+    assert g.stats.cache_policy == policy and g.stats.cache_evictions > 0 and g.stats.cache_misses > 0
+
+
+def test_long_prompt_is_prefilled_in_chunks(shipped_model) -> None:
+    """A prompt longer than the prefill chunk (and batches needing more experts than a layer's slots: waves)."""
+    m0 = Model.load(shipped_model, device="cpu", ctx_size=CTX, progress=False)
+    prompt = list(range(5, 5 + 70))
+    expected = m0.generate(prompt, n_predict=4, sampling=GREEDY).wait().tokens
+    m = Model.load(shipped_model, device="cpu", ctx_size=CTX, progress=False, gpu_budget=_budget_for(shipped_model),
+                   offload="lru")
+    m.prefill_chunk = 32
+    g = m.generate(prompt, n_predict=4, sampling=GREEDY).wait()
+    assert g.tokens == expected
+
+
+def test_run_stats_and_routing_profile_cli(shipped_model, tmp_path) -> None:
+    budget = _budget_for(shipped_model)
+    r = CliRunner().invoke(cli, ["run", str(shipped_model), "-p", "Hi", "-n", "6", "--temp", "0", "--device", "cpu",
+                                 "-c", str(CTX), "--gpu-budget", str(budget), "--offload", "gate-prefetch", "--stats",
+                                 "--save-routing-profile", str(tmp_path / "p.json")])
+    assert r.exit_code == 0, r.output
+    assert "cache hit rate" in r.output and "bytes_copied_per_token" in r.output
+    assert RoutingProfile.load(tmp_path / "p.json").counts
+    r = CliRunner().invoke(cli, ["run", str(shipped_model), "-p", "Hi", "-n", "4", "--temp", "0", "--device", "cpu",
+                                 "-c", str(CTX), "--gpu-budget", str(budget), "--routing-profile",
+                                 str(tmp_path / "p.json"), "--json"])
+    assert r.exit_code == 0, r.output
+    stats = json.loads(r.output.strip().splitlines()[-1])["stats"]
+    assert stats["offload"] == "lru" and stats["cache_policy"] == "static-hot"
+
+
+def test_counters_since() -> None:
+    c = OffloadCounters(cache_lookups=5, copy_s=1.0)
+    s = c.snapshot()
+    c.cache_lookups += 2
+    c.copy_s += 0.5
+    d = c.since(s)
+    assert d.cache_lookups == 2 and d.copy_s == pytest.approx(0.5)
