@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from collections import Counter
@@ -62,58 +63,93 @@ device_option = click.option("--device", type=click.Choice(["cpu", "cuda"]), def
                              help="Where to run (default: cuda when a GPU is present, else cpu).")
 
 
+def _with_options(f: Any, options: list[Any]) -> Any:
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def sampling_options(f: Any) -> Any:
+    """llama.cpp's sampling options; the command receives them as one `sampling: SamplingParams`."""
+
+    @functools.wraps(f)
+    def command(*args: Any, temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float,
+                repeat_last_n: int, seed: int | None, **kwargs: Any) -> Any:
+        from specter_gguf.sampling import SamplingParams
+
+        sampling = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
+                                  repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed)
+        return f(*args, sampling=sampling, **kwargs)
+
+    return _with_options(command, [
+        click.option("--temp", default=0.8, help="Temperature; 0 = greedy."),
+        click.option("--top-k", default=40, help="Keep the k most likely tokens (0 = off)."),
+        click.option("--top-p", default=0.95, help="Nucleus sampling threshold (1.0 = off)."),
+        click.option("--min-p", default=0.05, help="Drop tokens below min-p times the top probability (0 = off)."),
+        click.option("--repeat-penalty", default=1.0, help="Penalty for repeated tokens (1.0 = off)."),
+        click.option("--repeat-last-n", default=64, help="Tokens the repeat penalty looks back over (-1 = context)."),
+        click.option("--seed", type=int, default=None, help="Random seed (default: random)."),
+    ])
+
+
+def load_options(f: Any) -> Any:
+    """Where and how the model is loaded (device, context, GPU budget, offloading); the command receives a
+    `load(model, progress)` that loads it with them."""
+
+    @functools.wraps(f)
+    def command(*args: Any, device: str | None, ctx_size: int | None, gpu_budget: str | None, offload: str | None,
+                cache_policy: str | None, routing_profile: Path | None, **kwargs: Any) -> Any:
+        def load(model: Path | None, progress: bool) -> Any:
+            from specter_gguf.engine import Model
+            from specter_gguf.runtime import parse_size
+
+            return Model.load(model, device=device, ctx_size=ctx_size, progress=progress,
+                              gpu_budget=parse_size(gpu_budget) if gpu_budget is not None else None,
+                              offload=offload, cache_policy=cache_policy, routing_profile=routing_profile)
+
+        return f(*args, load=load, **kwargs)
+
+    return _with_options(command, [
+        device_option,
+        click.option("-c", "--ctx-size", type=int, default=None, help="Context size in tokens (default: the model's)."),
+        click.option("--gpu-budget", default=None, help="Device memory budget, e.g. 16GiB, 12000MiB, 1.5GB: weights, "
+                     "KV cache, workspace and an expert cache are planned within it (see `specter-gguf plan`)."),
+        click.option("--offload", type=click.Choice(["on-demand", "lru", "gate-prefetch", "none"]), default=None,
+                     help="Routed experts in host memory with a device expert cache (needs --gpu-budget). "
+                     "Default: lru when the model does not fit the budget, none otherwise."),
+        click.option("--cache-policy", type=click.Choice(["lru", "lfu", "static-hot"]), default=None,
+                     help="Expert-cache eviction policy (default lru; static-hot with --routing-profile)."),
+        click.option("--routing-profile", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                     default=None, help="Routing profile (JSON) for the static-hot policy."),
+    ])
+
+
 @cli.command()
 @model_argument(required=False)
 @click.option("-p", "--prompt", help="Prompt text.")
 @click.option("-f", "--file", "prompt_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Read the prompt from a file.")
 @click.option("-n", "--n-predict", default=128, help="Tokens to generate (-1: until end of text or full context).")
-@click.option("-c", "--ctx-size", type=int, default=None, help="Context size in tokens (default: the model's).")
-@click.option("--temp", default=0.8, help="Temperature; 0 = greedy.")
-@click.option("--top-k", default=40, help="Keep the k most likely tokens (0 = off).")
-@click.option("--top-p", default=0.95, help="Nucleus sampling threshold (1.0 = off).")
-@click.option("--min-p", default=0.05, help="Drop tokens below min-p times the top probability (0 = off).")
-@click.option("--repeat-penalty", default=1.0, help="Penalty for repeated tokens (1.0 = off).")
-@click.option("--repeat-last-n", default=64, help="Tokens the repeat penalty looks back over (-1 = context).")
-@click.option("--seed", type=int, default=None, help="Random seed (default: random).")
+@sampling_options
 @click.option("--stop", multiple=True, help="Stop when this text is generated (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @click.option("-q", "--quiet", is_flag=True, help="Print only the generated text: no progress bar, no summary line.")
-@device_option
-@click.option("--gpu-budget", default=None, help="Device memory budget, e.g. 16GiB, 12000MiB, 1.5GB: weights, KV "
-              "cache, workspace and an expert cache are planned within it (see `specter-gguf plan`).")
-@click.option("--offload", type=click.Choice(["on-demand", "lru", "gate-prefetch", "none"]), default=None,
-              help="Routed experts in host memory with a device expert cache (needs --gpu-budget). Default: lru "
-              "when the model does not fit the budget, none otherwise.")
-@click.option("--cache-policy", type=click.Choice(["lru", "lfu", "static-hot"]), default=None,
-              help="Expert-cache eviction policy (default lru; static-hot with --routing-profile).")
-@click.option("--routing-profile", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="Routing profile (JSON) for the static-hot policy.")
+@load_options
 @click.option("--save-routing-profile", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Count the experts each layer routes to during this run and write them as a routing profile.")
 @click.option("--stats", "show_stats", is_flag=True, help="Print every statistic of the run (timings, expert cache, "
               "copies, peak GPU memory) to stderr.")
-def run(model: Path | None, prompt: str | None, prompt_file: Path | None, n_predict: int, ctx_size: int | None,
-        temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float, repeat_last_n: int,
-        seed: int | None, stop: tuple[str, ...], as_json: bool, device: str | None, quiet: bool = False,
-        gpu_budget: str | None = None, offload: str | None = None, cache_policy: str | None = None,
-        routing_profile: Path | None = None, save_routing_profile: Path | None = None,
-        show_stats: bool = False) -> None:
+def run(model: Path | None, prompt: str | None, prompt_file: Path | None, n_predict: int, sampling: Any,
+        stop: tuple[str, ...], as_json: bool, quiet: bool, load: Any, save_routing_profile: Path | None,
+        show_stats: bool) -> None:
     """Generate text from MODEL (default: the small model shipped in models/)."""
-    from specter_gguf.engine import Model
-    from specter_gguf.sampling import SamplingParams
+    from specter_gguf.runtime import DeviceRoutingCounts
 
     if prompt_file is not None:
         prompt = prompt_file.read_text(encoding="utf-8")
     if prompt is None:
         raise SpecterError("no prompt: give one with -p/--prompt TEXT or -f/--file PATH")
-    sampling = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
-                              repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed)
-    from specter_gguf.runtime import DeviceRoutingCounts, parse_size
-
-    m = Model.load(model, device=device, ctx_size=ctx_size, progress=not (as_json or quiet),
-                   gpu_budget=parse_size(gpu_budget) if gpu_budget is not None else None, offload=offload,
-                   cache_policy=cache_policy, routing_profile=routing_profile)
+    m = load(model, progress=not (as_json or quiet))
     counts = None
     if save_routing_profile is not None:
         counts = DeviceRoutingCounts(m.config.n_layer, m.config.n_expert, m.device)
@@ -223,33 +259,6 @@ def inspect(model: Path) -> None:
 
 # -- serve, chat, quantize (specter_gguf/server.py, chat.py, quantize.py) --------------------------------------
 
-def _offload_options(f: Any) -> Any:
-    """`--gpu-budget/--offload/--cache-policy/--routing-profile`, as on `run`, for serve and chat."""
-    for option in reversed([
-        click.option("--gpu-budget", default=None, help="Device memory budget, e.g. 16GiB, 12000MiB, 1.5GB: weights, "
-                     "KV cache, workspace and an expert cache are planned within it (see `specter-gguf plan`)."),
-        click.option("--offload", type=click.Choice(["on-demand", "lru", "gate-prefetch", "none"]), default=None,
-                     help="Routed experts in host memory with a device expert cache (needs --gpu-budget). "
-                     "Default: lru when the model does not fit the budget, none otherwise."),
-        click.option("--cache-policy", type=click.Choice(["lru", "lfu", "static-hot"]), default=None,
-                     help="Expert-cache eviction policy (default lru; static-hot with --routing-profile)."),
-        click.option("--routing-profile", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-                     default=None, help="Routing profile (JSON) for the static-hot policy."),
-    ]):
-        f = option(f)
-    return f
-
-
-def _load(model: Path | None, device: str | None, ctx_size: int | None, progress: bool, gpu_budget: str | None,
-          offload: str | None, cache_policy: str | None, routing_profile: Path | None) -> Any:
-    from specter_gguf.engine import Model
-    from specter_gguf.runtime import parse_size
-
-    return Model.load(model, device=device, ctx_size=ctx_size, progress=progress,
-                      gpu_budget=parse_size(gpu_budget) if gpu_budget is not None else None, offload=offload,
-                      cache_policy=cache_policy, routing_profile=routing_profile)
-
-
 def _verbosity() -> int:
     ctx = click.get_current_context(silent=True)
     return int(ctx.find_root().params.get("verbose") or 0) if ctx is not None else 0
@@ -259,11 +268,8 @@ def _verbosity() -> int:
 @model_argument(required=False)
 @click.option("--host", default="127.0.0.1", help="Address to listen on (0.0.0.0: every interface).")
 @click.option("--port", default=8080, help="Port to listen on.")
-@click.option("-c", "--ctx-size", type=int, default=None, help="Context size in tokens (default: the model's).")
-@device_option
-@_offload_options
-def serve(model: Path | None, host: str, port: int, ctx_size: int | None, device: str | None,
-          gpu_budget: str | None, offload: str | None, cache_policy: str | None, routing_profile: Path | None) -> None:
+@load_options
+def serve(model: Path | None, host: str, port: int, load: Any) -> None:
     """Serve MODEL (default: the shipped small model) over an OpenAI-compatible HTTP API.
 
     Endpoints: POST /v1/completions, POST /v1/chat/completions (set "stream": true for Server-Sent Events),
@@ -273,7 +279,7 @@ def serve(model: Path | None, host: str, port: int, ctx_size: int | None, device
     from specter_gguf.chat import chat_template
     from specter_gguf.server import serve as run_server
 
-    m = _load(model, device, ctx_size, True, gpu_budget, offload, cache_policy, routing_profile)
+    m = load(model, progress=True)
 
     def listening(url: str) -> None:
         click.echo(f"serving {m.path.stem} on {url}/v1 (device {m.device}, context {m.ctx_size}, chat template: "
@@ -288,18 +294,9 @@ def serve(model: Path | None, host: str, port: int, ctx_size: int | None, device
 @model_argument(required=False)
 @click.option("-s", "--system", default=None, help="System message that starts the conversation.")
 @click.option("-n", "--n-predict", default=-1, help="Most tokens per reply (-1: until the reply ends or the context is full).")
-@click.option("-c", "--ctx-size", type=int, default=None, help="Context size in tokens (default: the model's).")
-@click.option("--temp", default=0.8, help="Temperature; 0 = greedy.")
-@click.option("--top-k", default=40, help="Keep the k most likely tokens (0 = off).")
-@click.option("--top-p", default=0.95, help="Nucleus sampling threshold (1.0 = off).")
-@click.option("--min-p", default=0.05, help="Drop tokens below min-p times the top probability (0 = off).")
-@click.option("--repeat-penalty", default=1.0, help="Penalty for repeated tokens (1.0 = off).")
-@click.option("--seed", type=int, default=None, help="Random seed (default: random).")
-@device_option
-@_offload_options
-def chat(model: Path | None, system: str | None, n_predict: int, ctx_size: int | None, temp: float, top_k: int,
-         top_p: float, min_p: float, repeat_penalty: float, seed: int | None, device: str | None,
-         gpu_budget: str | None, offload: str | None, cache_policy: str | None, routing_profile: Path | None) -> None:
+@sampling_options
+@load_options
+def chat(model: Path | None, system: str | None, n_predict: int, sampling: Any, load: Any) -> None:
     """Chat with MODEL (default: the shipped small model) in the terminal.
 
     Replies stream as they are generated and the conversation keeps its history, formatted with the chat
@@ -309,12 +306,9 @@ def chat(model: Path | None, system: str | None, n_predict: int, ctx_size: int |
     import logging
 
     from specter_gguf.chat import ChatSession, chat_template
-    from specter_gguf.sampling import SamplingParams
 
-    sampling = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
-                              repeat_penalty=repeat_penalty, seed=seed)
     interactive = sys.stdin.isatty()
-    m = _load(model, device, ctx_size, interactive, gpu_budget, offload, cache_policy, routing_profile)
+    m = load(model, progress=interactive)
     session = ChatSession(m, system=system, n_predict=n_predict, sampling=sampling)
     click.echo(f"chatting with {m.path.stem} (chat template: {chat_template(m).source}); "
                "/reset clears the history, /exit or Ctrl-D quits", err=True)
