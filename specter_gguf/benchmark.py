@@ -35,7 +35,6 @@ import datetime as _dt
 import fnmatch
 import hashlib
 import importlib.util
-import inspect
 import json
 import math
 import os
@@ -58,11 +57,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from .errors import SpecterError
+from .runtime.budget import GiB, MiB, parse_size
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROMPTS_FILE = REPO_ROOT / "scripts" / "bench_prompts.json"
-GiB = 1 << 30
-MiB = 1 << 20
 
 # Sampled decoding: llama.cpp's default filters with temperature 1 (ours and llama-server alike).
 SAMPLED = {"temperature": 1.0, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
@@ -88,22 +86,6 @@ STAT_BYTES = "bytes_copied"
 
 
 # =========================================================================================== sizes
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B?|[kmgt]i?b?)?\s*$")
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": MiB, "mb": 10**6, "mib": MiB,
-          "g": GiB, "gb": 10**9, "gib": GiB, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """Bytes of a size such as "16GiB", "16G" (= GiB), "16GB" (= 10**9), "512MiB", "1024"."""
-    m = _SIZE_RE.match(str(text))
-    if not m:
-        raise SpecterError(f"cannot read the size {text!r}: write e.g. 16GiB, 20G, 512MiB")
-    unit = (m.group(2) or "").lower()
-    if unit not in _UNITS:
-        raise SpecterError(f"unknown size unit in {text!r}: use B, KiB, MiB, GiB, TiB (or KB, MB, GB, TB)")
-    return int(round(float(m.group(1)) * _UNITS[unit]))
-
-
 def format_size(n: float | None) -> str:
     """"12.3 GiB" (sizes under 1 GiB in MiB); "—" for None."""
     if n is None:
@@ -657,16 +639,6 @@ def _load_plain(job: dict[str, Any]) -> Any:
     return Model.load(job["model"], device=job["device"], ctx_size=job["ctx_size"], progress=False)
 
 
-def _offload_available() -> str | None:
-    try:
-        from .engine import Model
-    except Exception as e:  # noqa: BLE001 - a broken checkout must not stop the other systems
-        return f"the engine does not import ({type(e).__name__}: {e})"
-    if "offload" not in inspect.signature(Model.load).parameters:
-        return "expert offloading is not implemented yet (Model.load has no `offload` option)"
-    return None
-
-
 def _load_offload(mode: str) -> Callable[[dict[str, Any]], Any]:
     def load(job: dict[str, Any]) -> Any:
         from .engine import Model
@@ -694,11 +666,11 @@ def _load_spec(job: dict[str, Any]) -> Any:
 OURS_MODES: dict[str, OursMode] = {m.name: m for m in [
     OursMode("ours", "whole model on the device", _load_plain),
     OursMode("ours-on-demand", "experts in host memory, copied on demand",
-             _load_offload("on-demand"), _offload_available, budget_bound=True),
+             _load_offload("on-demand"), budget_bound=True),
     OursMode("ours-lru", "experts in host memory, LRU expert cache",
-             _load_offload("lru"), _offload_available, budget_bound=True),
+             _load_offload("lru"), budget_bound=True),
     OursMode("ours-gate-prefetch", "LRU expert cache + next-layer gate prefetch",
-             _load_offload("gate-prefetch"), _offload_available, budget_bound=True),
+             _load_offload("gate-prefetch"), budget_bound=True),
     OursMode("ours-spec", "speculative offloading", _load_spec, _spec_available,
              budget_bound=True, needs_draft=True),
     OursMode("ours-spec-synth", "speculative offloading, synthetic acceptance", _load_spec,

@@ -373,7 +373,7 @@ def quantize(model: Path, qtype: str, output: Path | None, threads: int, quiet: 
     try:
         with llama_quantize_progress(show=not quiet, desc=f"{qtype} {out.name}") as progress:
             quantize_gguf(model, out, qtype, n_threads=threads)
-    except SpecterError as e:
+    except SpecterError:
         reasons = [r.split("failed to quantize: ", 1)[-1] for r in (progress.errors if progress else [])]
         if not reasons:
             raise

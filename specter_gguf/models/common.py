@@ -9,7 +9,7 @@ from tqdm import tqdm
 
 from specter_gguf.config import ModelConfig
 from specter_gguf.gguf_file import GGUFFile
-from specter_gguf.layers import (Attention, Block, Experts, FeedForward, Linear, MoE, ResidentExperts, RMSNorm, Rope,
+from specter_gguf.layers import (Attention, Block, Experts, FeedForward, Linear, MoE, ResidentExperts, RMSNorm,
                                   Router, RoutingObserver, rope_for)
 from specter_gguf.weights import load_tensor
 

@@ -34,7 +34,7 @@ from gguf import GGMLQuantizationType as T
 
 from specter_gguf.config import ModelConfig
 from specter_gguf.errors import SpecterError
-from specter_gguf.gguf_file import FLOAT_TYPES, GGUFFile, GGUFTensor  # noqa: F401
+from specter_gguf.gguf_file import GGUFFile, GGUFTensor
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SLOT_ALIGN = 256          # bytes: slot and part offsets (vector loads, any element type)
@@ -119,18 +119,14 @@ class RecordLayout:
         return tuple(p.type.name for p in self.parts)
 
 
-def record_layout(f: GGUFFile, cfg: ModelConfig, layer: int, as_f16: bool = False) -> RecordLayout:
-    """Layout of one expert record of `layer`. `as_f16`: quantized parts are held dequantized to F16 (the
-    CUDA path until quantized kernels read slots directly)."""
+def record_layout(f: GGUFFile, cfg: ModelConfig, layer: int) -> RecordLayout:
+    """Layout of one expert record of `layer`: its gate, up and down matrices in the file's GGUF types."""
     e, ff, d = cfg.n_expert, cfg.n_ff_exp, cfg.n_embd
     parts, offset = [], 0
     for part, shape in zip(EXPERT_PARTS, ((ff, d), (ff, d), (d, ff))):
         t = f.tensor(expert_tensor_name(layer, part), (e, *shape))
-        typ = t.type
-        if as_f16 and typ not in FLOAT_TYPES:
-            typ = T.F16
-        nbytes = shape[0] * shape[1] * 2 if typ != t.type else t.n_bytes // e
-        parts.append(PartLayout(part, typ, shape, offset, nbytes))
+        nbytes = t.n_bytes // e
+        parts.append(PartLayout(part, t.type, shape, offset, nbytes))
         offset = _align(offset + nbytes)
     return RecordLayout(tuple(parts), offset)
 
@@ -238,20 +234,13 @@ class MemoryPlan:
 
 
 def plan_memory(f: GGUFFile, budget: int | str, ctx_size: int | None = None, device_type: str = "cuda",
-                draft: GGUFFile | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                slot_f16: bool | None = None) -> MemoryPlan:
-    """Split `budget` for `f` (see the module docstring). Reads metadata and tensor headers only.
-    `slot_f16`: hold quantized experts dequantized to F16 in slots (default: on CUDA, until the quantized
-    kernels can read slots directly — see `offload.quantized_slots_supported`)."""
-    from specter_gguf.runtime.offload import quantized_slots_supported
-
+                draft: GGUFFile | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> MemoryPlan:
+    """Split `budget` for `f` (see the module docstring). Reads metadata and tensor headers only."""
     budget = parse_size(budget)
     cfg = ModelConfig.from_gguf(f)
     ctx = ctx_size or cfg.n_ctx_train
-    if slot_f16 is None:
-        slot_f16 = not quantized_slots_supported(device_type)
     layers = moe_layers(f, cfg)
-    layouts = [record_layout(f, cfg, i, slot_f16) for i in layers]
+    layouts = [record_layout(f, cfg, i) for i in layers]
     slot = max((r.nbytes for r in layouts), default=0)
     types = tuple(sorted({t for r in layouts for t in r.types}))
     non_expert = sum(device_bytes(t, device_type) for t in f.tensors.values() if not is_routed_expert(t.name))

@@ -40,14 +40,7 @@ from specter_gguf.runtime.store import ExpertStore
 
 MODES = ("on-demand", "lru", "gate-prefetch")
 _TORCH_TYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
-DENSE_MIN_TOKENS_PER_EXPERT = getattr(ResidentExperts, "DENSE_MIN_TOKENS_PER_EXPERT", 16)
-
-
-def quantized_slots_supported(device_type: str) -> bool:
-    """Whether slots can hold quantized experts as the file stores them: yes on both devices, the grouped
-    kernel reads every GGUF type through the slot pointer table (the store's F16 fallback stays for a kernel
-    build that lacks a type)."""
-    return True
+DENSE_MIN_TOKENS_PER_EXPERT = ResidentExperts.DENSE_MIN_TOKENS_PER_EXPERT
 
 
 class OffloadedExperts:
@@ -137,7 +130,7 @@ class OffloadedExperts:
 
     def ffn(self, slot: int) -> FeedForward:
         """The expert in `slot` as torch matrices (the dense path): float parts are views of the slot,
-        quantized ones dequantized as `ResidentExperts._matrix` does (f16 on CUDA, f32 on the CPU)."""
+        quantized ones dequantized as `ResidentExperts._matrix` does (to float32)."""
         raw = self.runtime.cache.view(slot)
         mats = []
         for p in self.layout.parts:
@@ -146,7 +139,7 @@ class OffloadedExperts:
                 mats.append(b.view(_TORCH_TYPES[p.type]).view(p.shape))
             else:
                 q = QuantizedTensor(b, int(p.type), p.shape)
-                mats.append(q.dequantize(torch.float16 if b.is_cuda else torch.float32))
+                mats.append(q.dequantize(torch.float32))
         return FeedForward(*mats)
 
 
@@ -167,8 +160,7 @@ class OffloadRuntime:
         self.f, self.cfg, self.plan, self.device, self.options = f, cfg, plan, device, options
         self.mode = options.mode
         self.layers = moe_layers(f, cfg)
-        slot_f16 = not quantized_slots_supported(device.type)
-        self.layouts = {i: record_layout(f, cfg, i, slot_f16) for i in self.layers}
+        self.layouts = {i: record_layout(f, cfg, i) for i in self.layers}
         self.counters = OffloadCounters()
         self.store = ExpertStore(f, self.layouts, cfg.n_expert, device, options.pin, progress)
         self.cache: ExpertCache = None  # type: ignore[assignment]  # made by `start`, after the weights

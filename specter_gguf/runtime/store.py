@@ -3,8 +3,7 @@
 
 - CUDA: each layer's records live in one pinned (page-locked) buffer `[n_expert, record_bytes]` — pageable
   memory copies at ~6.5 GB/s against ~55 GB/s pinned. Records keep the GGUF type of the file (a quantized
-  target moves fewer bytes) unless the layout says F16 (quantized experts while no kernel reads quantized
-  slots; see `offload.quantized_slots_supported`). Layers are pinned lazily: a background thread pins them
+  target moves fewer bytes). Layers are pinned lazily: a background thread pins them
   in order from the start, and a layer needed before the thread got there is pinned on first use, so
   start-up does not wait for the whole store.
 - CPU: the store *is* the memory-mapped file: no copy; a record is its three part views (the "copy" into a
@@ -20,7 +19,6 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from specter_gguf import native
 from specter_gguf.gguf_file import GGUFFile
 from specter_gguf.runtime.budget import RecordLayout, expert_tensor_name
 
@@ -85,12 +83,7 @@ class ExpertStore:
             for part in layout.parts:
                 t = self.f.tensor(expert_tensor_name(layer, part.name))
                 for e in range(self.n_expert):
-                    dst = out[e, part.offset:part.offset + part.nbytes]
-                    if part.type == t.type:
-                        dst[:] = _bytes_of(t.data[e])
-                    else:  # quantized -> F16 (see the module docstring)
-                        native.dequantize(t.data[e], int(t.type), part.shape, out_dtype=np.float16,
-                                          out=dst.view(np.float16).reshape(part.shape))
+                    out[e, part.offset:part.offset + part.nbytes] = _bytes_of(t.data[e])
                 self._bar.update(part.nbytes * self.n_expert)
             self._buffers[layer] = buf
 
