@@ -85,23 +85,19 @@ class GenerationStats:
                 "hidden_copy_share": self.hidden_copy_share}
 
     def summary(self) -> str:
+        """One line: tokens, prefill, TPOT, tokens/s; with offloading the cache's hit rate, bytes copied per
+        token and hidden copy share; on CUDA the peak memory (`to_dict` has every figure)."""
+        from specter_gguf.runtime.budget import format_size
+
         text = (f"prompt {self.prompt_tokens} tokens, generated {self.generated_tokens} tokens, "
                 f"prefill {self.prefill_s * 1000:.1f} ms, TPOT {self.tpot_ms:.2f} ms, "
                 f"{self.tokens_per_s:.1f} tokens/s")
         if self.offload is not None:
-            from specter_gguf.runtime.budget import format_size
-
-            text += (f"\noffload {self.offload} ({self.cache_policy}, {self.cache_slots} slots): cache hit rate "
-                     f"{100 * (self.cache_hit_rate or 0):.1f}% ({self.cache_hits}/{self.cache_lookups}), "
-                     f"{self.cache_evictions} evictions, {self.prefetches} prefetches, "
-                     f"{format_size(self.bytes_copied_per_token or 0)} copied per token "
-                     f"({format_size(self.bytes_copied)} in all), copy time {1000 * (self.copy_s or 0):.1f} ms: "
-                     f"hidden {100 * (self.hidden_copy_share or 0):.1f}%, exposed "
-                     f"{1000 * (self.copy_exposed_s or 0):.1f} ms")
+            text += (f"; offload {self.offload} ({self.cache_policy}, {self.cache_slots} slots): cache hit rate "
+                     f"{100 * (self.cache_hit_rate or 0):.1f}%, {format_size(self.bytes_copied_per_token or 0)} "
+                     f"copied per token, {100 * (self.hidden_copy_share or 0):.0f}% of copy time hidden")
         if self.peak_gpu_bytes is not None:
-            from specter_gguf.runtime.budget import format_size
-
-            text += f"\npeak GPU memory {format_size(self.peak_gpu_bytes)}"
+            text += f"; peak GPU memory {format_size(self.peak_gpu_bytes)}"
         return text
 
 
