@@ -19,7 +19,6 @@ reference, and (with SPECTER_REAL_SHAPES=1) 1-layer real-shape files of both mod
 
 from __future__ import annotations
 
-import ctypes
 import os
 import subprocess
 import sys
@@ -31,6 +30,11 @@ import torch
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
+from llama_reference import (FLOAT_MAX, FLOAT_MEDIAN, NEAR_TIE, PROMPT, QUANT_MAX, QUANT_MEDIAN,  # noqa: E402
+                             LlamaRefs, assert_flips_are_near_ties, closing, context_params, dequantized_copy,
+                             llama_routing, our_model, parity_tokens, position_errors, routing_differences,
+                             run_routed)
+
 from specter_gguf import layers  # noqa: E402
 from specter_gguf.config import ModelConfig  # noqa: E402
 from specter_gguf.engine import Model  # noqa: E402
@@ -38,10 +42,8 @@ from specter_gguf.gguf_file import GGUFFile  # noqa: E402
 from specter_gguf.sampling import SamplingParams  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-FLOAT_MEDIAN, FLOAT_MAX = 2e-3, 5e-3
-QUANT_MEDIAN, QUANT_MAX = 2.5e-2, 1.5e-1
 N_CTX = 128  # llama.cpp pads it to 256: Phi-3's short factors (tiny-phimoe's original context is 256)
-PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
+N_THREADS = 2
 
 CASES = ([(p, k) for p in ("tiny-deepseek2", "tiny-phimoe") for k in ("f32", "f16", "q8_0", "q4_k_m", "q2_k")]
          + [(p, k) for p in ("tiny-deepseek2-lite", "tiny-deepseek2-sigmoid") for k in ("f16", "q4_k_m")]
@@ -49,189 +51,20 @@ CASES = ([(p, k) for p in ("tiny-deepseek2", "tiny-phimoe") for k in ("f32", "f1
 RESULTS: dict[tuple[str, str], tuple[float, float]] = {}
 
 
-class Refs:
-    def __init__(self) -> None:
-        self.llamas: dict[tuple[Path, int], llama_cpp.Llama] = {}
-
-    def get(self, path: Path, n_ctx: int = N_CTX) -> llama_cpp.Llama:
-        key = (Path(path), n_ctx)
-        if key not in self.llamas:
-            self.llamas[key] = llama_cpp.Llama(str(path), logits_all=True, n_ctx=n_ctx, n_batch=n_ctx,
-                                               n_threads=2, n_threads_batch=2, seed=0, verbose=False)
-        return self.llamas[key]
-
-    def logits(self, path: Path, tokens: list[int], n_ctx: int = N_CTX) -> np.ndarray:
-        llm = self.get(path, n_ctx)
-        llm.reset()
-        llm.eval(tokens)
-        return np.array(llm.scores[: len(tokens)], dtype=np.float32)
+@pytest.fixture(scope="module")
+def refs() -> LlamaRefs:
+    """llama.cpp references, one Llama per (file, context size), N_THREADS threads."""
+    yield from closing(LlamaRefs(N_CTX, n_threads=N_THREADS), RESULTS, lambda k: f"{k[0]:24s} {k[1]:7s}")
 
 
 @pytest.fixture(scope="module")
-def refs():
-    r = Refs()
-    yield r
-    for llm in r.llamas.values():
-        llm.close()
-    if RESULTS:
-        print("\nparity with llama.cpp, per-position max|ours-ref|/max|ref| (median / max):")
-        for (preset, kind), (med, mx) in sorted(RESULTS.items()):
-            print(f"  {preset:24s} {kind:7s} median {med:.2e}  max {mx:.2e}")
-
-
-@pytest.fixture(scope="module")
-def models():
+def models() -> dict[tuple[Path, int], Model]:
     return {}
-
-
-def ours(models: dict, path: Path, ctx_size: int = N_CTX) -> Model:
-    key = (Path(path), ctx_size)
-    if key not in models:
-        models[key] = Model.load(path, device="cpu", ctx_size=ctx_size, progress=False)
-    return models[key]
-
-
-def errors(a: np.ndarray, ref: np.ndarray) -> np.ndarray:
-    assert a.shape == ref.shape and np.isfinite(a).all()
-    return np.abs(a - ref).max(axis=1) / np.abs(ref).max(axis=1)
-
-
-def tokens_for(m: Model, n: int, seed: int = 7) -> list[int]:
-    prompt = m.tokenize(PROMPT, add_bos=False)[:12]
-    rng = np.random.default_rng(seed)
-    return prompt + [int(t) for t in rng.integers(0, m.config.n_vocab, n - len(prompt))]
 
 
 # ------------------------------------------------------------------- routing: llama.cpp's, ours, forced
 
-NEAR_TIE = 0.02  # a routing margin this small is where a rounding-level perturbation flips a choice
 NEAR_TIE_QUANT = 0.05  # quantized files: llama.cpp's 8-bit activations perturb routers by ~1e-2
-
-
-class GGMLTensor(ctypes.Structure):
-    """`struct ggml_tensor` of ggml.h (llama-cpp-python 0.3.36), as far as the eval callback needs it."""
-
-    _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4),
-                ("nb", ctypes.c_size_t * 4), ("op", ctypes.c_int), ("op_params", ctypes.c_int32 * 16),
-                ("flags", ctypes.c_int32), ("src", ctypes.c_void_p * 10), ("view_src", ctypes.c_void_p),
-                ("view_offs", ctypes.c_size_t), ("data", ctypes.c_void_p), ("name", ctypes.c_char * 64),
-                ("extra", ctypes.c_void_p), ("padding", ctypes.c_char * 8)]
-
-
-def llama_routing(llm: llama_cpp.Llama, tokens: list[int], n_ctx: int = N_CTX) -> dict[int, np.ndarray]:
-    """llama.cpp's expert choices {layer: [T, k]} (graph tensors `ffn_moe_topk-<layer>`), one pass."""
-    got: dict[int, list[list[int]]] = {}
-
-    def on_tensor(t: int, ask: bool, _user: int) -> bool:
-        tensor = ctypes.cast(t, ctypes.POINTER(GGMLTensor)).contents
-        name = tensor.name.decode()
-        if ask:
-            return name.startswith("ffn_moe_topk-")
-        k, n = tensor.ne[0], tensor.ne[1]
-        got[int(name.rsplit("-", 1)[1])] = [
-            list((ctypes.c_int32 * k).from_address(tensor.data + j * tensor.nb[1])) for j in range(n)]
-        return True
-
-    callback = llama_cpp.ggml_backend_sched_eval_callback(on_tensor)
-    params = llama_cpp.llama_context_default_params()
-    params.n_ctx = params.n_batch = params.n_ubatch = n_ctx
-    params.n_threads = params.n_threads_batch = 2
-    params.cb_eval = callback
-    ctx = llama_cpp.llama_init_from_model(llm._model.model, params)
-    assert ctx
-    batch = llama_cpp.llama_batch_init(len(tokens), 0, 1)
-    try:
-        batch.n_tokens = len(tokens)
-        for i, tok in enumerate(tokens):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tok, i, 1, 1
-            batch.seq_id[i][0] = 0
-        assert llama_cpp.llama_decode(ctx, batch) == 0
-    finally:
-        llama_cpp.llama_batch_free(batch)
-        llama_cpp.llama_free(ctx)
-    return {k: np.array(v, dtype=np.int64) for k, v in got.items()}
-
-
-def _probs(r: layers.Router, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weight probabilities, selection scores) as the router computes them."""
-    logits = layers.matmul(x, r.weight)
-    sig = isinstance(r, layers.SelectingRouter) and r.gating == "sigmoid"
-    probs = torch.sigmoid(logits) if sig else torch.softmax(logits, dim=-1)
-    bias = getattr(r, "selection_bias", None)
-    return probs, probs if bias is None else probs + bias.float()
-
-
-def _margins(r: layers.Router, sel: torch.Tensor) -> torch.Tensor:
-    """Per token, the smallest gap that decides the choice: k-th vs (k+1)-th score among the allowed experts,
-    and (group-limited routing) the last chosen group's score vs the next group's."""
-    groups = getattr(r, "n_groups", 0)
-    margin = torch.full((sel.shape[0],), float("inf"))
-    if groups > 1:
-        g = sel.view(sel.shape[0], groups, -1).topk(2, dim=-1).values.sum(-1).sort(dim=-1, descending=True).values
-        margin = g[:, r.n_group_used - 1] - g[:, r.n_group_used]
-    top = sel.sort(dim=-1, descending=True).values
-    return torch.minimum(margin, top[:, r.n_used - 1] - top[:, r.n_used])
-
-
-def run_routed(m: Model, tokens: list[int], force: dict[int, np.ndarray] | None = None):
-    """Our logits, expert choices {layer: [T, k]} and margins {layer: [T]}; with `force`, every MoE layer uses
-    those experts instead, weighted by our own probabilities of them (renormalized/scaled as its router)."""
-    seen: dict[int, np.ndarray] = {}
-    margins: dict[int, np.ndarray] = {}
-    moes = [b.ffn for b in m.transformer.blocks if isinstance(b.ffn, layers.MoE)]
-    originals = [moe.router for moe in moes]
-
-    def make(r: layers.Router, layer: int):
-        def route(x: torch.Tensor):
-            probs, sel = _probs(r, x)
-            margins[layer] = _margins(r, sel).numpy()
-            if force is None:
-                ids, w = r(x)
-            else:
-                ids = torch.as_tensor(force[layer])
-                w = probs.gather(1, ids)
-                if r.normalize:
-                    w = w / w.sum(-1, keepdim=True)
-                if r.scale not in (0.0, 1.0):
-                    w = w * r.scale
-            seen[layer] = ids.numpy().copy()
-            return ids, w
-        return route
-
-    for moe in moes:
-        moe.router = make(moe.router, moe.layer)
-    try:
-        logits = m.logits(tokens)
-    finally:
-        for moe, r in zip(moes, originals):
-            moe.router = r
-    return logits, seen, margins
-
-
-def dequantized_copy(src: Path, dst: Path) -> Path:
-    """`src` with every tensor dequantized to F32 (gguf.quants, bit-exact with ggml), same metadata."""
-    from gguf import GGMLQuantizationType as GT
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
-    from gguf.quants import dequantize
-
-    reader = GGUFReader(src)
-    writer = GGUFWriter(dst, str(reader.fields["general.architecture"].contents()))
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
-            continue
-        vtype = GGUFValueType(field.types[0])
-        writer.add_key_value(name, field.contents(), vtype,
-                             GGUFValueType(field.types[-1]) if vtype == GGUFValueType.ARRAY else None)
-    writer.add_file_type(0)
-    for t in reader.tensors:
-        data = (np.asarray(t.data, dtype=np.float32) if t.tensor_type == GT.F32
-                else dequantize(t.data, t.tensor_type).astype(np.float32))
-        writer.add_tensor(t.name, data.reshape(tuple(int(d) for d in reversed(t.shape))))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return dst
 
 
 def check_against_llama_cpp(m: Model, path: Path, llm: llama_cpp.Llama, tokens: list[int], ref: np.ndarray,
@@ -244,32 +77,29 @@ def check_against_llama_cpp(m: Model, path: Path, llm: llama_cpp.Llama, tokens: 
     maximum must then be a near-tie routing flip or one where llama.cpp's own 8-bit-activation result
     (`ref` against `ref_exact`) is already that far off."""
     logits, our_ids, margins = run_routed(m, tokens)
-    err = errors(logits, ref)
+    err = position_errors(logits, ref)
     med, mx = float(np.median(err)), float(err.max())
-    ref_ids = llama_routing(llm, tokens)
+    ref_ids, _ = llama_routing(llm, tokens, context_params(N_CTX, N_THREADS))
     assert set(ref_ids) == set(our_ids), f"MoE layers {sorted(ref_ids)} vs ours {sorted(our_ids)}"
-    diffs = [(lay, pos) for lay in sorted(our_ids) for pos in range(len(tokens))
-             if set(our_ids[lay][pos].tolist()) != set(ref_ids[lay][pos].tolist())]
+    diffs = routing_differences(our_ids, ref_ids)
     note = ", ".join(f"layer {lay} pos {pos} (margin {margins[lay][pos]:.2e})" for lay, pos in diffs)
     print(f"\n{label}: median {med:.2e} max {mx:.2e}; routing differs at {len(diffs)}: {note}")
-    tie = NEAR_TIE_QUANT if quantized else NEAR_TIE
-    for lay, pos in diffs:
-        first = min(l2 for l2, p2 in diffs if p2 == pos)
-        assert lay > first or margins[lay][pos] < tie, f"{label}: flip at layer {lay} pos {pos}, margin " \
-                                                       f"{margins[lay][pos]:.3f} >= {tie}"
+    # a flip is a near tie or follows a flip in a lower layer at the same position
+    assert_flips_are_near_ties(diffs, margins, NEAR_TIE_QUANT if quantized else NEAR_TIE, label,
+                               earlier_positions=False)
     if not quantized:
         assert med <= FLOAT_MEDIAN, f"{label}: median {med:.2e} > {FLOAT_MEDIAN}"
         if diffs:
             forced, _, _ = run_routed(m, tokens, force=ref_ids)
-            ferr = errors(forced, ref)
+            ferr = position_errors(forced, ref)
             print(f"  with llama.cpp's routing forced: median {np.median(ferr):.2e} max {ferr.max():.2e}")
             assert ferr.max() <= FLOAT_MAX, f"{label}: with llama.cpp's routing forced still {ferr.max():.2e}"
         else:
             assert mx <= FLOAT_MAX, f"{label}: max {mx:.2e} > {FLOAT_MAX}"
         return med, mx
     assert ref_exact is not None
-    exact = errors(logits, ref_exact)
-    own = errors(ref, ref_exact)  # llama.cpp's quantized-activation path against its own exact result
+    exact = position_errors(logits, ref_exact)
+    own = position_errors(ref, ref_exact)  # llama.cpp's quantized-activation path against its own exact result
     print(f"  vs llama.cpp on the dequantized F32 copy: median {np.median(exact):.2e} max {exact.max():.2e}; "
           f"llama.cpp itself (quantized file vs F32 copy): max {own.max():.2e}")
     assert np.median(exact) <= FLOAT_MEDIAN and exact.max() <= FLOAT_MAX, f"{label}: not exact on its weights"
@@ -286,11 +116,11 @@ def check_against_llama_cpp(m: Model, path: Path, llm: llama_cpp.Llama, tokens: 
 
 
 @pytest.mark.parametrize("preset,kind", CASES)
-def test_logits_match_llama_cpp(preset: str, kind: str, tiny_models, refs: Refs, models,
+def test_logits_match_llama_cpp(preset: str, kind: str, tiny_models, refs: LlamaRefs, models,
                                 tmp_path: Path) -> None:
     path = tiny_models[(preset, kind)]
-    m = ours(models, path)
-    toks = tokens_for(m, 24)
+    m = our_model(models, path, N_CTX)
+    toks = parity_tokens(m, 24, seed=7)
     assert m.tokenize(PROMPT, add_bos=False) == refs.get(path).tokenize(PROMPT.encode(), add_bos=False,
                                                                            special=False)
     ref = refs.logits(path, toks)
@@ -315,10 +145,10 @@ def test_quantized_deepseek2_really_uses_k_quants(tiny_models) -> None:
 
 
 @pytest.mark.parametrize("preset", ["tiny-deepseek2", "tiny-phimoe"])
-def test_long_sequence_and_incremental_decode(preset: str, tiny_models, refs: Refs, models) -> None:
+def test_long_sequence_and_incremental_decode(preset: str, tiny_models, refs: LlamaRefs, models) -> None:
     path = tiny_models[(preset, "f16")]
-    m = ours(models, path)
-    toks = tokens_for(m, 96, seed=11)
+    m = our_model(models, path, N_CTX)
+    toks = parity_tokens(m, 96, seed=11)
     t = m.transformer
     one_pass = m.logits(toks)
     RESULTS[(preset + " (96 tokens)", "f16")] = check_against_llama_cpp(
@@ -332,13 +162,13 @@ def test_long_sequence_and_incremental_decode(preset: str, tiny_models, refs: Re
         steps.append(t.forward(ids[i:i + 1], cache).numpy())
     inc = np.concatenate(steps)
     assert cache.length == 96
-    e = errors(inc, one_pass)
+    e = position_errors(inc, one_pass)
     assert e.max() <= 1e-4, f"incremental decode differs from one pass: max {e.max():.2e}"
 
     # speculative-style rollback: drop the last 30, decode them again as one batch of 30
     cache.truncate(66)
     again = t.forward(ids[66:], cache).numpy()
-    assert errors(again, one_pass[66:]).max() <= 1e-4
+    assert position_errors(again, one_pass[66:]).max() <= 1e-4
 
     if preset.startswith("tiny-deepseek2"):
         c = m.config
@@ -348,16 +178,16 @@ def test_long_sequence_and_incremental_decode(preset: str, tiny_models, refs: Re
         assert c.n_lora_kv + c.rope_dim < c.n_head * (c.head_dim_k_mla + c.head_dim_v_mla)  # 320 vs 1792
 
 
-def test_phimoe_long_factors_follow_the_context_size(tiny_models, refs: Refs, models) -> None:
+def test_phimoe_long_factors_follow_the_context_size(tiny_models, refs: LlamaRefs, models) -> None:
     """llama.cpp uses Phi-3's long factors when its context (padded to 256) exceeds the original 256."""
     path = tiny_models[("tiny-phimoe", "f16")]
-    m = ours(models, path)
-    toks = tokens_for(m, 40, seed=3)
+    m = our_model(models, path, N_CTX)
+    toks = parity_tokens(m, 40, seed=3)
     t = m.transformer
     long_ctx = t.forward(torch.tensor(toks), t.new_cache(512)).numpy()
     short_ctx = t.forward(torch.tensor(toks), t.new_cache(N_CTX)).numpy()
-    assert errors(long_ctx, short_ctx).max() > 1e-2  # the factors matter on this model
-    err = errors(long_ctx, refs.logits(path, toks, n_ctx=512))
+    assert position_errors(long_ctx, short_ctx).max() > 1e-2  # the factors matter on this model
+    err = position_errors(long_ctx, refs.logits(path, toks, n_ctx=512))
     assert np.median(err) <= FLOAT_MEDIAN and err.max() <= FLOAT_MAX, f"long factors: max {err.max():.2e}"
 
 
@@ -365,21 +195,12 @@ def test_phimoe_long_factors_follow_the_context_size(tiny_models, refs: Refs, mo
 
 
 @pytest.mark.parametrize("preset", ["tiny-deepseek2", "tiny-deepseek2-lite", "tiny-phimoe"])
-def test_greedy_tokens_match_llama_cpp(preset: str, tiny_models, refs: Refs, models) -> None:
+def test_greedy_tokens_match_llama_cpp(preset: str, tiny_models, refs: LlamaRefs, models) -> None:
     path = tiny_models[(preset, "f16")]
-    m = ours(models, path)
+    m = our_model(models, path, N_CTX)
     llm = refs.get(path)
     prompt = llm.tokenize(PROMPT.encode(), add_bos=False, special=False)
-    llm.reset()
-    llm.eval(prompt)
-    expected: list[int] = []
-    while len(expected) < 32:
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-        if llama_cpp.llama_vocab_is_eog(llm._model.vocab, tok):
-            break
-        expected.append(tok)
-        if len(expected) < 32:
-            llm.eval([tok])
+    expected = refs.greedy(path, prompt, 32)
     gen = m.generate(prompt, n_predict=32, sampling=SamplingParams(temperature=0)).wait()
     assert gen.tokens == expected, f"{preset}:\n ours      {gen.tokens}\n llama.cpp {expected}"
 
@@ -459,7 +280,7 @@ def test_one_layer_real_shape_matches_llama_cpp(preset: str, vocab: str, tmp_pat
     llm = llama_cpp.Llama(str(out), logits_all=True, n_ctx=N_CTX, n_batch=N_CTX, n_threads=2, verbose=False)
     try:
         llm.eval(toks)
-        err = errors(m.logits(toks), np.array(llm.scores[:16], dtype=np.float32))
+        err = position_errors(m.logits(toks), np.array(llm.scores[:16], dtype=np.float32))
     finally:
         llm.close()
     print(f"\n{preset} 1 layer f16: median {np.median(err):.2e} max {err.max():.2e}")

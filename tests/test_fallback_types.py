@@ -24,14 +24,14 @@ from gguf import GGMLQuantizationType as GT
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
+from llama_reference import QUANT_MAX, QUANT_MEDIAN, LlamaRefs, parity_tokens, position_errors  # noqa: E402
+
 from specter_gguf import native  # noqa: E402
 from specter_gguf.engine import Model  # noqa: E402
 from specter_gguf.quantize import quantize_gguf  # noqa: E402
 from specter_gguf.synthetic import PRESETS, ModelShape, write_synthetic  # noqa: E402
 
-QUANT_MEDIAN, QUANT_MAX = 2.5e-2, 1.5e-1
 CUDA_MEDIAN, CUDA_MAX = 5e-3, 1e-2
-PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 N_CTX = 64
 
 # Qwen1.5-MoE style (qwen2moe): expert and shared-expert widths 320 = 10 blocks of 32, no multiple of 256,
@@ -81,18 +81,11 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Files:
 
 
 @pytest.fixture(scope="module")
-def llamas():
-    made: dict[Path, llama_cpp.Llama] = {}
-
-    def get(path: Path) -> llama_cpp.Llama:
-        if path not in made:
-            made[path] = llama_cpp.Llama(str(path), logits_all=True, n_ctx=N_CTX, n_batch=N_CTX, n_threads=2,
-                                         n_threads_batch=2, seed=0, verbose=False)
-        return made[path]
-
-    yield get
-    for llm in made.values():
-        llm.close()
+def llamas() -> LlamaRefs:
+    """llama.cpp on the quantized files, one Llama per file (2 threads, context and batch N_CTX)."""
+    refs = LlamaRefs(N_CTX, n_threads=2)
+    yield refs
+    refs.close()
 
 
 def tensor_types(path: Path) -> dict[str, GT]:
@@ -120,30 +113,15 @@ def test_quantized_file_holds_fallback_types(files: Files, shape: str, kind: str
         assert any(n.endswith("attn_k_b.weight") and t in legacy for n, t in types.items()), types
 
 
-def _tokens(m: Model, llm: llama_cpp.Llama) -> list[int]:
-    prompt = llm.tokenize(PROMPT.encode(), add_bos=False, special=False)
-    assert m.tokenize(PROMPT, add_bos=False) == prompt
-    v = m.config.n_vocab
-    rng = np.random.default_rng(1234)
-    return prompt[:12] + [0, v - 1, 7, 7] + [int(t) for t in rng.integers(0, v, 8)]
-
-
-def _errors(ours: np.ndarray, ref: np.ndarray) -> np.ndarray:
-    assert ours.shape == ref.shape and np.isfinite(ours).all()
-    return np.abs(ours - ref).max(axis=1) / np.abs(ref).max(axis=1)
-
-
 @pytest.mark.parametrize("shape,kind", CASES)
-def test_logits_match_llama_cpp(files: Files, llamas, shape: str, kind: str) -> None:
+def test_logits_match_llama_cpp(files: Files, llamas: LlamaRefs, shape: str, kind: str) -> None:
     path = files[(shape, kind)]
     m = Model.load(path, device="cpu", progress=False)
-    llm = llamas(path)
-    tokens = _tokens(m, llm)
+    v = m.config.n_vocab
+    tokens = parity_tokens(m, 24, llamas[path], fixed=[0, v - 1, 7, 7], seed=1234)
     ours = m.logits(tokens)
-    llm.reset()
-    llm.eval(tokens)
-    ref = np.array(llm.scores[: len(tokens)], dtype=np.float32)
-    err = _errors(ours, ref)
+    ref = llamas.logits(path, tokens)
+    err = position_errors(ours, ref)
     med, mx = float(np.median(err)), float(err.max())
     print(f"\n{shape} {kind} vs llama.cpp: median {med:.2e} max {mx:.2e}")
     assert med <= QUANT_MEDIAN and mx <= QUANT_MAX, f"{shape} {kind}: median {med:.2e} max {mx:.2e}"
@@ -156,7 +134,7 @@ def test_cuda_logits_match_cpu(files: Files, shape: str, kind: str) -> None:
     tokens = [int(t) for t in np.random.default_rng(7).integers(0, 900, size=24)]
     cpu = Model.load(path, device="cpu", progress=False).logits(tokens)
     cuda = Model.load(path, device="cuda", progress=False).logits(tokens)
-    err = _errors(cuda, cpu)
+    err = position_errors(cuda, cpu)
     med, mx = float(np.median(err)), float(err.max())
     print(f"\n{shape} {kind} cuda vs cpu: median {med:.2e} max {mx:.2e}")
     assert med <= CUDA_MEDIAN and mx <= CUDA_MAX, f"{shape} {kind}: median {med:.2e} max {mx:.2e}"
