@@ -191,7 +191,7 @@ def _save_profile(counts: Any, m: Any, path: Path | None) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as one JSON object.")
 def plan(model: Path, gpu_budget: str, draft: Path | None, ctx_size: int | None, device: str, as_json: bool) -> None:
     """Show how a GPU budget would be split for MODEL (nothing is loaded): non-expert weights, KV cache,
-    workspace, draft experts, expert-cache slots; and the minimum budget."""
+    workspace, draft experts, expert-cache slots; and the minimum budget. Exits 1 when the budget is below it."""
     from specter_gguf.gguf_file import GGUFFile
     from specter_gguf.models import check_architecture
     from specter_gguf.runtime import parse_size, plan_memory
@@ -201,10 +201,8 @@ def plan(model: Path, gpu_budget: str, draft: Path | None, ctx_size: int | None,
     if ctx_size is not None and ctx_size <= 0:
         raise SpecterError(f"context size must be positive, got {ctx_size}")
     p = plan_memory(f, parse_size(gpu_budget), ctx_size, device, GGUFFile(draft) if draft is not None else None)
-    if as_json:
-        click.echo(json.dumps(p.to_dict()))
-    else:
-        click.echo(p.describe())
+    click.echo(json.dumps(p.to_dict()) if as_json else p.describe())
+    p.check()  # a budget below the minimum: the split is shown, then the error (exit 1) says what is missing
 
 
 @cli.command()
