@@ -243,7 +243,7 @@ class Model:
         prompt = self._check_tokens(gen.prompt_tokens)
         step = self.prefill_chunk or len(prompt)  # chunks keep the workspace within a GPU budget
         for first in range(0, len(prompt), step):
-            logits = self.transformer.forward(prompt[first:first + step], cache)[-1]
+            logits = self.transformer.forward(prompt[first:first + step], cache, last_only=True)[-1]
         first_token_at = None
         cut = None
         while gen.finish_reason is None:

@@ -475,14 +475,15 @@ class Transformer:
     output: Linear
     observers: list[RoutingObserver] = field(default_factory=list)  # shared with every MoE layer
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Logits [T, n_vocab] (float32) for `tokens` [T] appended at position `cache.length`."""
+    def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+        """Logits [T, n_vocab] (float32) for `tokens` [T] appended at position `cache.length`; with
+        `last_only`, [1, n_vocab] of the last position (prefill needs no more)."""
         pos = cache.length
         x = self.token_embd[tokens].float()
         for block in self.blocks:
             x = block(x, pos, cache)
         cache.length = pos + tokens.shape[0]
-        return self.output(self.output_norm(x))
+        return self.output(self.output_norm(x[-1:] if last_only else x))
 
     def new_cache(self, max_len: int) -> KVCache:
         c = self.config
