@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from tqdm import tqdm
@@ -22,12 +22,19 @@ supplies another placement (host store + GPU cache, quantized draft copy)."""
 class Weights:
     """Named tensors of the file, validated and loaded onto the device: `w(name, shape)`. `layer(i)` gives
     the same accessor for names relative to block i (`attn_q.weight` -> `blk.i.attn_q.weight`).
-    `make_experts` places each layer's routed experts."""
+    `make_experts` places each layer's routed experts; `shared(key, make)` gives every layer one object
+    (the RoPE and its cos/sin tables)."""
 
     def __init__(self, f: GGUFFile, device: torch.device, bar: tqdm, make_experts: ExpertsFactory | None = None,
-                 prefix: str = "") -> None:
+                 prefix: str = "", shared: dict[Any, Any] | None = None) -> None:
         self.f, self.device, self.bar, self.prefix = f, device, bar, prefix
         self.make_experts = make_experts or (lambda cfg, i, w: routed_experts(cfg, w))
+        self._shared = {} if shared is None else shared
+
+    def shared(self, key: Any, make: Callable[[], Any]) -> Any:
+        if key not in self._shared:
+            self._shared[key] = make()
+        return self._shared[key]
 
     def __call__(self, name: str, shape: tuple[int, ...], optional: bool = False) -> torch.Tensor | None:
         name = self.prefix + name
@@ -38,7 +45,7 @@ class Weights:
         return load_tensor(t, self.device)
 
     def layer(self, i: int) -> Weights:
-        return Weights(self.f, self.device, self.bar, self.make_experts, f"blk.{i}.")
+        return Weights(self.f, self.device, self.bar, self.make_experts, f"blk.{i}.", self._shared)
 
 
 def attention(cfg: ModelConfig, w: Weights, neox: bool, qk_norm: str | None = None) -> Attention:
@@ -52,7 +59,7 @@ def attention(cfg: ModelConfig, w: Weights, neox: bool, qk_norm: str | None = No
         wk=Linear(w("attn_k.weight", (nkv, cfg.n_embd)), w("attn_k.bias", (nkv,), optional=True)),
         wv=Linear(w("attn_v.weight", (nkv, cfg.n_embd)), w("attn_v.bias", (nkv,), optional=True)),
         wo=Linear(w("attn_output.weight", (cfg.n_embd, nq)), w("attn_output.bias", (cfg.n_embd,), optional=True)),
-        rope=rope_for(cfg, neox),  # plain Rope unless the file asks for YaRN scaling
+        rope=w.shared(("rope", neox), lambda: rope_for(cfg, neox)),  # plain Rope unless the file asks for YaRN
         q_norm=RMSNorm(w("attn_q_norm.weight", (norm_q,)), cfg.rms_eps) if qk_norm else None,
         k_norm=RMSNorm(w("attn_k_norm.weight", (norm_k,)), cfg.rms_eps) if qk_norm else None,
     )

@@ -56,7 +56,7 @@ def latent_attention(cfg: ModelConfig, w: Weights) -> LatentAttention:
         kv_a_norm=RMSNorm(w("attn_kv_a_norm.weight", (r,)), cfg.rms_eps),
         wk_b=wk_b, wv_b=wv_b,
         wo=Linear(w("attn_output.weight", (d, H * dv))),
-        rope=rope_for(cfg, neox=False),
+        rope=w.shared("rope", lambda: rope_for(cfg, neox=False)),
         kq_scale=mscale * mscale / math.sqrt(dk),
         **q,
     )

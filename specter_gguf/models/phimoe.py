@@ -51,8 +51,9 @@ def attention(cfg: ModelConfig, w: Weights) -> ContextRopeAttention:
         wk = Linear(w("attn_k.weight", (nkv, d)), w("attn_k.bias", (nkv,), optional=True))
         wv = Linear(w("attn_v.weight", (nkv, d)), w("attn_v.bias", (nkv,), optional=True))
     half = cfg.rope_dim // 2
-    rope = rope_for(cfg, neox=True, freq_factors=_global(w, "rope_factors_short.weight", (half,)),
-                    freq_factors_long=_global(w, "rope_factors_long.weight", (half,)))
+    rope = w.shared("rope", lambda: rope_for(cfg, neox=True,
+                                             freq_factors=_global(w, "rope_factors_short.weight", (half,)),
+                                             freq_factors_long=_global(w, "rope_factors_long.weight", (half,))))
     return ContextRopeAttention(
         n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim=hd, wq=wq, wk=wk, wv=wv,
         wo=Linear(w("attn_output.weight", (d, nq)), w("attn_output.bias", (d,))), rope=rope)
