@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One device run for the native kernels (on the GPU machine, repo root, after `source .gpu/on-device.sh`):
-# build libspecter with CUDA (sm_90) in place, run tests/test_kernels.py on the GPU, run the kernel benchmark.
+# One device run for the GPU code (on the GPU machine, repo root, after `source .gpu/on-device.sh`; carry .whl
+# from scripts/gpu_wheels.sh too): build libspecter with CUDA (sm_90) in place, run the GPU tests (kernels,
+# CUDA engine vs CPU engine, offloading, fallback types), run the kernel benchmark.
 # Logs and bench_kernels.json go under $OUT; a short summary and the benchmark table are printed last.
 #   bash scripts/gpu_check.sh
 set -uo pipefail
@@ -9,6 +10,12 @@ OUT=${OUT:-/tmp/specter-gpu-check}
 mkdir -p "$OUT"
 if [ -f .gpu/on-device.sh ] && ! python3 -c "import gguf, cffi" 2>/dev/null; then
   source .gpu/on-device.sh || { echo "gpu_check: sourcing .gpu/on-device.sh failed"; exit 1; }
+fi
+# llama-cpp-python (tokenizer, quantizer) from scripts/gpu_wheels.sh, when carried: the tests that make
+# quantized files need it
+if [ -d .whl ] && ! python3 -c "import llama_cpp" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  case ":${PYTHONPATH:-}:" in *:/tmp/site:*) ;; *) export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} ;; esac
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 export CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
@@ -23,7 +30,8 @@ t1=$(date +%s)
 python3 -c "from specter_gguf import native; print('libspecter', native.version(), 'has_cuda', native.has_cuda(), 'devices', native.cuda_device_count())" \
   > "$OUT/native.txt" 2>&1
 
-python3 -m pytest -q -rs tests/test_kernels.py > "$OUT/test_kernels.log" 2>&1
+python3 -m pytest -q -rs tests/test_kernels.py tests/test_engine_gpu.py tests/test_offload_gpu.py \
+  tests/test_fallback_types.py > "$OUT/test_kernels.log" 2>&1
 test_rc=$?
 t2=$(date +%s)
 timeout 400 python3 scripts/bench_kernels.py --out "$OUT" > "$OUT/bench.log" 2>&1
@@ -33,7 +41,7 @@ t3=$(date +%s)
 echo "== gpu: $(cat "$OUT/gpu.txt")"
 echo "== native: $(cat "$OUT/native.txt")"
 echo "== build $((t1 - t0)) s, tests $((t2 - t1)) s (rc $test_rc), bench $((t3 - t2)) s (rc $bench_rc)"
-echo "== tests/test_kernels.py:"
+echo "== GPU tests:"
 grep -E "^(FAILED|ERROR)|passed|failed|skipped|error" "$OUT/test_kernels.log" | tail -25
 if [ $test_rc -ne 0 ]; then
   grep -E "^E  |assert|Error" "$OUT/test_kernels.log" | head -40
