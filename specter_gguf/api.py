@@ -20,13 +20,14 @@ __all__ = ["create_completion", "create_chat_completion", "start_completion", "s
            "completion_result", "completion_chunks", "chat_result", "chat_chunks", "usage"]
 
 
-def _stop_list(stop: str | Sequence[str] | None) -> list[str]:
+def stop_list(stop: str | Sequence[str] | None) -> list[str]:
+    """The stop strings of an OpenAI-style `stop` field: none, one string or a list of strings."""
     if stop is None:
         return []
     if isinstance(stop, str):
         return [stop]
-    if not all(isinstance(s, str) for s in stop):
-        raise SpecterError("stop must be a string or a list of strings")
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        raise SpecterError("'stop' must be a string or a list of strings")
     return list(stop)
 
 
@@ -52,7 +53,7 @@ def start_completion(model: Model, prompt: str | Sequence[int], max_tokens: int 
                      sampling: SamplingParams | None = None, stop: str | Sequence[str] | None = None) -> Generation:
     """A Generation for a completion request (nothing is computed until it is iterated)."""
     return model.generate(_prompt_ids(model, prompt), n_predict=_max_tokens(max_tokens), sampling=sampling,
-                          stop=_stop_list(stop))
+                          stop=stop_list(stop))
 
 
 def start_chat_completion(model: Model, messages: Sequence[Mapping[str, Any]], max_tokens: int | None = None,
@@ -61,7 +62,7 @@ def start_chat_completion(model: Model, messages: Sequence[Mapping[str, Any]], m
     """A Generation for the assistant's reply to `messages`, prompted through the chat template."""
     from .chat import start_chat
 
-    return start_chat(model, messages, n_predict=_max_tokens(max_tokens), sampling=sampling, stop=_stop_list(stop))
+    return start_chat(model, messages, n_predict=_max_tokens(max_tokens), sampling=sampling, stop=stop_list(stop))
 
 
 def usage(gen: Generation) -> dict[str, int]:

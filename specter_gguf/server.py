@@ -210,14 +210,10 @@ def _unsupported(body: dict[str, Any]) -> None:
 
 
 def _stop(body: dict[str, Any]) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        return [stop]
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return stop
-    raise RequestError("'stop' must be a string or a list of strings", param="stop")
+    try:
+        return api.stop_list(body.get("stop"))
+    except SpecterError as e:
+        raise RequestError(str(e), param="stop") from None
 
 
 def _max_tokens(body: dict[str, Any], default: int | None) -> int | None:
