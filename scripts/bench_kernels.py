@@ -13,7 +13,11 @@ on MoE expert shapes, and the grouped MoE layer time.
 - MoE: one Qwen1.5-MoE layer (60 experts, top-4, 2048/1408) for 1, 8, 16 tokens, different random routings
   cycled through, captured in a CUDA graph; types: all F16, all Q8_0, all Q4_0, Q4_K gate/up + Q8_0 or Q5_0
   down, Q2_K gate/up + Q4_0 down (the types llama.cpp's quantizer gives a 1408-wide down matrix).
-Writes DIR/bench_kernels.json and prints a compact table last.
+- Decode (`--decode-model FILE`, e.g. the Q4_K_M file of a Qwen1.5-MoE-shaped model): whole-model greedy decoding
+  fully on the GPU, our engine with its decode step in CUDA graphs (and eagerly, for comparison) beside
+  llama.cpp's `llama-bench -p 0 -n N -ngl 99` on the same file in the same run (`--llama-bin DIR`), plus the GPU
+  kernel time of one eager decode step by kernel (torch profiler) to show where a step's time goes.
+Writes DIR/bench_kernels.json and prints a compact table last. `--only kernels|decode` runs one part.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -176,11 +182,69 @@ def bench_moe(dev: torch.device, iters: int) -> list[dict]:
     return rows
 
 
+def bench_decode(path: Path, llama_bin: Path | None, n_predict: int, runs: int) -> dict:
+    from specter_gguf.engine import Model
+    from specter_gguf.sampling import SamplingParams
+
+    greedy = SamplingParams(temperature=0)
+    t0 = time.time()
+    m = Model.load(path, device="cuda", progress=False, ctx_size=1024)
+    res: dict = dict(model=path.name, n_predict=n_predict, runs=runs, load_s=time.time() - t0,
+                     gpu_bytes=torch.cuda.memory_allocated())
+    prompt = m.tokenize("The history of the printing press")
+    m.generate(prompt, 8, greedy).wait()  # captures the decode graph
+    tps = [m.generate(prompt, n_predict, greedy).wait().stats.tokens_per_s for _ in range(runs)]
+    res.update(ours_graphs_tps=statistics.median(tps), ours_graphs_all=tps)
+    m.cuda_graphs = False
+    res["ours_eager_tps"] = m.generate(prompt, 32, greedy).wait().stats.tokens_per_s
+    res["kernels"] = step_kernel_times(m)
+    if llama_bin is not None:
+        cmd = [str(llama_bin / "llama-bench"), "-m", str(path), "-p", "0", "-n", str(n_predict), "-ngl", "99",
+               "-r", str(runs), "-o", "json"]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        res["llama_command"] = " ".join(cmd[1:]).replace(str(path), path.name)
+        try:
+            res["llama_tps"] = json.loads(p.stdout)[0]["avg_ts"]
+        except (ValueError, IndexError, KeyError):
+            res["llama_error"] = (p.stderr or p.stdout)[-2000:]
+    return res
+
+
+@torch.inference_mode()
+def step_kernel_times(m) -> dict:
+    """GPU time of one eager decode step, by kernel name (microseconds), from the torch profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cache = m.transformer.new_cache(64)
+    m.transformer.forward(torch.tensor([1, 2, 3], device="cuda"), cache)
+    tok = torch.tensor([4], device="cuda")
+    m.transformer.forward(tok, cache)
+    cache.truncate(3)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        m.transformer.forward(tok, cache)
+        torch.cuda.synchronize()
+    by_name: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            by_name.setdefault(e.name[:90], []).append(e.device_time_total if hasattr(e, "device_time_total")
+                                                       else e.cuda_time_total)
+    total = sum(sum(v) for v in by_name.values())
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:12]
+    return dict(total_us=total, launches=sum(len(v) for v in by_name.values()),
+                top=[dict(name=k, us=sum(v), calls=len(v)) for k, v in top])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench-out", help="directory for bench_kernels.json")
     ap.add_argument("--iters", type=int, default=200, help="calls per captured CUDA graph")
     ap.add_argument("--quick", action="store_true", help="Q8_0/Q4_K/F16 only")
+    ap.add_argument("--only", choices=["kernels", "decode"], default=None, help="run one part")
+    ap.add_argument("--decode-model", type=Path, default=None, help="GGUF for the whole-model decode part")
+    ap.add_argument("--llama-bin", type=Path, default=None, help="directory of llama.cpp's llama-bench")
+    ap.add_argument("--n-predict", type=int, default=128, help="decode: generated tokens per run")
+    ap.add_argument("--runs", type=int, default=3, help="decode: runs per system (median)")
     args = ap.parse_args()
     if not (torch.cuda.is_available() and native.has_cuda()):
         print("bench_kernels: needs a CUDA GPU and libspecter built with CUDA", file=sys.stderr)
@@ -190,14 +254,24 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     types = ["Q8_0", "Q4_K", "F16"] if args.quick else list(TYPES)
     t0 = time.time()
-    copy = copy_rate(dev)
-    gemv = bench_gemv(dev, args.iters, types)
-    moe = bench_moe(dev, args.iters)
     result = dict(date=time.strftime("%Y-%m-%d %H:%M:%S"), gpu=torch.cuda.get_device_name(dev),
-                  torch=torch.__version__, command=" ".join(sys.argv), copy_tbs=copy, nominal_tbs=NOMINAL_TBS,
-                  gemv=gemv, moe=moe, seconds=time.time() - t0)
+                  torch=torch.__version__, command=" ".join(sys.argv))
+    if args.only in (None, "kernels"):
+        result.update(copy_tbs=copy_rate(dev), nominal_tbs=NOMINAL_TBS, gemv=bench_gemv(dev, args.iters, types),
+                      moe=bench_moe(dev, args.iters))
+    if args.only in (None, "decode") and args.decode_model is not None:
+        result["decode"] = bench_decode(args.decode_model, args.llama_bin, args.n_predict, args.runs)
+    result["seconds"] = time.time() - t0
     (out_dir / "bench_kernels.json").write_text(json.dumps(result, indent=1))
+    if "gemv" in result:
+        print_kernels(result, types)
+    if "decode" in result:
+        print_decode(result["decode"])
+    return 0
 
+
+def print_kernels(result: dict, types: list[str]) -> None:
+    gemv, moe, copy = result["gemv"], result["moe"], result["copy_tbs"]
     print(f"\n{result['gpu']}  device copy {copy:.2f} TB/s (read+write)  nominal {NOMINAL_TBS} TB/s  "
           f"({result['seconds']:.0f} s)")
     print("GEMV m=1: us per call / TB/s of weights / % of 4.3 TB/s   [us at m=8, m=16]")
@@ -218,8 +292,20 @@ def main() -> int:
     for cname in MOE_CONFIGS:
         cells = [next(r for r in moe if r["config"] == cname and r["tokens"] == T) for T in (1, 8, 16)]
         print(f"{cname:12s}" + "".join(f"{r['us']:10.1f} ({r['tbs']:4.2f})" for r in cells))
-    return 0
 
+
+def print_decode(d: dict) -> None:
+    k = d["kernels"]
+    print(f"\nwhole-model decode, {d['model']} on the GPU ({d['gpu_bytes'] / 2**30:.2f} GiB), "
+          f"{d['n_predict']} tokens, median of {d['runs']}: tokens/s")
+    print(f"  ours, CUDA graphs  {d['ours_graphs_tps']:8.1f}   (TPOT {1000 / d['ours_graphs_tps']:.2f} ms)")
+    print(f"  ours, eager        {d['ours_eager_tps']:8.1f}")
+    llama = d.get("llama_tps")
+    print(f"  llama.cpp          {llama:8.1f}   ({d['llama_command']})" if llama else
+          f"  llama.cpp          n/a {d.get('llama_error', '(no --llama-bin)')[-300:]}")
+    print(f"  one eager step: {k['total_us']:.0f} us of GPU time in {k['launches']} kernels; largest:")
+    for r in k["top"]:
+        print(f"    {r['us']:8.1f} us {r['calls']:5d}x  {r['name']}")
 
 if __name__ == "__main__":
     sys.exit(main())

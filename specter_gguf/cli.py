@@ -98,14 +98,15 @@ def load_options(f: Any) -> Any:
 
     @functools.wraps(f)
     def command(*args: Any, device: str | None, ctx_size: int | None, gpu_budget: str | None, offload: str | None,
-                cache_policy: str | None, routing_profile: Path | None, **kwargs: Any) -> Any:
+                cache_policy: str | None, routing_profile: Path | None, cuda_graphs: bool, **kwargs: Any) -> Any:
         def load(model: Path | None, progress: bool) -> Any:
             from specter_gguf.engine import Model
             from specter_gguf.runtime import parse_size
 
             return Model.load(model, device=device, ctx_size=ctx_size, progress=progress,
                               gpu_budget=parse_size(gpu_budget) if gpu_budget is not None else None,
-                              offload=offload, cache_policy=cache_policy, routing_profile=routing_profile)
+                              offload=offload, cache_policy=cache_policy, routing_profile=routing_profile,
+                              cuda_graphs=cuda_graphs)
 
         return f(*args, load=load, **kwargs)
 
@@ -121,6 +122,8 @@ def load_options(f: Any) -> Any:
                      help="Expert-cache eviction policy (default lru; static-hot with --routing-profile)."),
         click.option("--routing-profile", type=click.Path(exists=True, dir_okay=False, path_type=Path),
                      default=None, help="Routing profile (JSON) for the static-hot policy."),
+        click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
+                     help="Replay each decode step as a CUDA graph (CUDA without offloading)."),
     ])
 
 

@@ -13,7 +13,7 @@ import torch
 
 from specter_gguf.errors import SpecterError
 from specter_gguf.gguf_file import GGUFFile
-from specter_gguf.layers import Transformer
+from specter_gguf.layers import KVCache, Transformer
 from specter_gguf.models import load_transformer
 from specter_gguf.sampling import Sampler, SamplingParams
 from specter_gguf.tokenizer import Tokenizer
@@ -135,12 +135,18 @@ class Model:
         self.offload: Any = None      # specter_gguf.runtime.OffloadRuntime when experts are offloaded
         self.memory_plan: Any = None  # specter_gguf.runtime.MemoryPlan when a GPU budget was given
         self.prefill_chunk: int | None = None  # prompts are evaluated in chunks of this many tokens (budget)
+        self.cuda_graphs = False      # decode steps replay CUDA graphs (specter_gguf.cuda_graphs)
+        # one KV cache (and its decode graphs) reused by generation after generation; a generation started
+        # while another is still running gets a cache of its own and decodes eagerly
+        self._cache: KVCache | None = None
+        self._graphs: Any = None
+        self._cache_in_use = False
 
     @classmethod
     def load(cls, path: str | os.PathLike[str] | None = None, device: str | None = None,
              ctx_size: int | None = None, progress: bool = True, gpu_budget: int | str | None = None,
              offload: str | None = None, cache_policy: str | None = None,
-             routing_profile: str | os.PathLike[str] | Any = None) -> Model:
+             routing_profile: str | os.PathLike[str] | Any = None, cuda_graphs: bool = True) -> Model:
         """Load `path` (default: the small model shipped in `models/`) onto `device` ("cpu", "cuda";
         default CUDA when present). `ctx_size` defaults to the context length the model was trained for.
 
@@ -148,7 +154,8 @@ class Model:
         budget below the minimum before loading. `offload`: "on-demand", "lru", "gate-prefetch" (routed experts
         in host memory, a device expert cache; needs `gpu_budget`), "none"; default: lru when a budget is given
         and the model does not fit, none otherwise. `cache_policy`: lru (default), lfu, static-hot (needs
-        `routing_profile`, a `RoutingProfile` or its JSON file)."""
+        `routing_profile`, a `RoutingProfile` or its JSON file). `cuda_graphs`: replay each decode step as a
+        CUDA graph (on CUDA without offloading, whose cache bookkeeping runs on the host between layers)."""
         path = Path(path) if path is not None else SHIPPED_MODEL
         dev = resolve_device(device)
         f = GGUFFile(path)
@@ -167,6 +174,7 @@ class Model:
                 cache_policy, routing_profile)
         model = cls(path, transformer, Tokenizer.from_gguf(path), ctx_size or transformer.config.n_ctx_train)
         model.offload, model.memory_plan = runtime, plan
+        model.cuda_graphs = cuda_graphs and dev.type == "cuda" and runtime is None
         model.prefill_chunk = plan.prefill_chunk if plan is not None else None
         return model
 
@@ -231,10 +239,33 @@ class Model:
 
     @torch.inference_mode()
     def _run(self, gen: Generation, n_predict: int, sampler: Sampler, stop: list[str]) -> Iterator[str]:
+        cache, graphs = self._claim_cache()
+        try:
+            yield from self._decode(gen, n_predict, sampler, stop, cache, graphs)
+        finally:
+            if cache is self._cache:
+                self._cache_in_use = False
+
+    def _claim_cache(self) -> tuple[KVCache, Any]:
+        """The model's reusable KV cache, emptied, and its decode graphs; a fresh cache (no graphs) when a
+        generation is already using it."""
+        if self._cache_in_use:
+            return self.transformer.new_cache(self.ctx_size), None
+        if self._cache is None:
+            self._cache = self.transformer.new_cache(self.ctx_size)
+        if self.cuda_graphs and self._graphs is None:
+            from specter_gguf.cuda_graphs import DecodeGraphs
+
+            self._graphs = DecodeGraphs(self.transformer, self._cache)
+        self._cache.truncate(0)
+        self._cache_in_use = True
+        return self._cache, self._graphs if self.cuda_graphs else None
+
+    def _decode(self, gen: Generation, n_predict: int, sampler: Sampler, stop: list[str], cache: KVCache,
+                graphs: Any) -> Iterator[str]:
         limit = n_predict if n_predict >= 0 else self.ctx_size
         stats = gen.stats
         stats.prompt_tokens = len(gen.prompt_tokens)
-        cache = self.transformer.new_cache(self.ctx_size)
         decoder = self.tokenizer.stream(continuation=True)  # generated text continues the prompt
         history = list(gen.prompt_tokens)
         emitted = 0  # characters of gen.text already yielded
@@ -266,6 +297,8 @@ class Model:
             elif len(gen.tokens) < limit:
                 if cache.length + 1 > self.ctx_size:
                     gen.finish_reason = "length"
+                elif graphs is not None and not self.transformer.observers:
+                    logits = graphs.step(token)
                 else:
                     logits = self.transformer.forward(torch.tensor([token], device=self.device), cache)[-1]
             safe = len(gen.text) if gen.finish_reason else len(gen.text) - _stop_prefix_len(gen.text, stop)

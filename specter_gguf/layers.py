@@ -40,6 +40,63 @@ class Linear:
         return y if self.bias is None else y + self.bias.float()
 
 
+def _stack(a: Linear, b: Linear) -> Linear | None:
+    """One Linear computing [a x | b x] when the weights share a type and width (None otherwise): GGUF rows are
+    independent, so quantized matrices stack byte-wise. A missing bias of one of them is zeros."""
+    wa, wb = a.weight, b.weight
+    if isinstance(wa, QuantizedTensor) and isinstance(wb, QuantizedTensor):
+        if wa.ggml_type != wb.ggml_type or wa.ndim != 2 or wa.shape[1:] != wb.shape[1:] or wa.device != wb.device:
+            return None
+        w: torch.Tensor | QuantizedTensor = QuantizedTensor(torch.cat([wa.data, wb.data]), wa.ggml_type,
+                                                            (wa.shape[0] + wb.shape[0], wa.shape[1]))
+    elif (isinstance(wa, torch.Tensor) and isinstance(wb, torch.Tensor) and wa.dtype == wb.dtype
+          and wa.shape[1:] == wb.shape[1:] and wa.device == wb.device):
+        w = torch.cat([wa, wb])
+    else:
+        return None
+    if a.bias is None and b.bias is None:
+        return Linear(w)
+    biases = [m.bias.float() if m.bias is not None else torch.zeros(m.weight.shape[0], device=wa.device)
+              for m in (a, b)]
+    return Linear(w, torch.cat(biases))
+
+
+@dataclass
+class Projections:
+    """Linear maps of one input (q, k, v; gate, up) in as few matrix products as their weights allow: `of`
+    stacks consecutive weights of one type once, at load; a call splits each product back into the maps'
+    outputs. Fewer, larger products: fewer kernel launches in a decode step."""
+
+    products: list[Linear]
+    sizes: list[list[int]]  # output widths of the maps each product holds
+
+    @classmethod
+    def of(cls, *maps: Linear) -> Projections:
+        products: list[Linear] = []
+        sizes: list[list[int]] = []
+        for m in maps:
+            stacked = _stack(products[-1], m) if products else None
+            if stacked is None:
+                products.append(m)
+                sizes.append([m.weight.shape[0]])
+            else:
+                products[-1] = stacked
+                sizes[-1].append(m.weight.shape[0])
+        return cls(products, sizes)
+
+    @classmethod
+    def split(cls, linear: Linear, sizes: list[int]) -> Projections:
+        """The maps of one stored matrix whose rows are the maps' outputs one after another."""
+        return cls([linear], [list(sizes)])
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        for linear, sizes in zip(self.products, self.sizes):
+            y = linear(x)
+            out.extend(y.split(sizes, dim=-1) if len(sizes) > 1 else [y])
+        return out
+
+
 @dataclass
 class RMSNorm:
     weight: torch.Tensor
@@ -47,8 +104,7 @@ class RMSNorm:
     bias: torch.Tensor | None = None  # added after the weight (llama.cpp's phimoe: RMS norm with a bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.float()
-        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        y = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
         return y if self.bias is None else y + self.bias.float()
 
 
@@ -57,7 +113,7 @@ class Rope:
     """Rotary position embedding of the first `dim` features of each head. `neox` rotates the pairs
     (i, i + dim/2); otherwise adjacent pairs (2i, 2i+1) as in the original LLaMA ("norm" in llama.cpp).
     cos/sin of every position are computed once into a table on the device that grows with the sequence, so
-    a decode step costs two slices instead of recomputing the angles in every layer."""
+    a forward gathers its rows once instead of recomputing the angles in every layer."""
 
     dim: int
     base: float
@@ -65,6 +121,9 @@ class Rope:
     freq_scale: float = 1.0
     _cos: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
     _sin: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    _at: Positions | None = field(default=None, init=False, repr=False, compare=False)
+    _cos_at: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    _sin_at: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, dim/2] (float32) of the angles at `positions` (computed in float64)."""
@@ -72,25 +131,27 @@ class Rope:
         angles = (positions.double()[:, None] * self.freq_scale) * inv_freq[None, :]  # [T, dim/2]
         return angles.cos().float()[:, None, :], angles.sin().float()[:, None, :]
 
-    def __call__(self, x: torch.Tensor, pos: int) -> torch.Tensor:
-        """Rotate x [T, heads, head_dim] of the tokens at positions pos .. pos+T-1."""
-        end = pos + x.shape[0]
-        if self._cos is None or self._cos.shape[0] < end or self._cos.device != x.device:
-            capacity = max(end, 2 * (0 if self._cos is None else self._cos.shape[0]), 256)
+    def __call__(self, x: torch.Tensor, at: Positions) -> torch.Tensor:
+        """Rotate x [T, heads, head_dim] of the tokens at positions `at.ids`."""
+        if self._cos is None or self._cos.shape[0] < at.keys or self._cos.device != x.device:
+            capacity = max(at.keys, 2 * (0 if self._cos is None else self._cos.shape[0]), 256)
             self._cos, self._sin = self.tables(torch.arange(capacity, device=x.device))
-        return _rotate(x, self.dim, self.neox, self._cos[pos:end], self._sin[pos:end])
+            self._at = None
+        if self._at is not at:  # gathered once per forward, shared by every layer (and q and k)
+            cos, sin = self._cos[at.ids], self._sin[at.ids]
+            pair = (lambda u, v: torch.cat([u, v], -1)) if self.neox else (lambda u, v: torch.stack([u, v], -1).flatten(-2))
+            self._at, self._cos_at, self._sin_at = at, pair(cos, cos), pair(-sin, sin)
+        return _rotate(x, self.dim, self.neox, self._cos_at, self._sin_at)
 
 
 def _rotate(x: torch.Tensor, dim: int, neox: bool, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first `dim` features of each head of x [T, heads, head_dim] by cos/sin [T, 1, dim/2]."""
-    rot, rest = x[..., :dim].float(), x[..., dim:]
-    if neox:
-        a, b = rot[..., :dim // 2], rot[..., dim // 2:]
-        out = torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
-    else:
-        a, b = rot[..., 0::2], rot[..., 1::2]
-        out = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
-    return torch.cat([out, rest.float()], dim=-1)
+    """Rotate the first `dim` features of each head of x [T, heads, head_dim]: x cos + swap(x) sin, where swap
+    exchanges the two members of each pair and cos/sin [T, 1, dim] are laid out like the pairs (the sign of the
+    rotation in sin): three kernels instead of a slice, four products and two concatenations."""
+    rot = x[..., :dim].float()
+    swapped = rot.roll(dim // 2, dims=-1) if neox else rot.unflatten(-1, (dim // 2, 2)).flip(-1).flatten(-2)
+    out = torch.addcmul(rot * cos, swapped, sin)
+    return out if dim == x.shape[-1] else torch.cat([out, x[..., dim:].float()], dim=-1)
 
 
 # cuDNN's attention builds an execution plan for every new key length (4.6 ms of host time per call, measured
@@ -104,12 +165,29 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-def causal_mask(pos: int, T: int, device: torch.device) -> torch.Tensor | None:
-    """Query i (at position pos+i) sees keys 0 .. pos+i; a single query sees every key (no mask needed)."""
-    if T == 1:
-        return None
-    positions = torch.arange(pos, pos + T, device=device)
-    return torch.arange(pos + T, device=device)[None, :] <= positions[:, None]
+@dataclass(eq=False)
+class Positions:
+    """Where a forward's T new tokens go: their positions `ids` [T] (on the device), how many cached keys
+    attention reads (`keys`: positions 0 .. keys-1) and the mask [T, keys] of the keys each query may see
+    (None: all of them)."""
+
+    ids: torch.Tensor
+    keys: int
+    mask: torch.Tensor | None
+
+    @classmethod
+    def at(cls, pos: int, T: int, device: torch.device) -> Positions:
+        """Tokens at pos .. pos+T-1 after a cache of pos tokens: query i sees keys 0 .. pos+i (a single query
+        sees every key: no mask)."""
+        ids = torch.arange(pos, pos + T, device=device)
+        mask = None if T == 1 else torch.arange(pos + T, device=device)[None, :] <= ids[:, None]
+        return cls(ids, pos + T, mask)
+
+    @classmethod
+    def window(cls, ids: torch.Tensor, keys: int) -> Positions:
+        """Tokens at the device positions `ids`, attending over a fixed window of `keys` cached keys (a CUDA
+        graph's static shape); the mask hides keys after each token's position."""
+        return cls(ids, keys, torch.arange(keys, device=ids.device)[None, :] <= ids[:, None])
 
 
 class KVCache:
@@ -128,25 +206,33 @@ class KVCache:
         self.v: list[torch.Tensor] = [torch.empty(v_shape, device=device, dtype=dtype) for _ in range(n_layer)]
         self.length = 0
 
-    def _grow(self, needed: int) -> None:
-        capacity = min(self.max_len, max(needed, 2 * self.k[0].shape[1], 256))
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[1]
+
+    def reserve(self, needed: int) -> bool:
+        """Make room for `needed` positions (at most `max_len`); True when the storage moved (which
+        invalidates CUDA graphs captured over the old storage)."""
+        if needed <= self.capacity:
+            return False
+        capacity = min(self.max_len, max(needed, 2 * self.capacity, 256))
         for store in (self.k, self.v):
             for i, old in enumerate(store):
                 new = torch.empty((old.shape[0], capacity, old.shape[2]), device=self.device, dtype=self.dtype)
                 new[:, :old.shape[1]] = old
                 store[i] = new
+        return True
 
-    def update(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v ([T, heads, head_dim]) at positions pos.. and return all keys/values up to pos+T."""
-        end = pos + k.shape[0]
-        if end > self.max_len:
-            raise SpecterError(f"context full: {end} tokens exceed the context size {self.max_len}; "
+    def update(self, layer: int, at: Positions, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v ([T, heads, head_dim]) at positions `at.ids` and return the keys/values attention reads
+        (positions 0 .. at.keys-1)."""
+        if at.keys > self.max_len:
+            raise SpecterError(f"context full: {at.keys} tokens exceed the context size {self.max_len}; "
                                f"raise it with -c/--ctx-size")
-        if end > self.k[layer].shape[1]:
-            self._grow(end)
-        self.k[layer][:, pos:end] = k.transpose(0, 1).to(self.dtype)
-        self.v[layer][:, pos:end] = v.transpose(0, 1).to(self.dtype)
-        return self.k[layer][:, :end], self.v[layer][:, :end]
+        self.reserve(at.keys)
+        self.k[layer].index_copy_(1, at.ids, k.transpose(0, 1).to(self.dtype))
+        self.v[layer].index_copy_(1, at.ids, v.transpose(0, 1).to(self.dtype))
+        return self.k[layer][:, :at.keys], self.v[layer][:, :at.keys]
 
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
@@ -160,27 +246,25 @@ class Attention:
     n_head: int
     n_head_kv: int
     head_dim: int
-    wq: Linear
-    wk: Linear
-    wv: Linear
+    qkv: Projections  # q, k, v
     wo: Linear
     rope: Rope
     q_norm: RMSNorm | None = None
     k_norm: RMSNorm | None = None
 
-    def __call__(self, x: torch.Tensor, layer: int, pos: int, cache: KVCache) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, layer: int, at: Positions, cache: KVCache) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q, k, v = self.qkv(x)
         if self.q_norm is not None:
             q = self.q_norm(q.view(T, -1, self.q_norm.weight.numel())).view(T, -1)
             k = self.k_norm(k.view(T, -1, self.k_norm.weight.numel())).view(T, -1)
-        q = self.rope(q.view(T, self.n_head, self.head_dim), pos)
-        k = self.rope(k.view(T, self.n_head_kv, self.head_dim), pos)
-        keys, values = cache.update(layer, pos, k, v.view(T, self.n_head_kv, self.head_dim))
+        q = self.rope(q.view(T, self.n_head, self.head_dim), at)
+        k = self.rope(k.view(T, self.n_head_kv, self.head_dim), at)
+        keys, values = cache.update(layer, at, k, v.view(T, self.n_head_kv, self.head_dim))
         group = self.n_head // self.n_head_kv
         if group > 1:
             keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
-        out = sdpa(q.transpose(0, 1).to(keys.dtype)[None], keys[None], values[None], causal_mask(pos, T, x.device),
+        out = sdpa(q.transpose(0, 1).to(keys.dtype)[None], keys[None], values[None], at.mask,
                    1.0 / math.sqrt(self.head_dim))
         return self.wo(out[0].transpose(0, 1).reshape(T, -1))
 
@@ -189,12 +273,21 @@ class Attention:
 class FeedForward:
     """SwiGLU feed-forward: down(silu(gate x) * up x)."""
 
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Projections
+    down: torch.Tensor | QuantizedTensor
+
+    @classmethod
+    def of(cls, gate: torch.Tensor | QuantizedTensor, up: torch.Tensor | QuantizedTensor,
+           down: torch.Tensor | QuantizedTensor, stack: bool = True) -> FeedForward:
+        """From the three matrices; `stack` puts gate and up in one matrix when their types allow (a copy: worth
+        it for weights loaded once, not for matrices made per call)."""
+        maps = (Linear(gate), Linear(up))
+        return cls(Projections.of(*maps) if stack else Projections(list(maps), [[gate.shape[0]], [up.shape[0]]]),
+                   down)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return matmul(F.silu(matmul(x, self.gate)) * matmul(x, self.up), self.down)
+        gate, up = self.gate_up(x)
+        return matmul(F.silu(gate) * up, self.down)
 
 
 @dataclass
@@ -269,7 +362,7 @@ class ResidentExperts:
             slots = order[start:start + n]
             start += n
             tokens = slots // ids.shape[1]
-            ffn = FeedForward(*(self._matrix(w, expert) for w in (self.gate, self.up, self.down)))
+            ffn = FeedForward.of(*(self._matrix(w, expert) for w in (self.gate, self.up, self.down)), stack=False)
             y = ffn(x[tokens])
             out.index_add_(0, tokens, y * weights.flatten()[slots, None])
         return out
@@ -347,11 +440,11 @@ class ScaledRope(Rope):
             mscale *= 1.0 + 0.1 * math.log(1.0 / self.freq_scale)
         return (theta.cos() * mscale).float()[:, None, :], (theta.sin() * mscale).float()[:, None, :]
 
-    def __call__(self, x: torch.Tensor, pos: int) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, at: Positions) -> torch.Tensor:
         if self._cos is not None and self._tables_long != self._long():  # the context size changed the factors
             self._cos = self._sin = None
         self._tables_long = self._long()
-        return super().__call__(x, pos)
+        return super().__call__(x, at)
 
 
 def rope_for(cfg: ModelConfig, neox: bool, dim: int | None = None, freq_factors: torch.Tensor | None = None,
@@ -372,10 +465,10 @@ def rope_for(cfg: ModelConfig, neox: bool, dim: int | None = None, freq_factors:
 class ContextRopeAttention(Attention):
     """`Attention` whose RoPE depends on the context size (Phi-3 long/short frequency factors)."""
 
-    def __call__(self, x: torch.Tensor, layer: int, pos: int, cache: KVCache) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, layer: int, at: Positions, cache: KVCache) -> torch.Tensor:
         if isinstance(self.rope, ScaledRope):
             self.rope.n_ctx = cache.max_len
-        return super().__call__(x, layer, pos, cache)
+        return super().__call__(x, layer, at, cache)
 
 
 @dataclass
@@ -403,20 +496,20 @@ class LatentAttention:
     q_a_norm: RMSNorm | None = None
     wq_b: Linear | None = None      # [n_head * (n_nope + n_rot), q_lora_rank]
 
-    def __call__(self, x: torch.Tensor, layer: int, pos: int, cache: KVCache) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, layer: int, at: Positions, cache: KVCache) -> torch.Tensor:
         T, H, r = x.shape[0], self.n_head, self.n_lora_kv
         q = self.wq(x) if self.wq is not None else self.wq_b(self.q_a_norm(self.wq_a(x)))
         q = q.view(T, H, self.n_nope + self.n_rot)
-        q_pe = self.rope(q[..., self.n_nope:], pos)                       # [T, H, n_rot]
+        q_pe = self.rope(q[..., self.n_nope:], at)                        # [T, H, n_rot]
         q_abs = torch.stack([matmul(q[:, h, :self.n_nope], self.wk_b[h]) for h in range(H)], dim=1)  # [T, H, r]
         kv = self.wkv_a(x)
         latent = self.kv_a_norm(kv[:, :r])                                        # [T, r]
-        k_pe = self.rope(kv[:, r:].view(T, 1, self.n_rot), pos)            # [T, 1, n_rot]
+        k_pe = self.rope(kv[:, r:].view(T, 1, self.n_rot), at)             # [T, 1, n_rot]
         entry = torch.cat([latent[:, None, :], k_pe], dim=-1)                     # [T, 1, r + n_rot]
-        keys, _ = cache.update(layer, pos, entry, entry[..., :0])
+        keys, _ = cache.update(layer, at, entry, entry[..., :0])
         keys = keys[None]                                                         # [1, 1, L, r + n_rot]
         qq = torch.cat([q_abs, q_pe], dim=-1).transpose(0, 1)[None].to(keys.dtype)  # [1, H, T, r + n_rot]
-        out = sdpa(qq, keys.expand(1, H, -1, -1), keys[..., :r].expand(1, H, -1, -1), causal_mask(pos, T, x.device),
+        out = sdpa(qq, keys.expand(1, H, -1, -1), keys[..., :r].expand(1, H, -1, -1), at.mask,
                    self.kq_scale)[0].float()  # [H, T, r]
         out = torch.stack([matmul(out[h], self.wv_b[h]) for h in range(H)], dim=1)  # [T, H, v_head]
         return self.wo(out.reshape(T, -1))
@@ -461,8 +554,8 @@ class Block:
     ffn_norm: RMSNorm
     ffn: MoE | FeedForward
 
-    def __call__(self, x: torch.Tensor, pos: int, cache: KVCache) -> torch.Tensor:
-        h = x + self.attn(self.attn_norm(x), self.layer, pos, cache)
+    def __call__(self, x: torch.Tensor, at: Positions, cache: KVCache) -> torch.Tensor:
+        h = x + self.attn(self.attn_norm(x), self.layer, at, cache)
         return h + self.ffn(self.ffn_norm(h))
 
 
@@ -478,11 +571,16 @@ class Transformer:
     def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
         """Logits [T, n_vocab] (float32) for `tokens` [T] appended at position `cache.length`; with
         `last_only`, [1, n_vocab] of the last position (prefill needs no more)."""
-        pos = cache.length
+        T = tokens.shape[0]
+        logits = self.run(tokens, Positions.at(cache.length, T, tokens.device), cache, last_only)
+        cache.length += T
+        return logits
+
+    def run(self, tokens: torch.Tensor, at: Positions, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+        """`forward` at explicit positions, leaving `cache.length` alone (a CUDA graph's body)."""
         x = self.token_embd[tokens].float()
         for block in self.blocks:
-            x = block(x, pos, cache)
-        cache.length = pos + tokens.shape[0]
+            x = block(x, at, cache)
         return self.output(self.output_norm(x[-1:] if last_only else x))
 
     def new_cache(self, max_len: int) -> KVCache:

@@ -9,8 +9,8 @@ from tqdm import tqdm
 
 from specter_gguf.config import ModelConfig
 from specter_gguf.gguf_file import GGUFFile
-from specter_gguf.layers import (Attention, Block, Experts, FeedForward, Linear, MoE, ResidentExperts, RMSNorm,
-                                  Router, RoutingObserver, rope_for)
+from specter_gguf.layers import (Attention, Block, Experts, FeedForward, Linear, MoE, Projections, ResidentExperts,
+                                  RMSNorm, Router, RoutingObserver, rope_for)
 from specter_gguf.weights import load_tensor
 
 
@@ -55,9 +55,9 @@ def attention(cfg: ModelConfig, w: Weights, neox: bool, qk_norm: str | None = No
     norm_q, norm_k = {"head": (d, d), "full": (nq, nkv), None: (0, 0)}[qk_norm]
     return Attention(
         n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim=d,
-        wq=Linear(w("attn_q.weight", (nq, cfg.n_embd)), w("attn_q.bias", (nq,), optional=True)),
-        wk=Linear(w("attn_k.weight", (nkv, cfg.n_embd)), w("attn_k.bias", (nkv,), optional=True)),
-        wv=Linear(w("attn_v.weight", (nkv, cfg.n_embd)), w("attn_v.bias", (nkv,), optional=True)),
+        qkv=Projections.of(Linear(w("attn_q.weight", (nq, cfg.n_embd)), w("attn_q.bias", (nq,), optional=True)),
+                           Linear(w("attn_k.weight", (nkv, cfg.n_embd)), w("attn_k.bias", (nkv,), optional=True)),
+                           Linear(w("attn_v.weight", (nkv, cfg.n_embd)), w("attn_v.bias", (nkv,), optional=True))),
         wo=Linear(w("attn_output.weight", (cfg.n_embd, nq)), w("attn_output.bias", (cfg.n_embd,), optional=True)),
         rope=w.shared(("rope", neox), lambda: rope_for(cfg, neox)),  # plain Rope unless the file asks for YaRN
         q_norm=RMSNorm(w("attn_q_norm.weight", (norm_q,)), cfg.rms_eps) if qk_norm else None,

@@ -66,8 +66,8 @@ def build_block(cfg: ModelConfig, i: int, w: Weights, observers: list[RoutingObs
     d = cfg.n_embd
     if i < cfg.n_leading_dense:
         f = cfg.n_ff
-        ffn: MoE | FeedForward = FeedForward(gate=w("ffn_gate.weight", (f, d)), up=w("ffn_up.weight", (f, d)),
-                                             down=w("ffn_down.weight", (d, f)))
+        ffn: MoE | FeedForward = FeedForward.of(w("ffn_gate.weight", (f, d)), w("ffn_up.weight", (f, d)),
+                                                w("ffn_down.weight", (d, f)))
     else:
         router = SelectingRouter(
             w("ffn_gate_inp.weight", (cfg.n_expert, d)), cfg.n_expert_used, cfg.expert_weights_norm,
@@ -77,8 +77,8 @@ def build_block(cfg: ModelConfig, i: int, w: Weights, observers: list[RoutingObs
         shared = None
         if cfg.n_expert_shared > 0:
             s = cfg.n_ff_shexp
-            shared = FeedForward(gate=w("ffn_gate_shexp.weight", (s, d)), up=w("ffn_up_shexp.weight", (s, d)),
-                                 down=w("ffn_down_shexp.weight", (d, s)))
+            shared = FeedForward.of(w("ffn_gate_shexp.weight", (s, d)), w("ffn_up_shexp.weight", (s, d)),
+                                    w("ffn_down_shexp.weight", (d, s)))
         ffn = MoE(i, router, w.make_experts(cfg, i, w), observers, shared)
     return Block(layer=i, attn_norm=norm(cfg, w, "attn_norm"), attn=latent_attention(cfg, w),
                  ffn_norm=norm(cfg, w, "ffn_norm"), ffn=ffn)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from specter_gguf.config import ModelConfig
-from specter_gguf.layers import (Block, ContextRopeAttention, Linear, MoE, RMSNorm, Router, RoutingObserver,
+from specter_gguf.layers import (Block, ContextRopeAttention, Linear, MoE, Projections, RMSNorm, Router, RoutingObserver,
                                   rope_for)
 from specter_gguf.models.common import Weights
 from specter_gguf.weights import load_tensor
@@ -42,20 +42,18 @@ def attention(cfg: ModelConfig, w: Weights) -> ContextRopeAttention:
     d, hd = cfg.n_embd, cfg.head_dim
     nq, nkv = cfg.n_head * hd, cfg.n_head_kv * hd
     if w.f.has_tensor(w.prefix + "attn_qkv.weight"):
-        qkv = w("attn_qkv.weight", (nq + 2 * nkv, d))
-        b = w("attn_qkv.bias", (nq + 2 * nkv,), optional=True)
-        parts = [(qkv[a:z], None if b is None else b[a:z]) for a, z in ((0, nq), (nq, nq + nkv), (nq + nkv, nq + 2 * nkv))]
-        wq, wk, wv = (Linear(*p) for p in parts)
+        qkv = Projections.split(Linear(w("attn_qkv.weight", (nq + 2 * nkv, d)),
+                                       w("attn_qkv.bias", (nq + 2 * nkv,), optional=True)), [nq, nkv, nkv])
     else:
-        wq = Linear(w("attn_q.weight", (nq, d)), w("attn_q.bias", (nq,), optional=True))
-        wk = Linear(w("attn_k.weight", (nkv, d)), w("attn_k.bias", (nkv,), optional=True))
-        wv = Linear(w("attn_v.weight", (nkv, d)), w("attn_v.bias", (nkv,), optional=True))
+        qkv = Projections.of(Linear(w("attn_q.weight", (nq, d)), w("attn_q.bias", (nq,), optional=True)),
+                             Linear(w("attn_k.weight", (nkv, d)), w("attn_k.bias", (nkv,), optional=True)),
+                             Linear(w("attn_v.weight", (nkv, d)), w("attn_v.bias", (nkv,), optional=True)))
     half = cfg.rope_dim // 2
     rope = w.shared("rope", lambda: rope_for(cfg, neox=True,
                                              freq_factors=_global(w, "rope_factors_short.weight", (half,)),
                                              freq_factors_long=_global(w, "rope_factors_long.weight", (half,))))
     return ContextRopeAttention(
-        n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim=hd, wq=wq, wk=wk, wv=wv,
+        n_head=cfg.n_head, n_head_kv=cfg.n_head_kv, head_dim=hd, qkv=qkv,
         wo=Linear(w("attn_output.weight", (d, nq)), w("attn_output.bias", (d,))), rope=rope)
 
 

@@ -10,7 +10,7 @@ from specter_gguf.models.common import Weights, moe_block
 
 def build_block(cfg: ModelConfig, i: int, w: Weights, observers: list[RoutingObserver]) -> Block:
     d, f = cfg.n_embd, cfg.n_ff_shexp
-    shared = FeedForward(gate=w("ffn_gate_shexp.weight", (f, d)), up=w("ffn_up_shexp.weight", (f, d)),
-                         down=w("ffn_down_shexp.weight", (d, f)))
+    shared = FeedForward.of(w("ffn_gate_shexp.weight", (f, d)), w("ffn_up_shexp.weight", (f, d)),
+                            w("ffn_down_shexp.weight", (d, f)))
     return moe_block(cfg, i, w, observers, neox=True, normalize_topk=False, shared=shared,
                      shared_gate=w("ffn_gate_inp_shexp.weight", (d,)).view(1, d))

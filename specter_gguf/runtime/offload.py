@@ -140,7 +140,7 @@ class OffloadedExperts:
             else:
                 q = QuantizedTensor(b, int(p.type), p.shape)
                 mats.append(q.dequantize(torch.float32))
-        return FeedForward(*mats)
+        return FeedForward.of(*mats, stack=False)
 
 
 @dataclass

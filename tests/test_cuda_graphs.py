@@ -1,0 +1,76 @@
+"""Decode steps replayed as CUDA graphs against the eager engine (the reference), on the GPU.
+
+Same model, same prompt, same tokens fed to both: the graph reads a fixed window of the KV cache with a mask
+(masked attention kernel) where the eager step reads exactly the used keys, so logits differ by rounding only:
+per step max|graph - eager| / max|eager| must stay within 1e-3. The prompts end just below a window boundary
+(`DecodeGraphs.WINDOW`) so decoding captures a second window, and the KV cache grows there (storage moves:
+the graphs must be captured again). Runs only on a CUDA GPU with the native CUDA build.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specter_gguf import native
+from specter_gguf.cuda_graphs import DecodeGraphs
+from specter_gguf.engine import Model
+from specter_gguf.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and native.has_cuda()),
+                                reason="needs a CUDA GPU and libspecter built with CUDA")
+
+MODELS = ["qwen2moe", "qwen3moe", "llama", "olmoe", "tiny-deepseek2", "tiny-deepseek2-lite", "tiny-phimoe"]
+STEPS = 12
+
+
+def _prompt(n: int, seed: int = 3) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(0, 900, size=n)]
+
+
+@pytest.mark.parametrize("kind", ["f16", "q4_k_m"])
+@pytest.mark.parametrize("arch", MODELS)
+@torch.inference_mode()
+def test_graph_steps_match_eager_steps(tiny_models, arch: str, kind: str) -> None:
+    t = Model.load(tiny_models[(arch, kind)], device="cuda", progress=False, cuda_graphs=False).transformer
+    prompt = torch.tensor(_prompt(DecodeGraphs.WINDOW - 5), device="cuda")
+    eager_cache, graph_cache = t.new_cache(1024), t.new_cache(1024)
+    token = int(t.forward(prompt, eager_cache, last_only=True)[-1].argmax())
+    t.forward(prompt, graph_cache, last_only=True)
+    graphs = DecodeGraphs(t, graph_cache)
+    storage = graph_cache.k[0].data_ptr()
+    worst = 0.0
+    for _ in range(STEPS):
+        eager = t.forward(torch.tensor([token], device="cuda"), eager_cache)[-1]
+        graph = graphs.step(token)
+        worst = max(worst, float((graph - eager).abs().max() / eager.abs().max()))
+        token = int(eager.argmax())
+    assert graph_cache.length == eager_cache.length == DecodeGraphs.WINDOW - 5 + STEPS
+    assert graph_cache.k[0].data_ptr() != storage, "the cache was expected to grow past the first window"
+    assert sorted(graphs._graphs) == [2 * DecodeGraphs.WINDOW], "graphs over the old storage must be dropped"
+    print(f"{arch} {kind}: max rel {worst:.2e}")
+    assert worst <= 1e-3, f"max rel {worst:.2e}"
+
+
+@pytest.mark.parametrize("arch", ["qwen2moe", "tiny-deepseek2"])
+def test_generation_with_graphs_equals_without(tiny_models, arch: str) -> None:
+    """Greedy tokens with graphs equal the eager engine's, the graphs and the cache are reused by the next
+    generation, and a generation started while another runs decodes on its own cache."""
+    path = tiny_models[(arch, "f16")]
+    greedy = SamplingParams(temperature=0)
+    prompt = _prompt(40, seed=5)
+    eager = Model.load(path, device="cuda", progress=False, cuda_graphs=False).generate(prompt, 24, greedy).wait()
+    m = Model.load(path, device="cuda", progress=False)
+    assert m.cuda_graphs
+    first = m.generate(prompt, 24, greedy).wait()
+    captured = dict(m._graphs._graphs)
+    second = m.generate(prompt, 24, greedy).wait()
+    assert first.tokens == second.tokens == eager.tokens
+    assert m._graphs._graphs == captured, "the second generation must replay the graphs of the first"
+    outer = iter(m.generate(prompt, 24, greedy))
+    next(outer)
+    inner = m.generate(prompt, 24, greedy).wait()
+    assert inner.tokens == eager.tokens
+    for _ in outer:
+        pass
