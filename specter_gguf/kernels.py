@@ -25,6 +25,7 @@ from specter_gguf import native
 from specter_gguf.errors import SpecterError
 
 ALGO_AUTO, ALGO_GEMV, ALGO_TILED = 0, 1, 2
+GEMV_MAX_ROWS = 8  # ALGO_AUTO's GEMV kernel takes up to this many rows of x
 FLOAT_TYPES = {torch.float32: native.F32, torch.float16: native.F16, torch.bfloat16: native.BF16}
 _TORCH_OF = {native.F32: torch.float32, native.F16: torch.float16, native.BF16: torch.bfloat16}
 
@@ -172,17 +173,19 @@ def _ggml_type_of(w: QuantizedTensor | torch.Tensor) -> int:
     return FLOAT_TYPES[w.dtype]
 
 
-def qmatmul(x: torch.Tensor, w: QuantizedTensor, algo: int = ALGO_AUTO) -> torch.Tensor:
-    """`x @ w.T` in float32: x `[..., k]` (float32 or float16), w a 2-D `QuantizedTensor` `[n, k]`.
+def qmatmul(x: torch.Tensor, w: QuantizedTensor | torch.Tensor, algo: int = ALGO_AUTO) -> torch.Tensor:
+    """`x @ w.T` in float32: x `[..., k]` (float32 or float16), w `[n, k]` a 2-D `QuantizedTensor` or a float32 /
+    float16 / bfloat16 tensor.
 
-    On CUDA, m = rows of x <= 8 runs the GEMV kernel (weights decoded in registers, fp32 FMA: each output row
-    then depends only on its own input row, whatever m is), larger m the tiled f16 tensor-core kernel (x
-    rounded to f16); `algo` forces one of them."""
+    On CUDA, m = rows of x <= GEMV_MAX_ROWS runs the GEMV kernel (weights decoded in registers, fp32 FMA: each
+    output row then depends only on its own input row, whatever m is), larger m the tiled f16 tensor-core kernel
+    (x rounded to f16); `algo` forces one of them."""
     if w.ndim != 2:
-        raise SpecterError(f"qmatmul needs a 2-D weight, not shape {w.shape}")
+        raise SpecterError(f"qmatmul needs a 2-D weight, not shape {tuple(w.shape)}")
     n, k = w.shape
     if x.shape[-1] != k:
         raise SpecterError(f"qmatmul: x has {x.shape[-1]} columns, the weight {k}")
+    w_type, w_data = (w.ggml_type, w.data) if isinstance(w, QuantizedTensor) else (_ggml_type_of(w), _aligned(w))
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     if x2.device != w.device:
@@ -193,12 +196,12 @@ def qmatmul(x: torch.Tensor, w: QuantizedTensor, algo: int = ALGO_AUTO) -> torch
     m = x2.shape[0]
     y = torch.empty((m, n), dtype=torch.float32, device=w.device)
     lb = native.lib()
-    args = (w.ggml_type, _ptr(w.data), n, k, FLOAT_TYPES[x2.dtype], _ptr(x2), m, _ptr(y, "float *"), int(algo))
+    args = (w_type, _ptr(w_data), n, k, FLOAT_TYPES[x2.dtype], _ptr(x2), m, _ptr(y, "float *"), int(algo))
     if w.device.type == "cuda":
         code = lb.specter_cuda_qmatmul(*args, _stream(w.device))
     else:
         code = lb.specter_qmatmul(*args, torch.get_num_threads())
-    native.check(code, f"qmatmul (ggml type {w.ggml_type}, [{m}, {k}] x [{n}, {k}]^T)")
+    native.check(code, f"qmatmul (ggml type {w_type}, [{m}, {k}] x [{n}, {k}]^T)")
     return y.reshape(*lead, n)
 
 

@@ -160,6 +160,20 @@ def test_qmatmul_odd_k_float(device: str, qtype: GT) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_qmatmul_takes_torch_float_weights(device: str, dtype: torch.dtype) -> None:
+    """A float torch tensor as the weight (the engine's small products of float weights on CUDA) gives what the
+    same bytes as a QuantizedTensor give, bit for bit."""
+    rng = np.random.default_rng(11)
+    w = torch.from_numpy(rng.standard_normal((48, 96)).astype(np.float32)).to(dtype).to(device)
+    as_gguf = kernels.QuantizedTensor(w.view(torch.uint8).reshape(-1), kernels.FLOAT_TYPES[dtype], (48, 96))
+    x = torch.from_numpy(rng.standard_normal((3, 96)).astype(np.float32)).to(device)
+    y = kernels.qmatmul(x, w)
+    assert y.shape == (3, 48) and torch.equal(y, kernels.qmatmul(x, as_gguf))
+    assert torch.allclose(y, x @ w.float().T, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_qmatmul_f16_input_and_python_api(device: str) -> None:
     rng = np.random.default_rng(3)
     raw, wv = make_weight(GT.Q4_K, 64, 256, rng)
