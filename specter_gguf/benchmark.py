@@ -1135,14 +1135,20 @@ def write_json(path: str | Path, doc: dict[str, Any]) -> None:
 
 
 def merge_docs(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Several results documents (e.g. the parts of a split run) as one."""
+    """Several results documents (e.g. the parts of a split run) as one. A system skipped in one part (its
+    deadline) and measured in a later one (a rerun of what was left) appears once, measured."""
     if not docs:
         raise SpecterError("nothing to merge")
     meta = dict(docs[0]["meta"])
     cmds = [d["meta"].get("command") for d in docs if d["meta"].get("command")]
     meta["command"] = " ; ".join(dict.fromkeys(cmds))
+    results: dict[tuple[str, str, str | None], dict[str, Any]] = {}
+    for r in (r for d in docs for r in d["results"]):
+        key = (r["family"], r["setting"], r["budget"])
+        if key not in results or results[key]["status"] == "skipped":
+            results[key] = r
     return {"meta": meta, "notes": list(dict.fromkeys(n for d in docs for n in d.get("notes", []))),
-            "results": [r for d in docs for r in d["results"]]}
+            "results": list(results.values())}
 
 
 def _fmt(v: float | None, spec: str = ".2f", pct: bool = False) -> str:

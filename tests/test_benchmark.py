@@ -419,8 +419,13 @@ def test_append_report_and_merge(tmp_path):
     assert text.startswith("# Benchmarks") and text.index("### one") < text.index("### two")
     a, b = _fake_doc(), _fake_doc()
     b["meta"]["command"] = "python3 scripts/bench.py --part 2/2"
+    first, second = a["results"][0], dict(a["results"][0], budget="20GiB")  # one measured, one left for part 2
+    a["results"] = [first, dict(second, status="skipped", summary={})]
+    b["results"] = [second, dict(first, family="ours-lru")]
     m = B.merge_docs([a, b])
-    assert len(m["results"]) == 2 * len(a["results"]) and "--part 2/2" in m["meta"]["command"]
+    assert "--part 2/2" in m["meta"]["command"]
+    assert [(r["family"], r["budget"], r["status"]) for r in m["results"]] == [
+        (first["family"], first["budget"], "ok"), (first["family"], "20GiB", "ok"), ("ours-lru", first["budget"], "ok")]
 
 
 # ------------------------------------------------------------------------------------- end to end
