@@ -19,7 +19,8 @@ Note that top_p and min_p see the logits *before* temperature, as in llama.cpp. 
 means greedy: the argmax of the penalized logits (ties: lowest id), which is what llama.cpp's chain
 yields there too; :meth:`Sampler.probabilities` is then the one-hot vector of that token.
 
-All of the arithmetic runs on the CPU in float64; logits of one position are small.
+All of the arithmetic runs in float64: with top_k on, penalties and top_k run where the logits are (the GPU in
+generation) and only the top_k candidates cross to the host; otherwise everything runs on the CPU.
 """
 
 from __future__ import annotations
@@ -154,7 +155,10 @@ class Sampler:
 
     def penalized_logits(self, logits: torch.Tensor, history: Sequence[int] = ()) -> torch.Tensor:
         """Stage 1 only: the logits (float64, CPU) after repeat/presence/frequency penalties."""
-        x = self._as_vector(logits)
+        return self._penalize(self._as_vector(logits), history)
+
+    def _penalize(self, x: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
+        """Stage 1 on a float64 vector x (changed in place, on its own device)."""
         p = self.params
         if not p.penalties_active or len(history) == 0:
             return x
@@ -165,18 +169,47 @@ class Sampler:
         if int(ids.min()) < 0 or int(ids.max()) >= x.numel():
             raise ValueError(f"history holds token ids outside the vocabulary of {x.numel()} tokens")
         seen, counts = torch.unique(ids, return_counts=True)
+        seen, counts = seen.to(x.device), counts.to(x.device, torch.float64)
         v = x[seen]
         v = torch.where(v <= 0, v * p.repeat_penalty, v / p.repeat_penalty)
-        v = v - counts.to(torch.float64) * p.frequency_penalty - p.presence_penalty
-        x[seen] = v
+        x[seen] = v - counts * p.frequency_penalty - p.presence_penalty
         return x
+
+    def _top_k_where_the_logits_are(self, logits: torch.Tensor, history: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Stages 1-2 on the logits' device (the GPU in generation): (ids, penalized values) of the top_k
+        candidates as `_top` orders them, float64 on the CPU; only 2 * top_k + 2 numbers are read back instead of
+        the vocabulary. None when ties at the boundary make the choice of candidates depend on ids (`_top`
+        decides those on the host)."""
+        k = self.params.top_k
+        x = self._penalize(logits.detach().reshape(-1).to(torch.float64, copy=True), history)
+        vals, ids = torch.topk(x, k)
+        at_or_above = (x >= vals[-1]).sum()
+        packed = torch.cat([vals, ids.double(), at_or_above.double()[None], torch.isnan(x).any().double()[None]])
+        packed = packed.cpu()
+        if packed[-1] != 0:
+            raise SpecterError("the model produced NaN logits: check the model file, or try another --dtype")
+        if int(packed[-2]) != k:
+            return None
+        vals, ids = packed[:k], packed[k:2 * k].long()
+        order = torch.sort(ids).indices  # ties inside the top k: ascending ids, as `_top` orders them
+        vals, ids = vals[order], ids[order]
+        order = torch.sort(vals, descending=True, stable=True).indices
+        return ids[order], vals[order]
 
     def _candidates(self, logits: torch.Tensor, history: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Surviving token ids (ascending) and their final probabilities (float64, summing to 1)."""
         p = self.params
-        x = self.penalized_logits(logits, history)
-        n = x.numel()
-        if not torch.isfinite(x.max()):
+        n = logits.numel() if isinstance(logits, torch.Tensor) else len(logits)
+        top_k_on = 0 < p.top_k < n
+        top = None
+        if top_k_on and not p.greedy and isinstance(logits, torch.Tensor):
+            top = self._top_k_where_the_logits_are(logits, history)
+        if top is None:
+            x = self.penalized_logits(logits, history)
+            x_max = float(x.max())
+        else:  # every later stage sees only the top_k candidates (and the max logit, which is among them)
+            x, x_max = top[1], float(top[1][0])
+        if not math.isfinite(x_max):
             raise SpecterError("every logit is -inf or +inf after penalties: check the model file and logit biases")
         if p.greedy:
             tok = int(torch.argmax(x))
@@ -184,13 +217,12 @@ class Sampler:
 
         # Every filter keeps a prefix of the candidates in descending logit order (ties: ascending id), so
         # the survivors are the shortest of the three prefixes; only that much is ever sorted.
-        top_k_on = 0 < p.top_k < n
         limit = p.top_k if top_k_on else n
         if p.min_p > 0.0:  # min_p's threshold depends on the max logit only, which every filter keeps
-            limit = min(limit, max(1, int((x >= float(x.max()) + math.log(p.min_p)).sum())))
+            limit = min(limit, max(1, int((x >= x_max + math.log(p.min_p)).sum())))
         if p.top_p < 1.0 and limit > 1:
             if top_k_on:  # top_p normalizes over the top_k survivors, which are few: take them all
-                ids, vals = _top(x, p.top_k)
+                ids, vals = top if top is not None else _top(x, p.top_k)
                 log_z, k = torch.logsumexp(vals, 0), limit
             else:  # grow a sorted prefix until its probability reaches top_p
                 log_z, k = torch.logsumexp(x, 0), min(limit, 128)
@@ -205,7 +237,9 @@ class Sampler:
                 k = min(limit, k * 8)
         else:
             m = limit
-            if m == n:  # nothing filtered: no order needed
+            if top is not None:
+                ids, vals = top
+            elif m == n:  # nothing filtered: no order needed
                 ids, vals = torch.arange(n), x
             else:
                 ids, vals = _top(x, m)

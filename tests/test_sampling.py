@@ -286,3 +286,20 @@ def test_chain_matches_plain_reference(trial):
     ref = reference_probabilities(logits, hist, p)
     assert support(got) == support(ref)
     assert torch.allclose(got, ref, atol=1e-12, rtol=1e-9)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_top_k_where_the_logits_are_equals_the_host_chain(device):
+    """With top_k on, penalties and top_k run on the logits' device and only the candidates are read back: the
+    distribution equals the one the all-host chain gives (a list of logits takes that path), ties included, and
+    the caller's logits are left as they were."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.round(torch.randn(5000, generator=g) * 4, decimals=1)
+    hist = list(range(0, 5000, 37))
+    for p in (SamplingParams(top_k=40, top_p=0.9, min_p=0.05, repeat_penalty=1.3, seed=0),
+              SamplingParams(top_k=7, top_p=1.0, min_p=0.0, presence_penalty=0.5, seed=0)):
+        on_device = logits.to(device)
+        got = Sampler(p).probabilities(on_device, hist)
+        assert torch.equal(on_device.cpu(), logits)
+        assert torch.equal(got, Sampler(p).probabilities(logits.tolist(), hist))
