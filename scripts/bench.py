@@ -131,8 +131,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace, t_start: float, deadline: float | None) -> int:
     families = B.select_families(args.systems)
     wants_llama = any(f.startswith("llama") for f in families)
-    wants_draft = any(f in ("llama-spec", "llama-spec-synth") or (f in B.OURS_MODES and B.OURS_MODES[f].needs_draft
-                                                                   and B.OURS_MODES[f].available() is None)
+    wants_draft = any(f in ("llama-spec", "llama-spec-synth") or (f in B.OURS_MODES and B.OURS_MODES[f].needs_draft)
                       for f in families)
     if args.model is None and not args.model_preset:
         raise SpecterError("give --model-preset (or --model)")

@@ -618,19 +618,16 @@ class SystemSpec:
 @dataclass(frozen=True)
 class OursMode:
     """One mode of our engine. `load(job)` returns an object whose ``generate(ids, n_predict, sampling)``
-    returns a Generation (``.wait()``, ``.tokens``, ``.stats``). `available()` returns None when the mode
-    can run in this checkout, else why not. `budget_bound` modes run once per budget and get
-    ``job["budget_bytes"]``; `synthetic` modes run once per synthetic acceptance length L
+    returns a Generation (``.wait()``, ``.tokens``, ``.stats``). `budget_bound` modes run once per budget and
+    get ``job["budget_bytes"]``; `synthetic` modes run once per synthetic acceptance length L
     (``job["synth_len"]``); `needs_draft` modes get ``job["draft"]``."""
 
     name: str
     description: str
     load: Callable[[dict[str, Any]], Any]
-    available: Callable[[], str | None] = lambda: None
     budget_bound: bool = False
     synthetic: bool = False
     needs_draft: bool = False
-    generate_kwargs: Callable[[dict[str, Any]], dict[str, Any]] = lambda job: {}
 
 
 def _load_plain(job: dict[str, Any]) -> Any:
@@ -648,21 +645,15 @@ def _load_offload(mode: str) -> Callable[[dict[str, Any]], Any]:
     return load
 
 
-def _spec_available() -> str | None:
-    if importlib.util.find_spec("specter_gguf.speculative") is None:
-        return "the speculative engine is not implemented yet (no specter_gguf.speculative)"
-    return None
-
-
 def _load_spec(job: dict[str, Any]) -> Any:
-    from . import speculative  # type: ignore[attr-defined]
+    from . import speculative
 
-    return speculative.SpeculativeModel.load(  # type: ignore[attr-defined]
+    return speculative.SpeculativeModel.load(
         job["model"], draft=job["draft"], device=job["device"], ctx_size=job["ctx_size"],
-        gpu_budget=job["budget_bytes"], progress=False)
+        gpu_budget=job["budget_bytes"], progress=False, synth_len=job.get("synth_len"))
 
 
-# The registry of our modes: adding a mode is one entry (adjust load/generate_kwargs to the final API).
+# The registry of our modes: adding a mode is one entry.
 OURS_MODES: dict[str, OursMode] = {m.name: m for m in [
     OursMode("ours", "whole model on the device", _load_plain),
     OursMode("ours-on-demand", "experts in host memory, copied on demand",
@@ -671,11 +662,10 @@ OURS_MODES: dict[str, OursMode] = {m.name: m for m in [
              _load_offload("lru"), budget_bound=True),
     OursMode("ours-gate-prefetch", "LRU expert cache + next-layer gate prefetch",
              _load_offload("gate-prefetch"), budget_bound=True),
-    OursMode("ours-spec", "speculative offloading", _load_spec, _spec_available,
-             budget_bound=True, needs_draft=True),
-    OursMode("ours-spec-synth", "speculative offloading, synthetic acceptance", _load_spec,
-             _spec_available, budget_bound=True, synthetic=True, needs_draft=True,
-             generate_kwargs=lambda job: {"synth_len": job["synth_len"]}),
+    OursMode("ours-spec", "speculative decoding, Q4 draft experts", _load_spec, budget_bound=True,
+             needs_draft=True),
+    OursMode("ours-spec-synth", "speculative decoding, synthetic acceptance", _load_spec, budget_bound=True,
+             synthetic=True, needs_draft=True),
 ]}
 
 LLAMA_FAMILIES = ("llama-gpu", "llama-ncmoe", "llama-spec", "llama-spec-synth")
@@ -716,11 +706,7 @@ def build_matrix(families: Sequence[str], cfg: MatrixConfig) -> tuple[list[Syste
                                 t.gpu_bytes(0, cfg.ctx_size) + cfg.margin_bytes))
     for name, mode in OURS_MODES.items():
         if name in families and not mode.budget_bound:
-            why = mode.available()
-            if why:
-                notes.append(f"{name}: {why}")
-            else:
-                specs.append(SystemSpec(name, "ours", mode.description, None, {"mode": name}))
+            specs.append(SystemSpec(name, "ours", mode.description, None, {"mode": name}))
     for b in cfg.budgets:
         if "llama-ncmoe" in families:
             n0 = smallest_ncmoe(b.bytes, t, cfg.ctx_size, cfg.margin_bytes)
@@ -753,13 +739,9 @@ def build_matrix(families: Sequence[str], cfg: MatrixConfig) -> tuple[list[Syste
                                             note or "synthetic acceptance (output invalid)"))
         for name, mode in OURS_MODES.items():
             if name in families and mode.budget_bound:
-                why = mode.available()
-                if why:
-                    if b is cfg.budgets[0]:
-                        notes.append(f"{name}: {why}")
-                    continue
                 if mode.needs_draft and cfg.draft is None:
-                    notes.append(f"{name}: no draft model")
+                    if b is cfg.budgets[0]:
+                        notes.append(f"{name}: no draft model")
                     continue
                 variants = [{"synth_len": float(L)} for L in cfg.synth_lens] if mode.synthetic else [{}]
                 for v in variants:
@@ -1081,7 +1063,6 @@ def ours_worker(job_path: str | Path) -> int:
         if hasattr(model, "tokenizer"):
             model.tokenizer = _IgnoreEOG(model.tokenizer)
         result["load_s"] = time.monotonic() - t0
-        extra_kwargs = mode.generate_kwargs(job)
         settings = RunSettings(**{**job["settings"], "decodings": tuple(job["settings"]["decodings"])})
         left = job["time_budget_s"] - (time.monotonic() - t_begin)
         settings.seconds_per_system = min(settings.seconds_per_system, 0.5 * left)
@@ -1089,7 +1070,7 @@ def ours_worker(job_path: str | Path) -> int:
 
         def gen(ids: list[int], n: int, dec: str, seed: int) -> dict[str, Any]:
             sp = SamplingParams(**DECODINGS[dec], seed=seed)
-            g = model.generate(list(ids), n, sp, **extra_kwargs).wait()
+            g = model.generate(list(ids), n, sp).wait()
             st = g.stats
             d = st.to_dict() if hasattr(st, "to_dict") else dataclasses.asdict(st)
             known = {"prompt_tokens", "generated_tokens", "prefill_s", "decode_s", "tpot_ms", "tokens_per_s"}

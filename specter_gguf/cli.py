@@ -98,15 +98,21 @@ def load_options(f: Any) -> Any:
 
     @functools.wraps(f)
     def command(*args: Any, device: str | None, ctx_size: int | None, gpu_budget: str | None, offload: str | None,
-                cache_policy: str | None, routing_profile: Path | None, cuda_graphs: bool, **kwargs: Any) -> Any:
+                cache_policy: str | None, routing_profile: Path | None, cuda_graphs: bool, draft: Path | None,
+                n_draft: int, **kwargs: Any) -> Any:
         def load(model: Path | None, progress: bool) -> Any:
             from specter_gguf.engine import Model
             from specter_gguf.runtime import parse_size
 
-            return Model.load(model, device=device, ctx_size=ctx_size, progress=progress,
-                              gpu_budget=parse_size(gpu_budget) if gpu_budget is not None else None,
-                              offload=offload, cache_policy=cache_policy, routing_profile=routing_profile,
-                              cuda_graphs=cuda_graphs)
+            options = dict(device=device, ctx_size=ctx_size, progress=progress,
+                           gpu_budget=parse_size(gpu_budget) if gpu_budget is not None else None,
+                           offload=offload, cache_policy=cache_policy, routing_profile=routing_profile,
+                           cuda_graphs=cuda_graphs)
+            if draft is not None:
+                from specter_gguf.speculative import SpeculativeModel
+
+                return SpeculativeModel.load(model, draft=draft, n_draft=n_draft, **options)
+            return Model.load(model, **options)
 
         return f(*args, load=load, **kwargs)
 
@@ -123,7 +129,12 @@ def load_options(f: Any) -> Any:
         click.option("--routing-profile", type=click.Path(exists=True, dir_okay=False, path_type=Path),
                      default=None, help="Routing profile (JSON) for the static-hot policy."),
         click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
-                     help="Replay each decode step as a CUDA graph (CUDA without offloading)."),
+                     help="Replay each decode step as a CUDA graph (CUDA, without offloading or a draft)."),
+        click.option("--draft", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+                     help="Decode speculatively with the experts of this quantized copy of the model (e.g. made by "
+                     "`specter-gguf quantize MODEL --type q4_k_m`); the output is the model's own."),
+        click.option("--n-draft", type=click.IntRange(min=1), default=4, show_default=True,
+                     help="Tokens drafted per verification (with --draft)."),
     ])
 
 

@@ -55,6 +55,10 @@ class GenerationStats:
     copy_exposed_s: float | None = None  # time compute waited for copies
     copy_hidden_s: float | None = None   # copy_s - copy_exposed_s: overlapped with compute
     peak_gpu_bytes: int | None = None   # torch.cuda.max_memory_allocated since the model was loaded
+    # speculative decoding (None without a draft; see specter_gguf.speculative)
+    draft_tokens: int | None = None     # tokens drafted
+    draft_accepted: int | None = None   # drafted tokens the target accepted
+    draft_rounds: int | None = None     # verification passes
 
     @property
     def cache_hit_rate(self) -> float | None:
@@ -70,6 +74,15 @@ class GenerationStats:
         return self.copy_hidden_s / self.copy_s if self.copy_s else None
 
     @property
+    def acceptance_rate(self) -> float | None:
+        return self.draft_accepted / self.draft_tokens if self.draft_tokens else None
+
+    @property
+    def mean_accepted_len(self) -> float | None:
+        """Tokens per verification pass: the accepted drafted ones plus the target's own."""
+        return (self.draft_accepted + self.draft_rounds) / self.draft_rounds if self.draft_rounds else None
+
+    @property
     def tpot_ms(self) -> float:
         steps = self.generated_tokens - 1
         return 1000.0 * self.decode_s / steps if steps > 0 else 0.0
@@ -82,11 +95,13 @@ class GenerationStats:
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "tpot_ms": self.tpot_ms, "tokens_per_s": self.tokens_per_s,
                 "cache_hit_rate": self.cache_hit_rate, "bytes_copied_per_token": self.bytes_copied_per_token,
-                "hidden_copy_share": self.hidden_copy_share}
+                "hidden_copy_share": self.hidden_copy_share, "acceptance_rate": self.acceptance_rate,
+                "mean_accepted_len": self.mean_accepted_len}
 
     def summary(self) -> str:
         """One line: tokens, prefill, TPOT, tokens/s; with offloading the cache's hit rate, bytes copied per
-        token and hidden copy share; on CUDA the peak memory (`to_dict` has every figure)."""
+        token and hidden copy share; with a draft its acceptance; on CUDA the peak memory (`to_dict` has every
+        figure)."""
         from specter_gguf.runtime.budget import format_size
 
         text = (f"prompt {self.prompt_tokens} tokens, generated {self.generated_tokens} tokens, "
@@ -96,6 +111,10 @@ class GenerationStats:
             text += (f"; offload {self.offload} ({self.cache_policy}, {self.cache_slots} slots): cache hit rate "
                      f"{100 * (self.cache_hit_rate or 0):.1f}%, {format_size(self.bytes_copied_per_token or 0)} "
                      f"copied per token, {100 * (self.hidden_copy_share or 0):.0f}% of copy time hidden")
+        if self.draft_rounds:
+            text += (f"; speculative: {self.draft_accepted} of {self.draft_tokens} drafted tokens accepted "
+                     f"({100 * (self.acceptance_rate or 0):.1f}%), {self.mean_accepted_len:.2f} tokens per "
+                     f"verification")
         if self.peak_gpu_bytes is not None:
             text += f"; peak GPU memory {format_size(self.peak_gpu_bytes)}"
         return text
@@ -146,7 +165,8 @@ class Model:
     def load(cls, path: str | os.PathLike[str] | None = None, device: str | None = None,
              ctx_size: int | None = None, progress: bool = True, gpu_budget: int | str | None = None,
              offload: str | None = None, cache_policy: str | None = None,
-             routing_profile: str | os.PathLike[str] | Any = None, cuda_graphs: bool = True) -> Model:
+             routing_profile: str | os.PathLike[str] | Any = None, cuda_graphs: bool = True,
+             draft: GGUFFile | None = None) -> Model:
         """Load `path` (default: the small model shipped in `models/`) onto `device` ("cpu", "cuda";
         default CUDA when present). `ctx_size` defaults to the context length the model was trained for.
 
@@ -155,7 +175,8 @@ class Model:
         in host memory, a device expert cache; needs `gpu_budget`), "none"; default: lru when a budget is given
         and the model does not fit, none otherwise. `cache_policy`: lru (default), lfu, static-hot (needs
         `routing_profile`, a `RoutingProfile` or its JSON file). `cuda_graphs`: replay each decode step as a
-        CUDA graph (on CUDA without offloading, whose cache bookkeeping runs on the host between layers)."""
+        CUDA graph (on CUDA without offloading, whose cache bookkeeping runs on the host between layers).
+        `draft`: a draft GGUF whose experts will share the device (`SpeculativeModel`): the budget counts them."""
         path = Path(path) if path is not None else SHIPPED_MODEL
         dev = resolve_device(device)
         f = GGUFFile(path)
@@ -171,7 +192,7 @@ class Model:
                 torch.cuda.reset_peak_memory_stats(dev)
             transformer, runtime, plan = load_offloaded(
                 f, dev, ctx_size or ModelConfig.from_gguf(f).n_ctx_train, progress, gpu_budget, offload,
-                cache_policy, routing_profile)
+                cache_policy, routing_profile, draft=draft)
         model = cls(path, transformer, Tokenizer.from_gguf(path), ctx_size or transformer.config.n_ctx_train)
         model.offload, model.memory_plan = runtime, plan
         model.cuda_graphs = cuda_graphs and dev.type == "cuda" and runtime is None
@@ -275,16 +296,20 @@ class Model:
         step = self.prefill_chunk or len(prompt)  # chunks keep the workspace within a GPU budget
         for first in range(0, len(prompt), step):
             logits = self.transformer.forward(prompt[first:first + step], cache, last_only=True)[-1]
+        tokens = self._tokens(logits, cache, graphs, sampler, history, stats)
         first_token_at = None
         cut = None
         while gen.finish_reason is None:
             if len(gen.tokens) >= limit:
                 gen.finish_reason = "length"
                 break
-            token = sampler.sample(logits, history)  # reads the logits back: the step's host sync
+            token = next(tokens, None)
             if first_token_at is None:
                 first_token_at = time.perf_counter()
                 stats.prefill_s = first_token_at - start
+            if token is None:  # the context is full
+                gen.finish_reason = "length"
+                break
             if self.tokenizer.is_eog(token):
                 gen.finish_reason = "stop"
                 break
@@ -294,13 +319,6 @@ class Model:
             cut = _find_stop(gen.text, stop, emitted)
             if cut is not None:
                 gen.text, gen.finish_reason = gen.text[:cut], "stop"
-            elif len(gen.tokens) < limit:
-                if cache.length + 1 > self.ctx_size:
-                    gen.finish_reason = "length"
-                elif graphs is not None and not self.transformer.observers:
-                    logits = graphs.step(token)
-                else:
-                    logits = self.transformer.forward(torch.tensor([token], device=self.device), cache)[-1]
             safe = len(gen.text) if gen.finish_reason else len(gen.text) - _stop_prefix_len(gen.text, stop)
             if safe > emitted:
                 yield gen.text[emitted:safe]
@@ -317,6 +335,20 @@ class Model:
             self._offload_stats(stats, counters)
         if self.device.type == "cuda":
             stats.peak_gpu_bytes = int(torch.cuda.max_memory_allocated(self.device))
+
+    def _tokens(self, logits: torch.Tensor, cache: KVCache, graphs: Any, sampler: Sampler, history: list[int],
+                stats: GenerationStats) -> Iterator[int]:
+        """The generated tokens one by one, from the logits after the prompt. The caller appends each token to
+        `history` before asking for the next; the forward pass of a token runs only when the next is asked
+        for, so a generation that ends computes nothing more. Ends when the context is full."""
+        while True:
+            yield sampler.sample(logits, history)  # reads the logits back: the step's host sync
+            if cache.length + 1 > self.ctx_size:
+                return
+            if graphs is not None and not self.transformer.observers:
+                logits = graphs.step(history[-1])
+            else:
+                logits = self.transformer.forward(torch.tensor(history[-1:], device=self.device), cache)[-1]
 
     def _offload_stats(self, stats: GenerationStats, start: Any) -> None:
         c = self.offload.stats(start)  # waits for the device once, after the last token, to read copy timings

@@ -462,6 +462,23 @@ def test_bench_end_to_end_ours_on_cpu(tmp_path):
     assert (tmp_path / "again" / "section.md").read_text().count("| ours |") == 1
 
 
+def test_bench_end_to_end_ours_speculative_on_cpu(tmp_path):
+    """Our speculative modes in the harness: a Q4_K_M draft made from the target, real and synthetic
+    acceptance reported."""
+    pytest.importorskip("llama_cpp")
+    out = tmp_path / "out"
+    p = _bench("--model-preset", "tiny-qwen2moe", "--systems", "ours-spec,ours-spec-synth", "--budgets", "2GiB",
+               "--synth-lens", "3", "--device", "cpu", "--prompts", "2", "--n-predict", "12", "--out", str(out),
+               "--work-dir", str(tmp_path / "work"))
+    assert p.returncode == 0, p.stdout + p.stderr
+    real, synth = json.loads((out / "results.json").read_text())["results"]
+    assert (real["family"], synth["family"]) == ("ours-spec", "ours-spec-synth")
+    assert real["status"] == synth["status"] == "ok", (real["error"], synth["error"])
+    assert real["summary"]["greedy"]["acceptance"] is not None
+    assert 2.0 <= synth["summary"]["greedy"]["mean_accepted_len"] <= 4.0
+    assert "L=3" in (out / "section.md").read_text()
+
+
 def test_ours_worker_without_llama_cpp_tokenizer(tmp_path, shipped_model):
     """On the GPU machine llama-cpp-python is missing: the worker then loads the model with an ids-only
     tokenizer; greedy tokens must equal those of a run with the real tokenizer."""

@@ -197,9 +197,10 @@ class OffloadRuntime:
 def load_offloaded(f: GGUFFile, device: torch.device, ctx_size: int, progress: bool, gpu_budget: int | str | None,
                    offload: str | None, cache_policy: str | None = None,
                    routing_profile: RoutingProfile | str | None = None, pin: str = "background",
-                   ) -> tuple[Transformer, OffloadRuntime | None, MemoryPlan | None]:
-    """Plan the budget, then load: the plain way when the model fits (and no mode is forced), else with
-    offloaded experts. Returns (transformer, runtime or None, plan or None)."""
+                   draft: GGUFFile | None = None) -> tuple[Transformer, OffloadRuntime | None, MemoryPlan | None]:
+    """Plan the budget (counting the experts of `draft` when speculative decoding will hold them), then load:
+    the plain way when the model fits (and no mode is forced), else with offloaded experts. Returns
+    (transformer, runtime or None, plan or None)."""
     from specter_gguf.models import check_architecture, load_transformer
 
     check_architecture(f)
@@ -211,7 +212,7 @@ def load_offloaded(f: GGUFFile, device: torch.device, ctx_size: int, progress: b
         if offload not in (None, "none"):
             raise SpecterError(f"--offload {offload} needs a GPU memory budget: give --gpu-budget SIZE")
         return load_transformer(f, device, progress), None, None
-    plan = plan_memory(f, gpu_budget, ctx_size, device.type)
+    plan = plan_memory(f, gpu_budget, ctx_size, device.type, draft=draft)
     if offload is None:
         offload = "none" if plan.fits_all else "lru"
     if offload == "none":

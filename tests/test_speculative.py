@@ -1,0 +1,134 @@
+"""Speculative decoding (specter_gguf.speculative) on the CPU, against target-only decoding.
+
+Greedy: the tokens must equal the target's alone, token by token, for every architecture (DeepSeek-V2 with
+MLA and Phi-3.5-MoE included), with drafts made by llama.cpp's quantizer (Q4_K_M, Q2_K) from the F16 target,
+with penalties, with an offloaded target, up to a full context. The F16 file as its own draft must be accepted
+every time (the acceptance path), a Q4_K_M draft at least sometimes (mixed rounds). Sampled: the rule that
+accepts or replaces a drafted token must output the target's distribution exactly; checked by drawing many
+rounds through `accept_drafts` (chi-square against the target's probabilities).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from specter_gguf.cli import cli
+from specter_gguf.engine import Model
+from specter_gguf.errors import SpecterError
+from specter_gguf.gguf_file import GGUFFile
+from specter_gguf.runtime.budget import plan_memory
+from specter_gguf.sampling import Sampler, SamplingParams
+from specter_gguf.speculative import SpeculativeModel, accept_drafts
+
+MODELS = ["qwen2moe", "qwen3moe", "llama", "olmoe", "tiny-deepseek2", "tiny-deepseek2-lite", "tiny-phimoe"]
+GREEDY = SamplingParams(temperature=0)
+PROMPT = [5, 17, 300, 42, 7, 99, 128, 3]
+N = 32
+
+
+def _target_tokens(path: Path, n: int = N, sampling: SamplingParams = GREEDY, **load) -> list[int]:
+    return Model.load(path, device="cpu", progress=False, **load).generate(PROMPT, n, sampling).wait().tokens
+
+
+@pytest.mark.parametrize("draft_kind", ["q4_k_m", "q2_k"])
+@pytest.mark.parametrize("arch", MODELS)
+def test_greedy_speculative_equals_target_only(tiny_models, arch: str, draft_kind: str) -> None:
+    target = tiny_models[(arch, "f16")]
+    sm = SpeculativeModel.load(target, draft=tiny_models[(arch, draft_kind)], device="cpu", progress=False)
+    gen = sm.generate(PROMPT, N, GREEDY).wait()
+    assert gen.tokens == _target_tokens(target)
+    s = gen.stats
+    assert s.draft_rounds > 0 and s.draft_tokens >= s.draft_accepted
+    if draft_kind == "q4_k_m":
+        assert s.draft_accepted > 0, "a Q4_K_M draft of the same model should agree with it at times"
+
+
+@pytest.mark.parametrize("arch", ["qwen2moe", "tiny-deepseek2"])
+def test_the_target_as_its_own_draft_is_always_accepted(tiny_models, arch: str) -> None:
+    target = tiny_models[(arch, "f16")]
+    sm = SpeculativeModel.load(target, draft=target, device="cpu", progress=False, n_draft=3)
+    gen = sm.generate(PROMPT, N, GREEDY).wait()
+    assert gen.tokens == _target_tokens(target)
+    assert gen.stats.draft_accepted == gen.stats.draft_tokens and gen.stats.mean_accepted_len == 4.0
+
+
+def test_greedy_with_penalties_and_offloaded_target(tiny_models) -> None:
+    target, draft = tiny_models[("qwen2moe", "f16")], tiny_models[("qwen2moe", "q4_k_m")]
+    penalized = SamplingParams(temperature=0, repeat_penalty=1.3, presence_penalty=0.2)
+    sm = SpeculativeModel.load(target, draft=draft, device="cpu", progress=False)
+    assert sm.generate(PROMPT, N, penalized).wait().tokens == _target_tokens(target, sampling=penalized)
+    plan = plan_memory(GGUFFile(target), 1 << 40, 256, "cpu", draft=GGUFFile(draft))
+    budget = plan.minimum + plan.n_moe_layers * plan.slot_bytes  # top_k + 1 slots per layer: it evicts
+    sm = SpeculativeModel.load(target, draft=draft, device="cpu", progress=False, ctx_size=256, gpu_budget=budget,
+                               offload="lru")
+    assert sm.offload is not None and sm.memory_plan.draft_experts > 0
+    gen = sm.generate(PROMPT, N, GREEDY).wait()
+    assert gen.tokens == _target_tokens(target) and gen.stats.cache_evictions > 0
+
+
+def test_full_context_ends_the_generation(tiny_models) -> None:
+    target = tiny_models[("olmoe", "f16")]
+    ctx = len(PROMPT) + 13  # rounds near the end have less room than n_draft
+    sm = SpeculativeModel.load(target, draft=tiny_models[("olmoe", "q4_k_m")], device="cpu", progress=False,
+                               ctx_size=ctx, n_draft=5)
+    gen = sm.generate(PROMPT, -1, GREEDY).wait()
+    assert gen.finish_reason == "length" and len(gen.tokens) == ctx - len(PROMPT) + 1
+    assert gen.tokens == _target_tokens(target, n=-1, ctx_size=ctx)
+
+
+def test_synthetic_acceptance_has_the_asked_mean_length(tiny_models) -> None:
+    target = tiny_models[("qwen2moe", "f16")]
+    sm = SpeculativeModel.load(target, draft=tiny_models[("qwen2moe", "q2_k")], device="cpu", progress=False,
+                               synth_len=2.5)
+    s = sm.generate(PROMPT, 64, SamplingParams(temperature=0, seed=3)).wait().stats
+    assert 2.2 <= s.mean_accepted_len <= 2.8, s.mean_accepted_len
+    sm = SpeculativeModel.load(target, draft=target, device="cpu", progress=False, synth_len=1)
+    assert sm.generate(PROMPT, 16, GREEDY).wait().stats.draft_accepted == 0
+
+
+def test_speculative_sampling_outputs_the_target_distribution() -> None:
+    """One drafted token per round, drawn from q; the output token (the accepted draft, or the replacement)
+    must be distributed as the target's p, whatever q is."""
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=11)
+    sampler = Sampler(params)
+    g = torch.Generator().manual_seed(0)
+    target_logits = torch.randn(1, 6, generator=g) * 1.5
+    verified = torch.cat([target_logits, torch.zeros(1, 6)])  # the second row is read only after an acceptance
+    p = sampler.probabilities(target_logits[0])
+    q = torch.softmax(torch.randn(6, generator=g, dtype=torch.float64) * 1.5, 0)
+    rounds, counts, accepted = 20000, torch.zeros(6), 0
+    for _ in range(rounds):
+        d = sampler.draw(q)
+        kept, token = accept_drafts(verified, [d], [q], sampler, [])
+        out = kept[0] if kept else token
+        accepted += len(kept)
+        counts[out] += 1
+    expected = p.float() * rounds
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 20.5, f"chi2 {chi2:.1f} (5 degrees of freedom, p = 0.001 at 20.5)"
+    assert abs(accepted / rounds - float(torch.minimum(p, q).sum())) < 0.02  # P(accept) = sum min(p, q)
+
+
+def test_a_draft_of_another_model_is_refused(tiny_models) -> None:
+    with pytest.raises(SpecterError, match="not a draft of"):
+        SpeculativeModel.load(tiny_models[("qwen2moe", "f16")], draft=tiny_models[("olmoe", "f16")], device="cpu",
+                              progress=False)
+    with pytest.raises(SpecterError, match="needs a draft"):
+        SpeculativeModel.load(tiny_models[("qwen2moe", "f16")], device="cpu", progress=False)
+
+
+def test_cli_run_with_draft(tiny_models) -> None:
+    target, draft = tiny_models[("qwen2moe", "f16")], tiny_models[("qwen2moe", "q4_k_m")]
+    base = ["run", str(target), "-p", "Once upon a time", "-n", "12", "--temp", "0", "--device", "cpu", "--json"]
+    plain = CliRunner().invoke(cli, base)
+    spec = CliRunner().invoke(cli, [*base, "--draft", str(draft), "--n-draft", "3"])
+    assert plain.exit_code == 0 and spec.exit_code == 0, spec.output
+    a, b = json.loads(plain.stdout), json.loads(spec.stdout)
+    assert a["tokens"] == b["tokens"] and b["stats"]["draft_tokens"] > 0 and a["stats"]["draft_tokens"] is None
+    wrong = CliRunner().invoke(cli, [*base, "--draft", str(tiny_models[("olmoe", "f16")])])
+    assert wrong.exit_code == 1 and "Error:" in wrong.output and "Traceback" not in wrong.output
