@@ -19,7 +19,7 @@ from specter_gguf.sampling import SamplingParams
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and native.has_cuda()),
                                 reason="needs a CUDA GPU and libspecter built with CUDA")
 
-ARCHS = ["qwen2moe", "qwen3moe", "llama", "olmoe"]
+ARCHS = ["qwen2moe", "qwen3moe", "llama", "olmoe", "tiny-deepseek2", "tiny-deepseek2-lite", "tiny-phimoe"]
 KINDS = ["f16", "q8_0", "q4_k_m", "q2_k"]
 
 
@@ -44,3 +44,17 @@ def test_cuda_incremental_decode_matches_one_pass(tiny_models, arch: str) -> Non
     seq = prompt + gen.tokens
     one_pass = m.logits(seq[:-1]).argmax(-1)[len(prompt) - 1:]
     assert list(one_pass[:len(gen.tokens)]) == gen.tokens
+
+
+@pytest.mark.parametrize("arch", ["qwen2moe", "tiny-deepseek2", "tiny-phimoe"])
+def test_cuda_speculative_greedy_equals_target_only(tiny_models, arch: str) -> None:
+    """Speculative decoding on the GPU with a Q4_K_M draft: the target's own greedy tokens (its plain decoding
+    replays CUDA graphs, the speculative one runs eagerly)."""
+    from specter_gguf.speculative import SpeculativeModel
+
+    target, draft = tiny_models[(arch, "f16")], tiny_models[(arch, "q4_k_m")]
+    prompt = [5, 17, 300, 42, 7, 99]
+    greedy = SamplingParams(temperature=0)
+    expected = Model.load(target, device="cuda", progress=False).generate(prompt, 32, greedy).wait().tokens
+    gen = SpeculativeModel.load(target, draft=draft, device="cuda", progress=False).generate(prompt, 32, greedy).wait()
+    assert gen.tokens == expected and gen.stats.draft_accepted > 0

@@ -115,7 +115,8 @@ def qwen_shaped(tmp_path_factory) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("arch,kind", [("qwen2moe", "f16"), ("llama", "f16"), ("qwen2moe", "q4_k_m")])
+@pytest.mark.parametrize("arch,kind", [("qwen2moe", "f16"), ("llama", "f16"), ("qwen2moe", "q4_k_m"),
+                                       ("tiny-deepseek2", "f16"), ("tiny-phimoe", "q4_k_m")])
 def test_tiny_models_every_mode_matches(tiny_models, arch: str, kind: str) -> None:
     _native_cuda()
     path = tiny_models[(arch, kind)]
