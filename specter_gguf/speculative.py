@@ -18,8 +18,9 @@ Synthetic acceptance (`synth_len` L, for benchmarks only): each round accepts fl
 tokens whatever the target says, with the mean L - 1, so that the mean accepted length per verification
 (the target's token included) is L. The compute and data movement are real, the text is not.
 
-Drafting and verification run eagerly (no CUDA graphs yet); with an offloaded target the draft's routing does
-not drive prefetching yet (the expert lookahead buffer is the next step).
+With an offloaded target the draft's routing drives prefetching (`runtime.elb`): after each draft pass the
+experts it chose are requested from the target's expert cache, so their copies run during the rest of the
+drafting. Drafting and verification run eagerly (no CUDA graphs yet).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from specter_gguf.engine import GenerationStats, Model
 from specter_gguf.errors import SpecterError
 from specter_gguf.gguf_file import GGUFFile
 from specter_gguf.layers import Experts, KVCache, MoE, ResidentExperts
+from specter_gguf.runtime.elb import ExpertLookahead
 from specter_gguf.sampling import Sampler
 from specter_gguf.weights import load_tensor
 
@@ -50,13 +52,15 @@ class SpeculativeModel(Model):
     draft_experts: list[Experts | None]
     n_draft: int = DEFAULT_N_DRAFT
     synth_len: float | None = None
+    lookahead: ExpertLookahead | None = None  # with an offloaded target: the draft's routing prefetches
 
     @classmethod
     def load(cls, path: str | os.PathLike[str] | None = None, draft: str | os.PathLike[str] | None = None,
-             n_draft: int = DEFAULT_N_DRAFT, synth_len: float | None = None, **options: Any) -> SpeculativeModel:
+             n_draft: int = DEFAULT_N_DRAFT, synth_len: float | None = None, lookahead: bool = True,
+             **options: Any) -> SpeculativeModel:
         """`Model.load(path, **options)` plus the routed experts of `draft` (a quantized copy of `path`) on the
         same device; `n_draft` tokens are drafted per round; `synth_len`: synthetic acceptance (see the
-        module docstring)."""
+        module docstring); `lookahead`: with offloaded experts, prefetch what the draft routes to (the ELB)."""
         if draft is None:
             raise SpecterError("speculative decoding needs a draft GGUF (--draft), e.g. one made by "
                                "`specter-gguf quantize MODEL.gguf --type q4_k_m`")
@@ -70,18 +74,22 @@ class SpeculativeModel(Model):
         model.draft_experts = load_draft_experts(draft_file, model)
         model.n_draft = n_draft if synth_len is None else max(n_draft, math.ceil(synth_len - 1))
         model.synth_len = synth_len
+        if lookahead and model.offload is not None:
+            model.lookahead = ExpertLookahead(model.offload.cache)
         model.cuda_graphs = False
         return model
 
     @contextmanager
     def _drafting(self) -> Iterator[None]:
         """The draft experts in the MoE layers, the target's back afterwards. Routing observers (e.g. a routing
-        profile being recorded) are detached meanwhile: they describe the target's routing."""
+        profile being recorded) are detached meanwhile: they describe the target's routing; the lookahead
+        buffer observes the draft instead."""
         layers = [(b.ffn, d) for b, d in zip(self.transformer.blocks, self.draft_experts) if d is not None]
         target = [moe.experts for moe, _ in layers]
         observers = list(self.transformer.observers)
         try:
-            self.transformer.observers.clear()  # the list every MoE layer shares
+            # the list every MoE layer shares
+            self.transformer.observers[:] = [self.lookahead] if self.lookahead is not None else []
             for moe, d in layers:
                 moe.experts = d
             yield
@@ -132,6 +140,8 @@ class SpeculativeModel(Model):
                     probs.append(sampler.probabilities(logits, seen))
                     drafted.append(sampler.draw(probs[-1]))
                 seen.append(drafted[-1])
+                if self.lookahead is not None:
+                    self.lookahead.flush()
         return drafted, probs
 
 

@@ -57,18 +57,24 @@ def test_the_target_as_its_own_draft_is_always_accepted(tiny_models, arch: str) 
     assert gen.stats.draft_accepted == gen.stats.draft_tokens and gen.stats.mean_accepted_len == 4.0
 
 
-def test_greedy_with_penalties_and_offloaded_target(tiny_models) -> None:
+def test_greedy_with_penalties_and_offloaded_target_with_lookahead(tiny_models) -> None:
     target, draft = tiny_models[("qwen2moe", "f16")], tiny_models[("qwen2moe", "q4_k_m")]
     penalized = SamplingParams(temperature=0, repeat_penalty=1.3, presence_penalty=0.2)
     sm = SpeculativeModel.load(target, draft=draft, device="cpu", progress=False)
     assert sm.generate(PROMPT, N, penalized).wait().tokens == _target_tokens(target, sampling=penalized)
     plan = plan_memory(GGUFFile(target), 1 << 40, 256, "cpu", draft=GGUFFile(draft))
     budget = plan.minimum + plan.n_moe_layers * plan.slot_bytes  # top_k + 1 slots per layer: it evicts
-    sm = SpeculativeModel.load(target, draft=draft, device="cpu", progress=False, ctx_size=256, gpu_budget=budget,
-                               offload="lru")
-    assert sm.offload is not None and sm.memory_plan.draft_experts > 0
-    gen = sm.generate(PROMPT, N, GREEDY).wait()
-    assert gen.tokens == _target_tokens(target) and gen.stats.cache_evictions > 0
+    stats = {}
+    for lookahead in (False, True):
+        sm = SpeculativeModel.load(target, draft=draft, device="cpu", progress=False, ctx_size=256,
+                                   gpu_budget=budget, offload="lru", lookahead=lookahead)
+        assert sm.offload is not None and sm.memory_plan.draft_experts > 0
+        gen = sm.generate(PROMPT, N, GREEDY).wait()
+        assert gen.tokens == _target_tokens(target) and gen.stats.cache_evictions > 0
+        stats[lookahead] = gen.stats
+    # the lookahead buffer prefetches what the draft routes to: verification finds more of its experts
+    assert stats[False].prefetches == 0 < stats[True].prefetches
+    assert stats[True].cache_hit_rate > stats[False].cache_hit_rate
 
 
 def test_full_context_ends_the_generation(tiny_models) -> None:
