@@ -67,7 +67,8 @@ def _stack(a: Linear, b: Linear) -> Linear | None:
 class Projections:
     """Linear maps of one input (q, k, v; gate, up) in as few matrix products as their weights allow: `of`
     stacks consecutive weights of one type once, at load; a call splits each product back into the maps'
-    outputs. Fewer, larger products: fewer kernel launches in a decode step."""
+    outputs. Fewer, larger products: fewer kernel launches in a decode step (on the CPU, stacking copies the
+    memory-mapped weights into memory)."""
 
     products: list[Linear]
     sizes: list[list[int]]  # output widths of the maps each product holds
@@ -141,9 +142,13 @@ class Rope:
             self._at = None
         if self._at is not at:  # gathered once per forward, shared by every layer (and q and k)
             cos, sin = self._cos[at.ids], self._sin[at.ids]
-            pair = (lambda u, v: torch.cat([u, v], -1)) if self.neox else (lambda u, v: torch.stack([u, v], -1).flatten(-2))
-            self._at, self._cos_at, self._sin_at = at, pair(cos, cos), pair(-sin, sin)
+            self._at, self._cos_at, self._sin_at = at, _pairs(cos, cos, self.neox), _pairs(-sin, sin, self.neox)
         return _rotate(x, self.dim, self.neox, self._cos_at, self._sin_at)
+
+
+def _pairs(first: torch.Tensor, second: torch.Tensor, neox: bool) -> torch.Tensor:
+    """[..., dim/2] halves laid out as the rotated pairs: (i, i + dim/2) with neox, else (2i, 2i+1)."""
+    return torch.cat([first, second], -1) if neox else torch.stack([first, second], -1).flatten(-2)
 
 
 def _rotate(x: torch.Tensor, dim: int, neox: bool, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
