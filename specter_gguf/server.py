@@ -45,7 +45,7 @@ SCHEDULING = "requests are served one at a time on the device, first come first 
 # every numeric field is also exported as the last generation's value.
 ADDITIVE_STATS = ("prefill_s", "decode_s", "cache_lookups", "cache_hits", "cache_misses", "cache_evictions",
                   "prefetches", "bytes_copied", "copy_s", "copy_exposed_s", "copy_hidden_s",
-                  "drafted_tokens", "accepted_tokens", "draft_tokens")
+                  "draft_tokens", "draft_accepted", "draft_rounds")
 
 
 class RequestError(Exception):
@@ -128,10 +128,10 @@ class Metrics:
             if lookups:
                 metric("specter_expert_cache_hit_rate", "gauge", "Expert cache hits / lookups since the start.",
                        [("", (hits or 0.0) / lookups)])
-            drafted = self.totals.get("drafted_tokens", self.totals.get("draft_tokens"))
+            drafted = self.totals.get("draft_tokens")
             if drafted:
                 metric("specter_draft_acceptance_rate", "gauge", "Accepted / drafted tokens since the start.",
-                       [("", self.totals.get("accepted_tokens", 0.0) / drafted)])
+                       [("", self.totals.get("draft_accepted", 0.0) / drafted)])
             for k in sorted(self.last):
                 metric(f"specter_last_{_seconds(k)}", "gauge", f"GenerationStats.{k} of the last completed request.",
                        [("", self.last[k])])

@@ -7,6 +7,7 @@ option through; cancellation is observed through `/metrics`.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -17,6 +18,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -56,12 +58,13 @@ def _post(server: str, path: str, body: bytes | dict, timeout: float = 60) -> tu
         conn.close()
 
 
-@pytest.fixture(scope="module")
-def server(shipped_model: Path):
-    """`serve --port 0`: the OS picks a free port, which the server's first line announces."""
-    proc = subprocess.Popen([sys.executable, "-m", "specter_gguf", "serve", str(shipped_model), "--device", "cpu",
-                             "--port", "0"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+@contextlib.contextmanager
+def _serving(*args: str) -> Iterator[str]:
+    """`serve ARGS --port 0`: the OS picks a free port, which the server's first line announces; yields the
+    base URL, stops the server with SIGTERM afterwards and checks it printed no traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "specter_gguf", "serve", *args, "--device", "cpu", "--port", "0"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
     seen = []
     for line in proc.stdout:  # the load progress bar, then "serving tiny-qwen2moe on http://127.0.0.1:PORT/v1 ..."
         seen.append(line)
@@ -91,6 +94,12 @@ def server(shipped_model: Path):
         out, _ = proc.communicate()
         pytest.fail(f"the server did not stop on SIGTERM:\n{out}")
     assert "Traceback" not in out, out
+
+
+@pytest.fixture(scope="module")
+def server(shipped_model: Path):
+    with _serving(str(shipped_model)) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
@@ -325,3 +334,21 @@ def test_offload_metrics(shipped_model: Path) -> None:
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def test_serve_with_a_draft_decodes_speculatively(shipped_model: Path, model: Model, tmp_path: Path) -> None:
+    """`serve --draft`: the completion is the model's own greedy text, and /metrics reports the drafts."""
+    pytest.importorskip("llama_cpp")
+    from specter_gguf.quantize import quantize_gguf
+
+    draft = tmp_path / "draft-q4_k_m.gguf"
+    quantize_gguf(shipped_model, draft, "q4_k_m")
+    expected = model.generate("Once upon a time", 12, GREEDY).wait().text
+    with _serving(str(shipped_model), "--draft", str(draft)) as base:
+        status, body = _post(base, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 12,
+                                                       "temperature": 0})
+        assert status == 200 and body["choices"][0]["text"] == expected
+        m = metrics(base)
+        assert m["specter_draft_tokens_total"] > 0
+        assert m["specter_draft_acceptance_rate"] == m["specter_draft_accepted_total"] / m["specter_draft_tokens_total"]
+
