@@ -662,7 +662,7 @@ OURS_MODES: dict[str, OursMode] = {m.name: m for m in [
              _load_offload("lru"), budget_bound=True),
     OursMode("ours-gate-prefetch", "LRU expert cache + next-layer gate prefetch",
              _load_offload("gate-prefetch"), budget_bound=True),
-    OursMode("ours-spec", "speculative decoding, Q4 draft experts", _load_spec, budget_bound=True,
+    OursMode("ours-spec", "speculative decoding with the draft's experts", _load_spec, budget_bound=True,
              needs_draft=True),
     OursMode("ours-spec-synth", "speculative decoding, synthetic acceptance", _load_spec, budget_bound=True,
              synthetic=True, needs_draft=True),
