@@ -138,3 +138,23 @@ def test_cli_run_with_draft(tiny_models) -> None:
     assert a["tokens"] == b["tokens"] and b["stats"]["draft_tokens"] > 0 and a["stats"]["draft_tokens"] is None
     wrong = CliRunner().invoke(cli, [*base, "--draft", str(tiny_models[("olmoe", "f16")])])
     assert wrong.exit_code == 1 and "Error:" in wrong.output and "Traceback" not in wrong.output
+
+
+def test_lookahead_requests_the_draft_experts_earliest_layer_first() -> None:
+    """The ELB hands the cache each pass's experts once, layer by layer in the order verification meets them,
+    each layer's experts in the draft's order; a flush with nothing routed requests nothing."""
+    from specter_gguf.runtime.elb import ExpertLookahead
+
+    class RecordingCache:
+        requests: list[list[tuple[int, int]]] = []
+
+        def request(self, keys):
+            self.requests.append(list(keys))
+            return len(keys)
+
+    cache = RecordingCache()
+    elb = ExpertLookahead(cache)  # type: ignore[arg-type]
+    for layer, ids in ((3, [[5, 2]]), (1, [[7, 7]]), (3, [[2, 9]])):
+        elb(layer, torch.tensor(ids), torch.ones(1, 2))
+    assert elb.flush() == 4 and cache.requests == [[(1, 7), (3, 5), (3, 2), (3, 9)]]
+    assert elb.flush() == 0 and len(cache.requests) == 1
