@@ -650,7 +650,8 @@ def _load_spec(job: dict[str, Any]) -> Any:
 
     return speculative.SpeculativeModel.load(
         job["model"], draft=job["draft"], device=job["device"], ctx_size=job["ctx_size"],
-        gpu_budget=job["budget_bytes"], progress=False, synth_len=job.get("synth_len"))
+        gpu_budget=job["budget_bytes"], progress=False, synth_len=job.get("synth_len"),
+        n_draft=job.get("draft_n_max") or speculative.DEFAULT_N_DRAFT)
 
 
 # The registry of our modes: adding a mode is one entry.
@@ -744,10 +745,11 @@ def build_matrix(families: Sequence[str], cfg: MatrixConfig) -> tuple[list[Syste
                         notes.append(f"{name}: no draft model")
                     continue
                 variants = [{"synth_len": float(L)} for L in cfg.synth_lens] if mode.synthetic else [{}]
+                # a draft mode drafts as deep as llama.cpp's --spec-draft-n-max in the same matrix
+                draft = {"draft": cfg.draft.path, "draft_n_max": cfg.draft_n_max} if mode.needs_draft else {}
                 for v in variants:
                     setting = mode.description + (f", L={v['synth_len']:g}" if v else "")
-                    specs.append(SystemSpec(name, "ours", setting, b,
-                                            {"mode": name, **v, **({"draft": cfg.draft.path} if cfg.draft else {})}))
+                    specs.append(SystemSpec(name, "ours", setting, b, {"mode": name, **v, **draft}))
     return specs, notes
 
 
@@ -914,7 +916,7 @@ def _run_ours(spec: SystemSpec, ctx: BenchContext, res: dict[str, Any]) -> None:
     slug = re.sub(r"[^A-Za-z0-9_.=-]+", "_", spec.key)[:120]
     job = {"mode": spec.params["mode"], "model": ctx.model, "device": ctx.device, "ctx_size": ctx.ctx_size,
            "budget_bytes": spec.budget.bytes if spec.budget else None, "draft": spec.params.get("draft"),
-           "synth_len": spec.params.get("synth_len"),
+           "synth_len": spec.params.get("synth_len"), "draft_n_max": spec.params.get("draft_n_max"),
            "prompts": [dataclasses.asdict(p) for p in ctx.prompts],
            "settings": dataclasses.asdict(ctx.settings) | {"decodings": list(ctx.settings.decodings)},
            "time_budget_s": budget_s, "result": str(work / f"{slug}.result.json")}
