@@ -175,7 +175,8 @@ class Sampler:
         x[seen] = v - counts * p.frequency_penalty - p.presence_penalty
         return x
 
-    def _top_k_where_the_logits_are(self, logits: torch.Tensor, history: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _top_k_where_the_logits_are(self, logits: torch.Tensor,
+                                    history: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Stages 1-2 on the logits' device (the GPU in generation): (ids, penalized values) of the top_k
         candidates as `_top` orders them, float64 on the CPU; only 2 * top_k + 2 numbers are read back instead of
         the vocabulary. None when ties at the boundary make the choice of candidates depend on ids (`_top`

@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 
 from specter_gguf.config import ModelConfig
-from specter_gguf.layers import (Block, ContextRopeAttention, Linear, MoE, Projections, RMSNorm, Router, RoutingObserver,
-                                  rope_for)
+from specter_gguf.layers import (Block, ContextRopeAttention, Linear, MoE, Projections, RMSNorm, Router,
+                                  RoutingObserver, rope_for)
 from specter_gguf.models.common import Weights
 from specter_gguf.weights import load_tensor
 

@@ -36,4 +36,5 @@ class ExpertLookahead:
             per_layer.setdefault(layer, []).extend(flat[start:start + ids.numel()])
             start += ids.numel()
         self._routed.clear()
-        return self.cache.request([(layer, e) for layer in sorted(per_layer) for e in dict.fromkeys(per_layer[layer])])
+        keys = [(layer, e) for layer in sorted(per_layer) for e in dict.fromkeys(per_layer[layer])]
+        return self.cache.request(keys)
