@@ -436,12 +436,13 @@ def _bench(*args, env=None, timeout=300):
                           text=True, timeout=timeout, cwd=str(REPO), env=e)
 
 
-def test_bench_end_to_end_ours_on_cpu(tmp_path):
+@pytest.mark.parametrize("preset", ["tiny-qwen2moe", "tiny-deepseek2", "tiny-phimoe"])
+def test_bench_end_to_end_ours_on_cpu(tmp_path, preset):
     """bench.py with the real engine on a tiny model (CPU, 2 prompts, 4 tokens): JSON and Markdown come out.
     The timings it prints are not looked at."""
     pytest.importorskip("llama_cpp")
     out, work, report = tmp_path / "out", tmp_path / "work", tmp_path / "docs" / "BENCHMARKS.md"
-    p = _bench("--model-preset", "tiny-qwen2moe", "--systems", "ours", "--device", "cpu", "--prompts", "2",
+    p = _bench("--model-preset", preset, "--systems", "ours", "--device", "cpu", "--prompts", "2",
                "--n-predict", "4", "--out", str(out), "--work-dir", str(work), "--report", str(report),
                "--img-dir", str(tmp_path / "docs" / "img"))
     assert p.returncode == 0, p.stdout + p.stderr
@@ -454,7 +455,7 @@ def test_bench_end_to_end_ours_on_cpu(tmp_path):
     assert all(x["tpot_ms"] > 0 for x in measured)
     assert r["summary"]["greedy"]["n_prompts"] == 2
     md = (out / "section.md").read_text()
-    assert "| ours |" in md and "tiny-qwen2moe" in md
+    assert "| ours |" in md and preset in md
     assert "| ours |" in report.read_text()
     # the model is reused on a second run, which also exercises --from-results
     p2 = _bench("--from-results", str(out / "results.json"), "--out", str(tmp_path / "again"))
