@@ -32,6 +32,7 @@ class DecodeGraphs:
         self._host = torch.zeros(2, dtype=torch.long, pin_memory=True)
         self._copied = torch.cuda.Event()
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._ropes = list({id(b.attn.rope): b.attn.rope for b in transformer.blocks}.values())
         self._storage: tuple[int, ...] = ()
 
     def step(self, token: int) -> torch.Tensor:
@@ -39,9 +40,7 @@ class DecodeGraphs:
         overwritten by the next step."""
         cache = self.cache
         pos = cache.length
-        if pos + 1 > cache.max_len:
-            raise SpecterError(f"context full: {pos + 1} tokens exceed the context size {cache.max_len}; "
-                               f"raise it with -c/--ctx-size")
+        cache.check_fits(pos + 1)  # here, not in the graph: its window stops at the context size
         window = min(cache.max_len, -(-(pos + 1) // self.WINDOW) * self.WINDOW)
         self._copied.synchronize()  # the previous step's copy has read the pinned buffer
         self._host[0], self._host[1] = token, pos
@@ -76,8 +75,7 @@ class DecodeGraphs:
 
     def _storage_moved(self) -> bool:
         """Drop every graph when the KV cache or a RoPE table has moved since the graphs were captured."""
-        ropes = {id(b.attn.rope): b.attn.rope for b in self.transformer.blocks}.values()
-        storage = (self.cache.k[0].data_ptr(), *(0 if r._cos is None else r._cos.data_ptr() for r in ropes))
+        storage = (self.cache.k[0].data_ptr(), *(0 if r._cos is None else r._cos.data_ptr() for r in self._ropes))
         if storage == self._storage:
             return False
         self._graphs.clear()

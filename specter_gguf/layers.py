@@ -187,8 +187,7 @@ class Positions:
         """Tokens at pos .. pos+T-1 after a cache of pos tokens: query i sees keys 0 .. pos+i (a single query
         sees every key: no mask)."""
         ids = torch.arange(pos, pos + T, device=device)
-        mask = None if T == 1 else torch.arange(pos + T, device=device)[None, :] <= ids[:, None]
-        return cls(ids, pos + T, mask)
+        return cls(ids, pos + T, None) if T == 1 else cls.window(ids, pos + T)
 
     @classmethod
     def window(cls, ids: torch.Tensor, keys: int) -> Positions:
@@ -217,6 +216,12 @@ class KVCache:
     def capacity(self) -> int:
         return self.k[0].shape[1]
 
+    def check_fits(self, n_tokens: int) -> None:
+        """Refuse a sequence of `n_tokens` longer than the context."""
+        if n_tokens > self.max_len:
+            raise SpecterError(f"context full: {n_tokens} tokens exceed the context size {self.max_len}; "
+                               f"raise it with -c/--ctx-size")
+
     def reserve(self, needed: int) -> bool:
         """Make room for `needed` positions (at most `max_len`); True when the storage moved (which
         invalidates CUDA graphs captured over the old storage)."""
@@ -235,9 +240,7 @@ class KVCache:
     def update(self, layer: int, at: Positions, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v ([T, heads, head_dim]) at positions `at.ids` and return the keys/values attention reads
         (positions 0 .. at.keys-1)."""
-        if at.keys > self.max_len:
-            raise SpecterError(f"context full: {at.keys} tokens exceed the context size {self.max_len}; "
-                               f"raise it with -c/--ctx-size")
+        self.check_fits(at.keys)
         self.reserve(at.keys)
         self.k[layer].index_copy_(1, at.ids, k.transpose(0, 1).to(self.dtype))
         self.v[layer].index_copy_(1, at.ids, v.transpose(0, 1).to(self.dtype))

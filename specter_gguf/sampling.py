@@ -117,6 +117,9 @@ def _top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return cand[order], x[cand][order]
 
 
+NAN_LOGITS = "the model produced NaN logits: check the model file, or try another --dtype"
+
+
 class Sampler:
     """Draws tokens from logits according to ``SamplingParams``; deterministic for a given seed.
 
@@ -150,7 +153,7 @@ class Sampler:
             raise ValueError(f"expected the logits of one position (a non-empty 1-D tensor), got shape {tuple(logits.shape)}")
         x = x.to(device="cpu", dtype=torch.float64, copy=True)
         if torch.isnan(x).any():
-            raise SpecterError("the model produced NaN logits: check the model file, or try another --dtype")
+            raise SpecterError(NAN_LOGITS)
         return x
 
     def penalized_logits(self, logits: torch.Tensor, history: Sequence[int] = ()) -> torch.Tensor:
@@ -188,7 +191,7 @@ class Sampler:
         packed = torch.cat([vals, ids.double(), at_or_above.double()[None], torch.isnan(x).any().double()[None]])
         packed = packed.cpu()
         if packed[-1] != 0:
-            raise SpecterError("the model produced NaN logits: check the model file, or try another --dtype")
+            raise SpecterError(NAN_LOGITS)
         if int(packed[-2]) != k:
             return None
         vals, ids = packed[:k], packed[k:2 * k].long()
@@ -202,14 +205,16 @@ class Sampler:
         p = self.params
         n = logits.numel() if isinstance(logits, torch.Tensor) else len(logits)
         top_k_on = 0 < p.top_k < n
-        top = None
+        top = None  # (ids, penalized logits) of the top_k candidates, in `_top`'s order
         if top_k_on and not p.greedy and isinstance(logits, torch.Tensor):
             top = self._top_k_where_the_logits_are(logits, history)
         if top is None:
             x = self.penalized_logits(logits, history)
-            x_max = float(x.max())
-        else:  # every later stage sees only the top_k candidates (and the max logit, which is among them)
-            x, x_max = top[1], float(top[1][0])
+            if top_k_on and not p.greedy:
+                top = _top(x, p.top_k)
+        if top is not None:  # every later stage sees only the top_k candidates (the max logit is among them)
+            x = top[1]
+        x_max = float(x.max())
         if not math.isfinite(x_max):
             raise SpecterError("every logit is -inf or +inf after penalties: check the model file and logit biases")
         if p.greedy:
@@ -222,13 +227,13 @@ class Sampler:
         if p.min_p > 0.0:  # min_p's threshold depends on the max logit only, which every filter keeps
             limit = min(limit, max(1, int((x >= x_max + math.log(p.min_p)).sum())))
         if p.top_p < 1.0 and limit > 1:
-            if top_k_on:  # top_p normalizes over the top_k survivors, which are few: take them all
-                ids, vals = top if top is not None else _top(x, p.top_k)
+            if top is not None:  # top_p normalizes over the top_k survivors, which are few: take them all
+                ids, vals = top
                 log_z, k = torch.logsumexp(vals, 0), limit
             else:  # grow a sorted prefix until its probability reaches top_p
                 log_z, k = torch.logsumexp(x, 0), min(limit, 128)
             while True:
-                if not top_k_on:
+                if top is None:
                     ids, vals = _top(x, k)
                 cum = torch.cumsum(torch.exp(vals[:k] - log_z), 0)
                 reached = torch.nonzero(cum >= p.top_p).reshape(-1)
