@@ -195,6 +195,7 @@ def bench_decode(path: Path, llama_bin: Path | None, n_predict: int, runs: int) 
     m.generate(prompt, 8, greedy).wait()  # captures the decode graph
     tps = [m.generate(prompt, n_predict, greedy).wait().stats.tokens_per_s for _ in range(runs)]
     res.update(ours_graphs_tps=statistics.median(tps), ours_graphs_all=tps)
+    res["graph_step_us"] = graph_step_us(m, prompt, n_predict)
     m.cuda_graphs = False
     res["ours_eager_tps"] = m.generate(prompt, 32, greedy).wait().stats.tokens_per_s
     res["kernels"] = step_kernel_times(m)
@@ -208,6 +209,24 @@ def bench_decode(path: Path, llama_bin: Path | None, n_predict: int, runs: int) 
         except (ValueError, IndexError, KeyError):
             res["llama_error"] = (p.stderr or p.stdout)[-2000:]
     return res
+
+
+@torch.inference_mode()
+def graph_step_us(m, prompt: list[int], n_steps: int) -> float:
+    """Microseconds per decode step replaying the graphs back to back with no sampling and no host sync between
+    steps: the step's GPU time, what generation adds on top of it is host work (sampling, the token read back)."""
+    from specter_gguf.cuda_graphs import DecodeGraphs
+
+    cache = m.transformer.new_cache(1024)
+    m.transformer.forward(torch.tensor(prompt, device="cuda"), cache)
+    graphs = DecodeGraphs(m.transformer, cache)
+    graphs.step(prompt[-1])  # captures
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n_steps):
+        graphs.step(prompt[-1])
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n_steps * 1e6
 
 
 @torch.inference_mode()
@@ -300,6 +319,7 @@ def print_decode(d: dict) -> None:
           f"{d['n_predict']} tokens, median of {d['runs']}: tokens/s")
     print(f"  ours, CUDA graphs  {d['ours_graphs_tps']:8.1f}   (TPOT {1000 / d['ours_graphs_tps']:.2f} ms)")
     print(f"  ours, eager        {d['ours_eager_tps']:8.1f}")
+    print(f"  ours, graph replays alone (no sampling, no sync): {d['graph_step_us']:.0f} us per step")
     llama = d.get("llama_tps")
     print(f"  llama.cpp          {llama:8.1f}   ({d['llama_command']})" if llama else
           f"  llama.cpp          n/a {d.get('llama_error', '(no --llama-bin)')[-300:]}")

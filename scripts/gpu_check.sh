@@ -47,7 +47,7 @@ t1=$(date +%s)
 python3 -c "from specter_gguf import native; print('libspecter', native.version(), 'has_cuda', native.has_cuda(), 'devices', native.cuda_device_count())" \
   > "$OUT/native.txt" 2>&1
 
-python3 -m pytest -q -rs tests/test_kernels.py tests/test_engine_gpu.py tests/test_cuda_graphs.py \
+python3 -m pytest -q -rs tests/test_kernels.py tests/test_layer_ops.py tests/test_engine_gpu.py tests/test_cuda_graphs.py \
   tests/test_offload_gpu.py tests/test_fallback_types.py > "$OUT/test_kernels.log" 2>&1
 test_rc=$?
 t2=$(date +%s)

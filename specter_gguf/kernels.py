@@ -6,6 +6,9 @@
 - `moe_ffn(x, ids, weights, experts)`: the routed-expert feed-forward of a whole MoE layer in a few launches,
   from device-resident routing; experts given by an `ExpertTable` of per-expert addresses, so contiguous
   expert tensors, GPU cache slots and a quantized draft copy all run on the same kernel.
+- The fused ops of a decode step, each one kernel where torch would launch several: `qmatmul_swiglu` (a
+  feed-forward's gate, up and silu(gate) * up), `rms_norm` (with the residual add before it), `moe_topk`
+  (softmax routing), `rope_kv` (q/k/v biases, RoPE, the KV cache store).
 
 CUDA calls are enqueued on `torch.cuda.current_stream()` and never synchronise the host (capturable in a
 CUDA graph when the caller passes a preallocated `workspace` / `out`); CPU calls use
@@ -38,8 +41,23 @@ def _ptr(t: torch.Tensor, ctype: str = "void *") -> Any:
     return _ffi().cast(ctype, t.data_ptr())
 
 
+def _float_ptr(t: torch.Tensor | None) -> Any:
+    return _ffi().NULL if t is None else _ptr(t, "float *")
+
+
 def _stream(device: torch.device) -> Any:
     return _ffi().cast("void *", torch.cuda.current_stream(device).cuda_stream)
+
+
+def _call(name: str, args: tuple, device: torch.device, what: str) -> None:
+    """The native `specter_<name>(*args)` on the CPU with torch's thread count, or `specter_cuda_<name>` on the
+    device's current stream; raises with `what` on an error code."""
+    lb = native.lib()
+    if device.type == "cuda":
+        code = getattr(lb, f"specter_cuda_{name}")(*args, _stream(device))
+    else:
+        code = getattr(lb, f"specter_{name}")(*args, torch.get_num_threads())
+    native.check(code, what)
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -137,14 +155,9 @@ class QuantizedTensor:
             raise SpecterError(f"rows() needs a 2-D tensor, not shape {self.shape}")
         idx = ids.to(self.device, torch.int32).contiguous()
         out = torch.empty((*ids.shape, self.shape[1]), dtype=torch.float32, device=self.device)
-        lb = native.lib()
         args = (self.ggml_type, _ptr(self.data), self.shape[0], self.shape[1], _ptr(idx, "int32_t *"), idx.numel(),
                 _ptr(out, "float *"))
-        if self.device.type == "cuda":
-            code = lb.specter_cuda_get_rows(*args, _stream(self.device))
-        else:
-            code = lb.specter_get_rows(*args, torch.get_num_threads())
-        native.check(code, "embedding rows")
+        _call("get_rows", args, self.device, "embedding rows")
         return out
 
     def __getitem__(self, index: Any) -> Any:
@@ -180,9 +193,22 @@ def qmatmul(x: torch.Tensor, w: QuantizedTensor | torch.Tensor, algo: int = ALGO
     On CUDA, m = rows of x <= GEMV_MAX_ROWS runs the GEMV kernel (weights decoded in registers, fp32 FMA: each
     output row then depends only on its own input row, whatever m is), larger m the tiled f16 tensor-core kernel
     (x rounded to f16); `algo` forces one of them."""
+    return _matmul(x, w, int(algo), swiglu=False)
+
+
+def qmatmul_swiglu(x: torch.Tensor, w: QuantizedTensor | torch.Tensor) -> torch.Tensor:
+    """`silu(x @ gate.T) * (x @ up.T)` in float32 for w = `[gate; up]` (`[2n, k]`, gate and up stacked): a
+    feed-forward's SwiGLU in one pass over the weights, on the GEMV kernel (as `qmatmul` with ALGO_GEMV)."""
+    if w.shape[0] % 2:
+        raise SpecterError(f"qmatmul_swiglu needs gate and up stacked (an even row count), not shape {tuple(w.shape)}")
+    return _matmul(x, w, ALGO_GEMV, swiglu=True)
+
+
+def _matmul(x: torch.Tensor, w: QuantizedTensor | torch.Tensor, algo: int, swiglu: bool) -> torch.Tensor:
     if w.ndim != 2:
         raise SpecterError(f"qmatmul needs a 2-D weight, not shape {tuple(w.shape)}")
     n, k = w.shape
+    n = n // 2 if swiglu else n
     if x.shape[-1] != k:
         raise SpecterError(f"qmatmul: x has {x.shape[-1]} columns, the weight {k}")
     w_type, w_data = (w.ggml_type, w.data) if isinstance(w, QuantizedTensor) else (_ggml_type_of(w), _aligned(w))
@@ -195,14 +221,76 @@ def qmatmul(x: torch.Tensor, w: QuantizedTensor | torch.Tensor, algo: int = ALGO
     x2 = _aligned(x2)
     m = x2.shape[0]
     y = torch.empty((m, n), dtype=torch.float32, device=w.device)
-    lb = native.lib()
-    args = (w_type, _ptr(w_data), n, k, FLOAT_TYPES[x2.dtype], _ptr(x2), m, _ptr(y, "float *"), int(algo))
-    if w.device.type == "cuda":
-        code = lb.specter_cuda_qmatmul(*args, _stream(w.device))
-    else:
-        code = lb.specter_qmatmul(*args, torch.get_num_threads())
-    native.check(code, f"qmatmul (ggml type {w_type}, [{m}, {k}] x [{n}, {k}]^T)")
+    args = (w_type, _ptr(w_data), n, k, FLOAT_TYPES[x2.dtype], _ptr(x2), m, _ptr(y, "float *"))
+    name = "qmatmul_swiglu" if swiglu else "qmatmul"
+    _call(name, args if swiglu else (*args, algo), w.device,
+          f"{name} (ggml type {w_type}, [{m}, {k}] x {tuple(w.shape)}^T)")
     return y.reshape(*lead, n)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None,
+             bias: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """RMS norm over the last dimension of float32 x `[..., n]` times `weight` (plus `bias`); with `delta`, of the
+    residual sum x + delta, which is returned too: (x + delta or None, normed). One kernel on CUDA."""
+    n = x.shape[-1]
+    xs = x.float().contiguous()
+    ds = None if delta is None else delta.float().contiguous()
+    wt, bs = weight.float().contiguous(), None if bias is None else bias.float().contiguous()
+    if ds is not None and ds.shape != xs.shape:
+        raise SpecterError(f"rms_norm: delta {tuple(ds.shape)} does not match x {tuple(xs.shape)}")
+    y = torch.empty_like(xs)
+    total = torch.empty_like(xs) if ds is not None else None
+    p = _float_ptr
+    args = (p(xs), p(ds), p(wt), p(bs), xs.numel() // max(n, 1), n, float(eps), p(total), p(y))
+    _call("rms_norm", args, x.device, f"rms_norm (rows of {n})")
+    return total, y
+
+
+def moe_topk(logits: torch.Tensor, top_k: int, normalize: bool = False,
+             scale: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax routing of logits `[T, n_expert]` (float32; rows may be strided, e.g. a slice of a wider product):
+    the `top_k` experts by logit, descending (ties: lower index first), as int32 ids `[T, top_k]`, and their
+    softmax probabilities `[T, top_k]` (float32), renormalized to sum 1 when `normalize`, then times `scale`
+    unless it is 0 or 1. One kernel on CUDA."""
+    if logits.ndim != 2 or logits.dtype != torch.float32 or logits.stride(1) != 1:
+        raise SpecterError(f"moe_topk needs float32 logits [T, n_expert] with contiguous rows, not "
+                           f"{logits.dtype} {tuple(logits.shape)}")
+    T, n_expert = logits.shape
+    ids = torch.empty((T, top_k), dtype=torch.int32, device=logits.device)
+    weights = torch.empty((T, top_k), dtype=torch.float32, device=logits.device)
+    args = (_ptr(logits, "float *"), T, n_expert, logits.stride(0) if T > 1 else n_expert, top_k, int(normalize),
+            float(scale), _ptr(ids, "int32_t *"), _ptr(weights, "float *"))
+    _call("moe_topk", args, logits.device, f"moe_topk (top {top_k} of {n_expert} experts)")
+    return ids, weights
+
+
+def rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: tuple[torch.Tensor | None, ...],
+            cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, head_dim: int, rope_dim: int, neox: bool,
+            k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """The attention inputs of T tokens in one kernel: q `[T, n_head * head_dim]`, k, v `[T, n_head_kv *
+    head_dim]` (float32, contiguous rows) plus their biases (`bias` = (q, k, v), None: none); the first
+    `rope_dim` features of each head of q and k rotated by the angles of positions `pos` (int64 `[T]`) from the
+    tables cos, sin `[n_pos, ..., rope_dim/2]` (neox: pairs (i, i + rope_dim/2), else (2i, 2i+1)); k and v
+    stored at those positions of k_cache, v_cache `[n_head_kv, capacity, head_dim]`. Returns q as
+    `[n_head, T, head_dim]` in the caches' dtype (float16 or float32)."""
+    T = q.shape[0]
+    n_head, n_head_kv = q.shape[1] // head_dim, k.shape[1] // head_dim
+    dtype = k_cache.dtype
+    if dtype not in (torch.float16, torch.float32) or v_cache.dtype != dtype:
+        raise SpecterError(f"rope_kv: the KV cache must be float16 or float32, not {k_cache.dtype}/{v_cache.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()):
+        raise SpecterError("rope_kv: the KV cache and the RoPE tables must be contiguous")
+    rows = [t if t.dtype == torch.float32 and t.stride(-1) == 1 else t.float().contiguous() for t in (q, k, v)]
+    biases = [None if b is None else b.float().contiguous() for b in bias]
+    q_out = torch.empty((n_head, T, head_dim), dtype=dtype, device=q.device)
+    strides = [r.stride(0) if T > 1 else r.shape[1] for r in rows]
+    p = _float_ptr
+    args = (p(rows[0]), strides[0], p(rows[1]), strides[1], p(rows[2]), strides[2], *(p(b) for b in biases), T,
+            n_head, n_head_kv, head_dim, rope_dim, int(neox), p(cos), p(sin), cos.shape[0], _ptr(pos, "int64_t *"),
+            FLOAT_TYPES[dtype], _ptr(q_out), _ptr(k_cache), _ptr(v_cache), k_cache.shape[1])
+    _call("rope_kv", args, q.device,
+          f"rope_kv (T={T}, {n_head}/{n_head_kv} heads of {head_dim}: a position outside the KV cache?)")
+    return q_out
 
 
 @dataclass
@@ -309,12 +397,7 @@ def moe_ffn(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     n_expert = table.n_expert
     gp, upp, dp = (p + i * n_expert for i in range(3))
     gt, ut, dt = table.types
-    lb = native.lib()
     args = (_ptr(x32, "float *"), T, d, _ptr(ids32, "int32_t *"), _ptr(w32, "float *"), top_k, n_expert, table.n_ff,
             gp, gt, upp, ut, dp, dt, _ptr(workspace), workspace.numel(), _ptr(out, "float *"), int(accumulate))
-    if dev.type == "cuda":
-        code = lb.specter_cuda_moe_ffn(*args, _stream(dev))
-    else:
-        code = lb.specter_moe_ffn(*args, torch.get_num_threads())
-    native.check(code, f"moe_ffn (types {table.types}, T={T}, top_k={top_k})")
+    _call("moe_ffn", args, dev, f"moe_ffn (types {table.types}, T={T}, top_k={top_k})")
     return out

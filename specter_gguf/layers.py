@@ -18,15 +18,21 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specter_gguf.config import ModelConfig
 from specter_gguf.errors import SpecterError
-from specter_gguf.kernels import GEMV_MAX_ROWS, ExpertTable, QuantizedTensor, moe_ffn, qmatmul
+from specter_gguf.kernels import (GEMV_MAX_ROWS, ExpertTable, QuantizedTensor, moe_ffn, moe_topk, qmatmul,
+                                  qmatmul_swiglu, rms_norm, rope_kv)
+
+
+def _gemv(x: torch.Tensor, w: torch.Tensor | QuantizedTensor) -> bool:
+    """Whether x @ w.T runs on the native GEMV: few rows of x, and a quantized weight or one on CUDA (where
+    cuBLAS would run a GEMM plus a split-K reduction: 14 us for the reduction of a 60-expert router alone,
+    measured on the H200)."""
+    return x.numel() <= GEMV_MAX_ROWS * x.shape[-1] and (isinstance(w, QuantizedTensor) or w.is_cuda)
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor | QuantizedTensor) -> torch.Tensor:
     """x @ w.T in float32 out; w is [out, in] as GGUF stores it. A quantized weight runs on the native kernels
-    in its GGUF encoding (fp32 accumulation), a float one through torch, except few rows of x on CUDA: the
-    native GEMV there too, where cuBLAS runs a GEMM plus a split-K reduction (measured on the H200: 14 us for the
-    reduction of a 60-expert router alone)."""
-    if isinstance(w, QuantizedTensor) or (w.is_cuda and x.numel() <= GEMV_MAX_ROWS * x.shape[-1]):
+    in its GGUF encoding (fp32 accumulation), a float one through torch unless `_gemv` says otherwise."""
+    if isinstance(w, QuantizedTensor) or _gemv(x, w):
         return qmatmul(x, w)
     dtype = w.dtype if w.is_cuda else torch.float32
     return F.linear(x.to(dtype), w.to(dtype)).float()
@@ -92,6 +98,13 @@ class Projections:
         """The maps of one stored matrix whose rows are the maps' outputs one after another."""
         return cls([linear], [list(sizes)])
 
+    def unbiased(self) -> tuple[Projections, list[torch.Tensor | None]]:
+        """The same products without biases, and each map's bias (float32; None: none) to add elsewhere."""
+        biases: list[torch.Tensor | None] = []
+        for linear, sizes in zip(self.products, self.sizes):
+            biases.extend(linear.bias.float().split(sizes) if linear.bias is not None else [None] * len(sizes))
+        return Projections([Linear(linear.weight) for linear in self.products], self.sizes), biases
+
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []
         for linear, sizes in zip(self.products, self.sizes):
@@ -107,8 +120,11 @@ class RMSNorm:
     bias: torch.Tensor | None = None  # added after the weight (llama.cpp's phimoe: RMS norm with a bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
-        return y if self.bias is None else y + self.bias.float()
+        return rms_norm(x, self.weight, self.eps, bias=self.bias)[1]
+
+    def add(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, the norm of it) in one pass: a block's residual add and the norm that follows it."""
+        return rms_norm(x, self.weight, self.eps, delta=delta, bias=self.bias)
 
 
 @dataclass
@@ -134,12 +150,18 @@ class Rope:
         angles = (positions.double()[:, None] * self.freq_scale) * inv_freq[None, :]  # [T, dim/2]
         return angles.cos().float()[:, None, :], angles.sin().float()[:, None, :]
 
-    def __call__(self, x: torch.Tensor, at: Positions) -> torch.Tensor:
-        """Rotate x [T, heads, head_dim] of the tokens at positions `at.ids`."""
-        if self._cos is None or self._cos.shape[0] < at.keys or self._cos.device != x.device:
-            capacity = max(at.keys, 2 * (0 if self._cos is None else self._cos.shape[0]), 256)
-            self._cos, self._sin = self.tables(torch.arange(capacity, device=x.device))
+    def table(self, n_pos: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [capacity, 1, dim/2] of positions 0 .. capacity-1, capacity >= n_pos (grown on demand)."""
+        if self._cos is None or self._cos.shape[0] < n_pos or self._cos.device != device:
+            capacity = max(n_pos, 2 * (0 if self._cos is None else self._cos.shape[0]), 256)
+            self._cos, self._sin = self.tables(torch.arange(capacity, device=device))
             self._at = None
+        return self._cos, self._sin
+
+    def __call__(self, x: torch.Tensor, at: Positions) -> torch.Tensor:
+        """Rotate x [T, heads, head_dim] of the tokens at positions `at.ids` (attention that caches per-head keys
+        rotates inside the `rope_kv` kernel instead)."""
+        self.table(at.keys, x.device)
         if self._at is not at:  # gathered once per forward, shared by every layer (and q and k)
             cos, sin = self._cos[at.ids], self._sin[at.ids]
             self._at, self._cos_at, self._sin_at = at, _pairs(cos, cos, self.neox), _pairs(-sin, sin, self.neox)
@@ -181,6 +203,17 @@ class Positions:
     ids: torch.Tensor
     keys: int
     mask: torch.Tensor | None
+    _bias: torch.Tensor | None = field(default=None, init=False, repr=False)
+
+    def attn_bias(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The mask as an additive bias (0 or -inf) in `dtype`, made once per forward (sdpa would convert a
+        boolean mask in every layer)."""
+        if self.mask is None:
+            return None
+        if self._bias is None or self._bias.dtype != dtype:
+            self._bias = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device).masked_fill_(
+                ~self.mask, float("-inf"))
+        return self._bias
 
     @classmethod
     def at(cls, pos: int, T: int, device: torch.device) -> Positions:
@@ -237,11 +270,17 @@ class KVCache:
                 store[i] = new
         return True
 
+    def storage(self, layer: int, at: Positions) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s key and value storage [heads, capacity, head_dim], with room for the positions of `at`
+        (for a kernel that writes them in place)."""
+        self.check_fits(at.keys)
+        self.reserve(at.keys)
+        return self.k[layer], self.v[layer]
+
     def update(self, layer: int, at: Positions, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v ([T, heads, head_dim]) at positions `at.ids` and return the keys/values attention reads
         (positions 0 .. at.keys-1)."""
-        self.check_fits(at.keys)
-        self.reserve(at.keys)
+        self.storage(layer, at)
         self.k[layer].index_copy_(1, at.ids, k.transpose(0, 1).to(self.dtype))
         self.v[layer].index_copy_(1, at.ids, v.transpose(0, 1).to(self.dtype))
         return self.k[layer][:, :at.keys], self.v[layer][:, :at.keys]
@@ -253,7 +292,8 @@ class KVCache:
 @dataclass
 class Attention:
     """Grouped-query attention; optional RMSNorm of q and k, either per head (weight of head_dim) or over
-    all heads at once (weight of heads*head_dim), as the weight's size says."""
+    all heads at once (weight of heads*head_dim), as the weight's size says. The q/k/v biases, RoPE and the KV
+    cache store run in one kernel (`rope_kv`), unless a q/k norm needs the biases first."""
 
     n_head: int
     n_head_kv: int
@@ -263,6 +303,11 @@ class Attention:
     rope: Rope
     q_norm: RMSNorm | None = None
     k_norm: RMSNorm | None = None
+    bias: list[torch.Tensor | None] = field(default_factory=lambda: [None, None, None], init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.q_norm is None:
+            self.qkv, self.bias = self.qkv.unbiased()
 
     def __call__(self, x: torch.Tensor, layer: int, at: Positions, cache: KVCache) -> torch.Tensor:
         T = x.shape[0]
@@ -270,14 +315,15 @@ class Attention:
         if self.q_norm is not None:
             q = self.q_norm(q.view(T, -1, self.q_norm.weight.numel())).view(T, -1)
             k = self.k_norm(k.view(T, -1, self.k_norm.weight.numel())).view(T, -1)
-        q = self.rope(q.view(T, self.n_head, self.head_dim), at)
-        k = self.rope(k.view(T, self.n_head_kv, self.head_dim), at)
-        keys, values = cache.update(layer, at, k, v.view(T, self.n_head_kv, self.head_dim))
+        k_store, v_store = cache.storage(layer, at)
+        cos, sin = self.rope.table(at.keys, x.device)
+        q = rope_kv(q, k, v, self.bias, cos, sin, at.ids, self.head_dim, self.rope.dim, self.rope.neox, k_store,
+                    v_store)  # [n_head, T, head_dim] in the cache's dtype
+        keys, values = k_store[:, :at.keys], v_store[:, :at.keys]
         group = self.n_head // self.n_head_kv
         if group > 1:
             keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
-        out = sdpa(q.transpose(0, 1).to(keys.dtype)[None], keys[None], values[None], at.mask,
-                   1.0 / math.sqrt(self.head_dim))
+        out = sdpa(q[None], keys[None], values[None], at.attn_bias(keys.dtype), 1.0 / math.sqrt(self.head_dim))
         return self.wo(out[0].transpose(0, 1).reshape(T, -1))
 
 
@@ -298,8 +344,13 @@ class FeedForward:
                    down)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x)
-        return matmul(F.silu(gate) * up, self.down)
+        stacked = self.gate_up.products[0] if len(self.gate_up.products) == 1 else None
+        if stacked is not None and stacked.bias is None and _gemv(x, stacked.weight):
+            act = qmatmul_swiglu(x, stacked.weight)  # one kernel for gate, up and silu(gate) * up
+        else:
+            gate, up = self.gate_up(x)
+            act = F.silu(gate) * up
+        return matmul(act, self.down)
 
 
 @dataclass
@@ -313,13 +364,11 @@ class Router:
     scale: float = 0.0
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        probs = torch.softmax(matmul(x, self.weight), dim=-1)
-        weights, ids = torch.topk(probs, self.n_used, dim=-1)
-        if self.normalize:
-            weights = weights / weights.sum(-1, keepdim=True).clamp(min=6.103515625e-5)
-        if self.scale not in (0.0, 1.0):
-            weights = weights * self.scale
-        return ids, weights
+        return self.route(matmul(x, self.weight))
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert ids [T, n_used] (int32) and weights [T, n_used] for router logits [T, n_expert]."""
+        return moe_topk(logits, self.n_used, self.normalize, self.scale)
 
 
 class Experts(Protocol):
@@ -393,18 +442,33 @@ class MoE:
     observers: list[RoutingObserver]
     shared: FeedForward | None = None
     shared_gate: torch.Tensor | None = None  # [1, n_embd]: sigmoid gate of the shared expert (qwen2moe)
+    _gates: torch.Tensor | QuantizedTensor | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # the shared expert's gate as one more row of the router's product when their types allow (one matrix
+        # product instead of two); the router keeps a view of its rows
+        n_expert = self.router.weight.shape[0]
+        stacked = _stack(Linear(self.router.weight), Linear(self.shared_gate)) if self.shared_gate is not None else None
+        if stacked is not None:
+            self._gates = stacked.weight
+            self.router.weight = self._gates[:n_expert]
+        else:
+            self._gates = self.router.weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.router(x)
+        n_expert = self.router.weight.shape[0]
+        logits = matmul(x, self._gates)  # [T, n_expert (+ 1)]
+        ids, weights = self.router.route(logits[:, :n_expert])
         for observe in self.observers:
             observe(self.layer, ids, weights)
         out = self.experts(x, ids, weights)
-        if self.shared is not None:
-            shared = self.shared(x)
-            if self.shared_gate is not None:
-                shared = shared * torch.sigmoid(matmul(x, self.shared_gate))
-            out = out + shared
-        return out
+        if self.shared is None:
+            return out
+        shared = self.shared(x)
+        if self.shared_gate is None:
+            return out + shared
+        gate = logits[:, n_expert:] if logits.shape[1] > n_expert else matmul(x, self.shared_gate)
+        return torch.addcmul(out, shared, torch.sigmoid(gate))
 
 
 # ---- issue 6 (deepseek2, phimoe): scaled RoPE, latent attention, routing variants -----------------------
@@ -452,11 +516,11 @@ class ScaledRope(Rope):
             mscale *= 1.0 + 0.1 * math.log(1.0 / self.freq_scale)
         return (theta.cos() * mscale).float()[:, None, :], (theta.sin() * mscale).float()[:, None, :]
 
-    def __call__(self, x: torch.Tensor, at: Positions) -> torch.Tensor:
+    def table(self, n_pos: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._cos is not None and self._tables_long != self._long():  # the context size changed the factors
             self._cos = self._sin = None
         self._tables_long = self._long()
-        return super().__call__(x, at)
+        return super().table(n_pos, device)
 
 
 def rope_for(cfg: ModelConfig, neox: bool, dim: int | None = None, freq_factors: torch.Tensor | None = None,
@@ -521,7 +585,7 @@ class LatentAttention:
         keys, _ = cache.update(layer, at, entry, entry[..., :0])
         keys = keys[None]                                                         # [1, 1, L, r + n_rot]
         qq = torch.cat([q_abs, q_pe], dim=-1).transpose(0, 1)[None].to(keys.dtype)  # [1, H, T, r + n_rot]
-        out = sdpa(qq, keys.expand(1, H, -1, -1), keys[..., :r].expand(1, H, -1, -1), at.mask,
+        out = sdpa(qq, keys.expand(1, H, -1, -1), keys[..., :r].expand(1, H, -1, -1), at.attn_bias(keys.dtype),
                    self.kq_scale)[0].float()  # [H, T, r]
         out = torch.stack([matmul(out[h], self.wv_b[h]) for h in range(H)], dim=1)  # [T, H, v_head]
         return self.wo(out.reshape(T, -1))
@@ -539,8 +603,7 @@ class SelectingRouter(Router):
     n_groups: int = 0
     n_group_used: int = 0
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = matmul(x, self.weight)
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         probs = torch.sigmoid(logits) if self.gating == "sigmoid" else torch.softmax(logits, dim=-1)
         select = probs if self.selection_bias is None else probs + self.selection_bias.float()
         if self.n_groups > 1:
@@ -567,8 +630,8 @@ class Block:
     ffn: MoE | FeedForward
 
     def __call__(self, x: torch.Tensor, at: Positions, cache: KVCache) -> torch.Tensor:
-        h = x + self.attn(self.attn_norm(x), self.layer, at, cache)
-        return h + self.ffn(self.ffn_norm(h))
+        h, normed = self.ffn_norm.add(x, self.attn(self.attn_norm(x), self.layer, at, cache))
+        return h + self.ffn(normed)
 
 
 @dataclass

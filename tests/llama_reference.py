@@ -185,9 +185,8 @@ def parity_tokens(m: Model, n: int, llm: llama_cpp.Llama | None = None, fixed: l
     return prompt + extra + [int(t) for t in rng.integers(0, m.config.n_vocab, n - len(prompt) - len(extra))]
 
 
-def _router_probs(r: layers.Router, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weight probabilities, selection scores) as the router computes them."""
-    logits = layers.matmul(x, r.weight)
+def _router_probs(r: layers.Router, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight probabilities, selection scores) as the router computes them from its logits."""
     sig = isinstance(r, layers.SelectingRouter) and r.gating == "sigmoid"
     probs = torch.sigmoid(logits) if sig else torch.softmax(logits, dim=-1)
     bias = getattr(r, "selection_bias", None)
@@ -216,14 +215,20 @@ def run_routed(m: Model, tokens: list[int], force: Mapping[int, np.ndarray] | No
     moes = [b.ffn for b in m.transformer.blocks if isinstance(b.ffn, layers.MoE)]
     originals = [moe.router for moe in moes]
 
-    def make(r: layers.Router, layer: int) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-        def route(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            probs, sel = _router_probs(r, x)
+    class Recording:
+        """The layer's router, recording its choices and margins (or forcing `force`'s experts)."""
+
+        def __init__(self, r: layers.Router, layer: int) -> None:
+            self.r, self.layer, self.weight = r, layer, r.weight
+
+        def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            r, layer = self.r, self.layer
+            probs, sel = _router_probs(r, logits)
             margins[layer] = _router_margins(r, sel.cpu()).numpy()
             if force is None:
-                ids, w = r(x)
+                ids, w = r.route(logits)
             else:
-                ids = torch.as_tensor(force[layer], device=x.device)
+                ids = torch.as_tensor(force[layer], device=logits.device)
                 w = probs.gather(1, ids)
                 if r.normalize:
                     w = w / w.sum(-1, keepdim=True)
@@ -231,10 +236,9 @@ def run_routed(m: Model, tokens: list[int], force: Mapping[int, np.ndarray] | No
                     w = w * r.scale
             seen[layer] = ids.cpu().numpy().copy()
             return ids, w
-        return route
 
     for moe in moes:
-        moe.router = make(moe.router, moe.layer)
+        moe.router = Recording(moe.router, moe.layer)
     try:
         logits = m.logits(tokens)
     finally:

@@ -1,5 +1,6 @@
 /*
- * specter_kernels.h - matrix kernels over GGUF-typed weights (libspecter).
+ * specter_kernels.h - matrix kernels over GGUF-typed weights, and the small fused ops around them in a
+ * decode step (MoE routing, RoPE + KV cache store) (libspecter).
  *
  * Every operation has a CPU entry point (specter_*) and a CUDA one (specter_cuda_*) with the same
  * data arguments; the last argument differs: `n_threads` (CPU threads, <= 0: all cores) for the
@@ -59,6 +60,65 @@ SPECTER_API int specter_qmatmul(int w_type, const void * w, int64_t n, int64_t k
 SPECTER_API int specter_cuda_qmatmul(int w_type, const void * w, int64_t n, int64_t k,
                                      int x_type, const void * x, int64_t m, float * y,
                                      int algo, void * stream);
+
+/* Y[m, n] = silu(X . G^T) * (X . U^T), the SwiGLU of a feed-forward in one pass over the weights: w is [2n, k],
+ * the gate's n rows followed by the up projection's n rows (stacked once at load). Otherwise as specter_qmatmul
+ * with the GEMV algorithm (any m; each row of y depends only on the same row of x). */
+SPECTER_API int specter_qmatmul_swiglu(int w_type, const void * w, int64_t n, int64_t k,
+                                       int x_type, const void * x, int64_t m, float * y, int n_threads);
+SPECTER_API int specter_cuda_qmatmul_swiglu(int w_type, const void * w, int64_t n, int64_t k,
+                                            int x_type, const void * x, int64_t m, float * y, void * stream);
+
+/* ---- RMS norm, optionally of a residual sum ---------------------------------------------------- */
+
+/* For each of n_rows rows of n float32 values (contiguous): s = x + delta (delta NULL: s = x), written to `sum`
+ * unless it is NULL; y = s / sqrt(mean(s^2) + eps) * weight [n] (+ bias [n], NULL: none). The residual add and
+ * the norm of a transformer block in one pass. y may alias x or delta; sum may too. */
+SPECTER_API int specter_rms_norm(const float * x, const float * delta, const float * weight, const float * bias,
+                                 int64_t n_rows, int64_t n, float eps, float * sum, float * y, int n_threads);
+SPECTER_API int specter_cuda_rms_norm(const float * x, const float * delta, const float * weight,
+                                      const float * bias, int64_t n_rows, int64_t n, float eps, float * sum,
+                                      float * y, void * stream);
+
+/* ---- MoE routing: softmax over the experts, top-k ------------------------------------------ */
+
+/* For each of the n_tokens rows of `logits` (row t at logits + t * row_stride, n_expert float32 values): the
+ * top_k experts by logit in descending order (ties: lower index first) -> ids [n_tokens, top_k]; their softmax
+ * probabilities over all n_expert -> weights [n_tokens, top_k], divided by their sum (at least
+ * 6.103515625e-5, as llama.cpp) when `normalize`, then multiplied by `scale` unless it is 0 or 1.
+ * 1 <= top_k <= n_expert. NaN logits are never chosen: a slot left without a candidate gets id -1, weight 0. */
+SPECTER_API int specter_moe_topk(const float * logits, int64_t n_tokens, int64_t n_expert, int64_t row_stride,
+                                 int64_t top_k, int normalize, float scale, int32_t * ids, float * weights,
+                                 int n_threads);
+SPECTER_API int specter_cuda_moe_topk(const float * logits, int64_t n_tokens, int64_t n_expert,
+                                      int64_t row_stride, int64_t top_k, int normalize, float scale,
+                                      int32_t * ids, float * weights, void * stream);
+
+/* ---- attention inputs: biases, RoPE, the KV cache ------------------------------------------ */
+
+/* For n_tokens tokens: q [T, n_head * head_dim], k and v [T, n_head_kv * head_dim], float32, token t's row at
+ * q + t * q_stride (k_stride, v_stride); biases q_bias [n_head * head_dim], k_bias, v_bias (NULL: none) are added
+ * first. The first rope_dim features (even, <= head_dim) of every head of q and k are rotated by the angles of
+ * the token's position p = pos[t]: pairs (i, i + rope_dim/2) when `neox`, else (2i, 2i+1), pair i by angle i
+ * with cos[p * rope_dim/2 + i] and sin[...] (float32 tables of n_pos positions); the other features pass
+ * through. Writes q to q_out [n_head, T, head_dim] and k, v to row p of k_cache and v_cache
+ * [n_head_kv, capacity, head_dim]; q_out and the caches are of out_type, SPECTER_TYPE_F32 or SPECTER_TYPE_F16
+ * (rounded to nearest). pos: int64 [T]. A position outside [0, min(n_pos, capacity)) is
+ * SPECTER_ERR_INVALID_ARG on the CPU; on CUDA (pos in device memory, unread by the host) nothing of that
+ * token is written. */
+SPECTER_API int specter_rope_kv(const float * q, int64_t q_stride, const float * k, int64_t k_stride,
+                                const float * v, int64_t v_stride, const float * q_bias, const float * k_bias,
+                                const float * v_bias, int64_t n_tokens, int64_t n_head, int64_t n_head_kv,
+                                int64_t head_dim, int64_t rope_dim, int neox, const float * cos,
+                                const float * sin, int64_t n_pos, const int64_t * pos, int out_type,
+                                void * q_out, void * k_cache, void * v_cache, int64_t capacity, int n_threads);
+SPECTER_API int specter_cuda_rope_kv(const float * q, int64_t q_stride, const float * k, int64_t k_stride,
+                                     const float * v, int64_t v_stride, const float * q_bias,
+                                     const float * k_bias, const float * v_bias, int64_t n_tokens,
+                                     int64_t n_head, int64_t n_head_kv, int64_t head_dim, int64_t rope_dim,
+                                     int neox, const float * cos, const float * sin, int64_t n_pos,
+                                     const int64_t * pos, int out_type, void * q_out, void * k_cache,
+                                     void * v_cache, int64_t capacity, void * stream);
 
 /* ---- grouped MoE feed-forward ------------------------------------------------------------ */
 

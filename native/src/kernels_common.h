@@ -34,6 +34,54 @@ inline int check_qmatmul(int w_type, const void * w, int64_t n, int64_t k, int x
     return SPECTER_OK;
 }
 
+inline int check_rms_norm(const float * x, const float * weight, int64_t n_rows, int64_t n, float eps, const float * y) {
+    if (n_rows < 0 || n < 1 || !(eps >= 0.0f) || n_rows * n >= (int64_t(1) << 40)) return SPECTER_ERR_INVALID_ARG;
+    if (n_rows > 0 && (!x || !weight || !y)) return SPECTER_ERR_INVALID_ARG;
+    return SPECTER_OK;
+}
+
+inline int check_topk(const float * logits, int64_t n_tokens, int64_t n_expert, int64_t row_stride, int64_t top_k,
+                      const int32_t * ids, const float * weights) {
+    if (n_tokens < 0 || n_expert < 1 || top_k < 1 || top_k > n_expert || row_stride < n_expert) return SPECTER_ERR_INVALID_ARG;
+    if (n_tokens > (int64_t(1) << 30) || n_expert > (int64_t(1) << 24)) return SPECTER_ERR_INVALID_ARG;
+    if (n_tokens > 0 && (!logits || !ids || !weights)) return SPECTER_ERR_INVALID_ARG;
+    return SPECTER_OK;
+}
+
+// The arguments of specter_rope_kv / specter_cuda_rope_kv (one struct for the checks and the kernels).
+struct RopeKvArgs {
+    const float *q, *k, *v;
+    int64_t q_stride, k_stride, v_stride;
+    const float *q_bias, *k_bias, *v_bias;
+    int64_t n_tokens, n_head, n_head_kv, head_dim, rope_dim;
+    int neox;
+    const float *cos, *sin;
+    int64_t n_pos;
+    const int64_t * pos;
+    int out_type;
+    void *q_out, *k_cache, *v_cache;
+    int64_t capacity;
+};
+
+inline int check_rope_kv(const RopeKvArgs & a) {
+    if (a.out_type != SPECTER_TYPE_F32 && a.out_type != SPECTER_TYPE_F16) return SPECTER_ERR_UNSUPPORTED_TYPE;
+    if (a.n_tokens < 0 || a.n_head < 0 || a.n_head_kv < 0 || a.head_dim < 0 || a.n_pos < 0 || a.capacity < 0)
+        return SPECTER_ERR_INVALID_ARG;
+    if (a.head_dim % 2 || a.rope_dim < 0 || a.rope_dim % 2 || a.rope_dim > a.head_dim) return SPECTER_ERR_INVALID_ARG;
+    if (a.q_stride < a.n_head * a.head_dim || a.k_stride < a.n_head_kv * a.head_dim ||
+        a.v_stride < a.n_head_kv * a.head_dim)
+        return SPECTER_ERR_INVALID_ARG;
+    const int64_t big = int64_t(1) << 31;
+    if (a.n_tokens * a.q_stride >= big || a.n_head * a.n_tokens * a.head_dim >= big ||
+        a.n_head_kv * a.capacity * a.head_dim >= big)
+        return SPECTER_ERR_INVALID_ARG;
+    if (a.n_tokens == 0) return SPECTER_OK;
+    if (!a.pos || (a.n_head > 0 && (!a.q || !a.q_out)) || (a.n_head_kv > 0 && (!a.k || !a.v || !a.k_cache || !a.v_cache)))
+        return SPECTER_ERR_INVALID_ARG;
+    if (a.rope_dim > 0 && (!a.cos || !a.sin)) return SPECTER_ERR_INVALID_ARG;
+    return SPECTER_OK;
+}
+
 constexpr size_t kWsAlign = 256;
 inline size_t ws_round(size_t b) { return (b + kWsAlign - 1) / kWsAlign * kWsAlign; }
 

@@ -84,6 +84,40 @@ int guarded(Fn fn) {
 
 inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
 
+// y = x . w^T, or with `swiglu` y = silu(x . gate^T) * (x . up^T) for w = [gate; up] of 2n rows.
+int qmatmul(int w_type, const void * w, int64_t n, int64_t k, int x_type, const void * x, int64_t m, float * y,
+            bool swiglu, int n_threads) {
+    const TypeInfo * t = nullptr;
+    const int rc = check_qmatmul(w_type, w, swiglu ? 2 * n : n, k, x_type, x, m, y, &t);
+    if (rc != SPECTER_OK) return rc;
+    if (m == 0 || n == 0) return SPECTER_OK;
+    return guarded([&] {
+        std::vector<float> xf;
+        const float * xs = static_cast<const float *>(x);
+        if (x_type == SPECTER_TYPE_F16) {
+            xf.resize(size_t(m * k));
+            const uint16_t * h = static_cast<const uint16_t *>(x);
+            for (int64_t i = 0; i < m * k; ++i) xf[size_t(i)] = half_to_float(h[i]);
+            xs = xf.data();
+        }
+        const int64_t rb = row_bytes(*t, k);
+        const uint8_t * ws = static_cast<const uint8_t *>(w);
+        const int64_t per = std::max<int64_t>(1, rows_per_thread(swiglu ? 2 * k : k) / std::max<int64_t>(1, m));
+        parallel_for(n, n_threads, per, [&](int64_t b, int64_t e) {
+            std::vector<float> row(size_t(k) + 1), up(swiglu ? size_t(k) + 1 : 0);
+            for (int64_t r = b; r < e; ++r) {
+                dequantize_rows_f32(*t, ws + r * rb, row.data(), 1, k);
+                if (swiglu) dequantize_rows_f32(*t, ws + (n + r) * rb, up.data(), 1, k);
+                for (int64_t i = 0; i < m; ++i) {
+                    const float g = dot_f32(row.data(), xs + i * k, k);
+                    y[i * n + r] = swiglu ? silu(g) * dot_f32(up.data(), xs + i * k, k) : g;
+                }
+            }
+        });
+        return SPECTER_OK;
+    });
+}
+
 }  // namespace
 }  // namespace specter
 
@@ -119,31 +153,12 @@ int specter_get_rows(int type, const void * src, int64_t n_rows, int64_t row_len
 int specter_qmatmul(int w_type, const void * w, int64_t n, int64_t k, int x_type, const void * x, int64_t m,
                     float * y, int algo, int n_threads) {
     (void)algo;
-    const TypeInfo * t = nullptr;
-    const int rc = check_qmatmul(w_type, w, n, k, x_type, x, m, y, &t);
-    if (rc != SPECTER_OK) return rc;
-    if (m == 0 || n == 0) return SPECTER_OK;
-    return guarded([&] {
-        std::vector<float> xf;
-        const float * xs = static_cast<const float *>(x);
-        if (x_type == SPECTER_TYPE_F16) {
-            xf.resize(size_t(m * k));
-            const uint16_t * h = static_cast<const uint16_t *>(x);
-            for (int64_t i = 0; i < m * k; ++i) xf[size_t(i)] = half_to_float(h[i]);
-            xs = xf.data();
-        }
-        const int64_t rb = row_bytes(*t, k);
-        const uint8_t * ws = static_cast<const uint8_t *>(w);
-        parallel_for(n, n_threads, std::max<int64_t>(1, rows_per_thread(k) / std::max<int64_t>(1, m)),
-                     [&](int64_t b, int64_t e) {
-                         std::vector<float> row(size_t(k) + 1);
-                         for (int64_t r = b; r < e; ++r) {
-                             dequantize_rows_f32(*t, ws + r * rb, row.data(), 1, k);
-                             for (int64_t i = 0; i < m; ++i) y[i * n + r] = dot_f32(row.data(), xs + i * k, k);
-                         }
-                     });
-        return SPECTER_OK;
-    });
+    return qmatmul(w_type, w, n, k, x_type, x, m, y, false, n_threads);
+}
+
+int specter_qmatmul_swiglu(int w_type, const void * w, int64_t n, int64_t k, int x_type, const void * x, int64_t m,
+                           float * y, int n_threads) {
+    return qmatmul(w_type, w, n, k, x_type, x, m, y, true, n_threads);
 }
 
 int specter_moe_workspace_size(int64_t n_tokens, int64_t top_k, int64_t n_expert, int64_t d_model, int64_t d_ff,
@@ -234,6 +249,124 @@ int specter_moe_ffn(const float * x, int64_t n_tokens, int64_t d_model, const in
                              }
                          }
                      });
+        return SPECTER_OK;
+    });
+}
+
+}  // extern "C"
+
+extern "C" {
+
+int specter_rms_norm(const float * x, const float * delta, const float * weight, const float * bias, int64_t n_rows,
+                     int64_t n, float eps, float * sum, float * y, int n_threads) {
+    const int rc = check_rms_norm(x, weight, n_rows, n, eps, y);
+    if (rc != SPECTER_OK) return rc;
+    return guarded([&] {
+        parallel_for(n_rows, n_threads, std::max<int64_t>(1, kMinElems / n), [&](int64_t b, int64_t e) {
+            std::vector<float> s(static_cast<size_t>(n));
+            for (int64_t r = b; r < e; ++r) {
+                double ss = 0.0;  // as ggml's CPU rms_norm: the sum of squares in double
+                for (int64_t i = 0; i < n; ++i) {
+                    s[size_t(i)] = x[r * n + i] + (delta ? delta[r * n + i] : 0.0f);
+                    ss += double(s[size_t(i)]) * s[size_t(i)];
+                }
+                const float scale = float(1.0 / std::sqrt(ss / double(n) + double(eps)));
+                for (int64_t i = 0; i < n; ++i) {
+                    if (sum) sum[r * n + i] = s[size_t(i)];
+                    y[r * n + i] = s[size_t(i)] * scale * weight[i] + (bias ? bias[i] : 0.0f);
+                }
+            }
+        });
+        return SPECTER_OK;
+    });
+}
+
+int specter_moe_topk(const float * logits, int64_t n_tokens, int64_t n_expert, int64_t row_stride, int64_t top_k,
+                     int normalize, float scale, int32_t * ids, float * weights, int n_threads) {
+    const int rc = check_topk(logits, n_tokens, n_expert, row_stride, top_k, ids, weights);
+    if (rc != SPECTER_OK) return rc;
+    return guarded([&] {
+        parallel_for(n_tokens, n_threads, std::max<int64_t>(1, kMinElems / (n_expert * top_k)),
+                     [&](int64_t b, int64_t e) {
+                         for (int64_t t = b; t < e; ++t) {
+                             const float * l = logits + t * row_stride;
+                             float mx = -INFINITY, sum = 0.0f;
+                             for (int64_t i = 0; i < n_expert; ++i) mx = std::max(mx, l[i]);
+                             for (int64_t i = 0; i < n_expert; ++i) sum += std::exp(l[i] - mx);
+                             // the next expert is the best one ranked after the previous: (logit desc, index asc)
+                             float last_v = INFINITY, wsum = 0.0f;
+                             int64_t last_i = -1;
+                             int32_t * id = ids + t * top_k;
+                             float * wt = weights + t * top_k;
+                             for (int64_t j = 0; j < top_k; ++j) {
+                                 int64_t bi = -1;
+                                 float bv = 0.0f;
+                                 for (int64_t i = 0; i < n_expert; ++i) {
+                                     const float v = l[i];
+                                     if ((v < last_v || (v == last_v && i > last_i)) && (bi < 0 || v > bv)) bv = v, bi = i;
+                                 }
+                                 last_v = bv, last_i = bi;
+                                 id[j] = int32_t(bi);
+                                 wt[j] = bi >= 0 ? std::exp(bv - mx) / sum : 0.0f;
+                                 wsum += wt[j];
+                             }
+                             for (int64_t j = 0; j < top_k; ++j) {
+                                 if (normalize) wt[j] /= std::max(wsum, 6.103515625e-5f);
+                                 if (scale != 0.0f && scale != 1.0f) wt[j] *= scale;
+                             }
+                         }
+                     });
+        return SPECTER_OK;
+    });
+}
+
+int specter_rope_kv(const float * q, int64_t q_stride, const float * k, int64_t k_stride, const float * v,
+                    int64_t v_stride, const float * q_bias, const float * k_bias, const float * v_bias,
+                    int64_t n_tokens, int64_t n_head, int64_t n_head_kv, int64_t head_dim, int64_t rope_dim,
+                    int neox, const float * cos, const float * sin, int64_t n_pos, const int64_t * pos,
+                    int out_type, void * q_out, void * k_cache, void * v_cache, int64_t capacity, int n_threads) {
+    (void)n_threads;  // a few thousand values per token: not worth threads
+    const RopeKvArgs a{q, k, v, q_stride, k_stride, v_stride, q_bias, k_bias, v_bias, n_tokens, n_head, n_head_kv,
+                       head_dim, rope_dim, neox, cos, sin, n_pos, pos, out_type, q_out, k_cache, v_cache, capacity};
+    const int rc = check_rope_kv(a);
+    if (rc != SPECTER_OK) return rc;
+    for (int64_t t = 0; t < n_tokens; ++t)
+        if (pos[t] < 0 || pos[t] >= n_pos || pos[t] >= capacity) return SPECTER_ERR_INVALID_ARG;
+    return guarded([&] {
+        const int64_t half = rope_dim / 2;
+        std::vector<float> h(static_cast<size_t>(head_dim));
+        auto store = [&](void * base, int64_t index) {
+            if (out_type == SPECTER_TYPE_F16) {
+                uint16_t * o = static_cast<uint16_t *>(base) + index;
+                for (int64_t i = 0; i < head_dim; ++i) o[i] = float_to_half(h[size_t(i)]);
+            } else {
+                std::copy(h.begin(), h.end(), static_cast<float *>(base) + index);
+            }
+        };
+        // head `hd` of row x (+ bias) into h, its first rope_dim features rotated at position p when `rotate`
+        auto load = [&](const float * x, const float * bias, int64_t hd, int64_t p, bool rotate) {
+            for (int64_t i = 0; i < head_dim; ++i) h[size_t(i)] = x[hd * head_dim + i] + (bias ? bias[hd * head_dim + i] : 0.0f);
+            if (!rotate) return;
+            for (int64_t i = 0; i < half; ++i) {
+                const int64_t ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
+                const float c = cos[p * half + i], s = sin[p * half + i], xa = h[size_t(ia)], xb = h[size_t(ib)];
+                h[size_t(ia)] = xa * c - xb * s;
+                h[size_t(ib)] = xb * c + xa * s;
+            }
+        };
+        for (int64_t t = 0; t < n_tokens; ++t) {
+            const int64_t p = pos[t];
+            for (int64_t hd = 0; hd < n_head; ++hd) {
+                load(q + t * q_stride, q_bias, hd, p, true);
+                store(q_out, (hd * n_tokens + t) * head_dim);
+            }
+            for (int64_t hd = 0; hd < n_head_kv; ++hd) {
+                load(k + t * k_stride, k_bias, hd, p, true);
+                store(k_cache, (hd * capacity + p) * head_dim);
+                load(v + t * v_stride, v_bias, hd, p, false);
+                store(v_cache, (hd * capacity + p) * head_dim);
+            }
+        }
         return SPECTER_OK;
     });
 }

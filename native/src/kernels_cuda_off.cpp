@@ -13,6 +13,21 @@ int specter_cuda_get_rows(int, const void *, int64_t, int64_t, const int32_t *, 
 int specter_cuda_qmatmul(int, const void *, int64_t, int64_t, int, const void *, int64_t, float *, int, void *) {
     return SPECTER_ERR_NO_CUDA;
 }
+int specter_cuda_qmatmul_swiglu(int, const void *, int64_t, int64_t, int, const void *, int64_t, float *, void *) {
+    return SPECTER_ERR_NO_CUDA;
+}
+int specter_cuda_rms_norm(const float *, const float *, const float *, const float *, int64_t, int64_t, float, float *,
+                          float *, void *) {
+    return SPECTER_ERR_NO_CUDA;
+}
+int specter_cuda_moe_topk(const float *, int64_t, int64_t, int64_t, int64_t, int, float, int32_t *, float *, void *) {
+    return SPECTER_ERR_NO_CUDA;
+}
+int specter_cuda_rope_kv(const float *, int64_t, const float *, int64_t, const float *, int64_t, const float *,
+                         const float *, const float *, int64_t, int64_t, int64_t, int64_t, int64_t, int, const float *,
+                         const float *, int64_t, const int64_t *, int, void *, void *, void *, int64_t, void *) {
+    return SPECTER_ERR_NO_CUDA;
+}
 int specter_cuda_moe_ffn(const float *, int64_t, int64_t, const int32_t *, const float *, int64_t, int64_t, int64_t,
                          const uint64_t *, int, const uint64_t *, int, const uint64_t *, int, void *, size_t, float *,
                          int, void *) {

@@ -70,52 +70,62 @@ int dequant(int type, const void * src, long long n_src_rows, long long row_len,
     return launch_status();
 }
 
-// ---- GEMV: NR rows of W per CTA, M rows of X per grid.y ---------------------------------------------
+// ---- GEMV: NR output rows per CTA, M rows of X per grid.y ------------------------------------------
 // More rows per CTA at m = 1 puts more loads in flight per thread; the result of a row does not depend on
 // NR (each row's units are split over the threads the same way), so rows stay independent of m bitwise.
-__host__ __device__ constexpr int gemv_rows(int M) { return M == 1 ? 4 : 2; }
-
-template <class TT, int M, class XT>
+// SWIGLU: w is [gate; up] (2n rows); the CTA dots gate row r and up row n + r and writes silu(g) * u.
+template <class TT, int M, class XT, bool SWIGLU>
 __global__ void __launch_bounds__(256) gemv_kernel(const uint8_t * __restrict__ w, long long rb, int n, int k,
                                                    const XT * __restrict__ x, int m, float * __restrict__ y) {
-    constexpr int NR = gemv_rows(M);
-    __shared__ float red[8 * NR * M];
+    constexpr int NR = rows_per_cta(M, SWIGLU);
+    constexpr int ND = SWIGLU ? 2 * NR : NR;  // weight rows dotted
+    __shared__ float red[8 * ND * M];
+    __shared__ float res[SWIGLU ? ND * M : 1];
     const int row0 = blockIdx.x * NR, t0 = blockIdx.y * M;
-    const uint8_t * rows[NR];
+    const uint8_t * rows[ND];
 #pragma unroll
-    for (int r = 0; r < NR; ++r) rows[r] = w + (long long)min(row0 + r, n - 1) * rb;
+    for (int r = 0; r < NR; ++r) {
+        const long long row = min(row0 + r, n - 1);
+        rows[r] = w + row * rb;
+        if (SWIGLU) rows[NR + r] = w + (n + row) * rb;
+    }
     const XT * xs[M];
 #pragma unroll
     for (int t = 0; t < M; ++t) xs[t] = x + (long long)min(t0 + t, m - 1) * k;
-    float acc[NR][M];
+    float acc[ND][M];
 #pragma unroll
-    for (int r = 0; r < NR; ++r)
+    for (int r = 0; r < ND; ++r)
 #pragma unroll
         for (int t = 0; t < M; ++t) acc[r][t] = 0.0f;
-    cta_dot<TT, M, NR, XT>(rows, xs, k / TT::QK, acc);
-    float flat[NR * M];
+    cta_dot<TT, M, ND, XT>(rows, xs, k / TT::QK, acc);
+    float flat[ND * M];
 #pragma unroll
-    for (int r = 0; r < NR; ++r)
+    for (int r = 0; r < ND; ++r)
 #pragma unroll
         for (int t = 0; t < M; ++t) flat[r * M + t] = acc[r][t];
-    const float s = cta_sum<NR * M>(flat, red);
+    float s = cta_sum<ND * M>(flat, red);
+    if (SWIGLU) {  // thread i holds total i: gate totals first, then up
+        if (threadIdx.x < ND * M) res[threadIdx.x] = s;
+        __syncthreads();
+        if (threadIdx.x < NR * M) s = silu(res[threadIdx.x]) * res[NR * M + threadIdx.x];
+    }
     if (threadIdx.x < NR * M) {
         const int r = threadIdx.x / M, t = threadIdx.x % M;
         if (row0 + r < n && t0 + t < m) y[(long long)(t0 + t) * n + row0 + r] = s;
     }
 }
 
-template <class TT, class XT>
+template <class TT, class XT, bool SWIGLU>
 void launch_gemv(const uint8_t * w, long long rb, int n, int k, const XT * x, int m, float * y, cudaStream_t st) {
     const int M = m <= 1 ? 1 : m <= 2 ? 2 : m <= 4 ? 4 : 8;
-    const int nr = gemv_rows(M);
+    const int nr = rows_per_cta(M, SWIGLU);
     const dim3 grid(unsigned((n + nr - 1) / nr), unsigned((m + M - 1) / M));
     const int threads = cta_threads((long long)(k / TT::QK) * TT::NU);
     switch (M) {
-        case 1: gemv_kernel<TT, 1, XT><<<grid, threads, 0, st>>>(w, rb, n, k, x, m, y); break;
-        case 2: gemv_kernel<TT, 2, XT><<<grid, threads, 0, st>>>(w, rb, n, k, x, m, y); break;
-        case 4: gemv_kernel<TT, 4, XT><<<grid, threads, 0, st>>>(w, rb, n, k, x, m, y); break;
-        default: gemv_kernel<TT, 8, XT><<<grid, threads, 0, st>>>(w, rb, n, k, x, m, y); break;
+        case 1: gemv_kernel<TT, 1, XT, SWIGLU><<<grid, threads, 0, st>>>(w, rb, n, k, x, m, y); break;
+        case 2: gemv_kernel<TT, 2, XT, SWIGLU><<<grid, threads, 0, st>>>(w, rb, n, k, x, m, y); break;
+        case 4: gemv_kernel<TT, 4, XT, SWIGLU><<<grid, threads, 0, st>>>(w, rb, n, k, x, m, y); break;
+        default: gemv_kernel<TT, 8, XT, SWIGLU><<<grid, threads, 0, st>>>(w, rb, n, k, x, m, y); break;
     }
 }
 
@@ -194,6 +204,42 @@ __global__ void __launch_bounds__(128) tiled_kernel(const uint8_t * __restrict__
     }
 }
 
+// y = x . w^T (algo: a specter_qmatmul_algo), or with `swiglu` y = silu(x . gate^T) * (x . up^T), w = [gate; up].
+int qmatmul(int w_type, const void * w, int64_t n, int64_t k, int x_type, const void * x, int64_t m, float * y,
+            int algo, bool swiglu, cudaStream_t st) {
+    const TypeInfo * t = nullptr;
+    const int rc = check_qmatmul(w_type, w, swiglu ? 2 * n : n, k, x_type, x, m, y, &t);
+    if (rc != SPECTER_OK) return rc;
+    if (m == 0 || n == 0) return SPECTER_OK;
+    cudaGetLastError();
+    if (k == 0) {  // empty dot products: 0 (silu(0) * 0 = 0 too)
+        cudaMemsetAsync(y, 0, size_t(m * n) * sizeof(float), st);
+        return launch_status();
+    }
+    if (!aligned_for(w_type, uintptr_t(w)) || uintptr_t(x) % 16 != 0) return SPECTER_ERR_INVALID_ARG;
+    const bool tiled = !swiglu && (algo == SPECTER_ALGO_TILED || (algo == SPECTER_ALGO_AUTO && m > 8));
+    if (tiled && m > 65535LL * 64) return SPECTER_ERR_INVALID_ARG;
+    const bool vec = vec_ok(w_type, k, uintptr_t(w));
+    const long long rb = row_bytes(*t, k);
+    const uint8_t * wb = static_cast<const uint8_t *>(w);
+    with_type(w_type, vec, [&](auto tag) {
+        using TT = typename decltype(tag)::type;
+        if (tiled) {
+            const dim3 grid(unsigned((n + TBN - 1) / TBN), unsigned((m + TBM - 1) / TBM));
+            tiled_kernel<TT><<<grid, 128, 0, st>>>(wb, rb, int(n), int(k), x_type == SPECTER_TYPE_F16, x, int(m), y);
+        } else if (x_type == SPECTER_TYPE_F16) {
+            auto xh = static_cast<const __half *>(x);
+            swiglu ? launch_gemv<TT, __half, true>(wb, rb, int(n), int(k), xh, int(m), y, st)
+                   : launch_gemv<TT, __half, false>(wb, rb, int(n), int(k), xh, int(m), y, st);
+        } else {
+            auto xf = static_cast<const float *>(x);
+            swiglu ? launch_gemv<TT, float, true>(wb, rb, int(n), int(k), xf, int(m), y, st)
+                   : launch_gemv<TT, float, false>(wb, rb, int(n), int(k), xf, int(m), y, st);
+        }
+    });
+    return launch_status();
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace specter
@@ -221,35 +267,13 @@ int specter_cuda_get_rows(int type, const void * src, int64_t n_rows, int64_t ro
 
 int specter_cuda_qmatmul(int w_type, const void * w, int64_t n, int64_t k, int x_type, const void * x, int64_t m,
                          float * y, int algo, void * stream) {
-    const TypeInfo * t = nullptr;
-    const int rc = check_qmatmul(w_type, w, n, k, x_type, x, m, y, &t);
-    if (rc != SPECTER_OK) return rc;
     if (algo < SPECTER_ALGO_AUTO || algo > SPECTER_ALGO_TILED) return SPECTER_ERR_INVALID_ARG;
-    if (m == 0 || n == 0) return SPECTER_OK;
-    const cudaStream_t st = cudaStream_t(stream);
-    cudaGetLastError();
-    if (k == 0) {
-        cudaMemsetAsync(y, 0, size_t(m * n) * sizeof(float), st);
-        return launch_status();
-    }
-    if (!aligned_for(w_type, uintptr_t(w)) || uintptr_t(x) % 16 != 0) return SPECTER_ERR_INVALID_ARG;
-    const bool tiled = algo == SPECTER_ALGO_TILED || (algo == SPECTER_ALGO_AUTO && m > 8);
-    if (tiled && m > 65535LL * 64) return SPECTER_ERR_INVALID_ARG;
-    const bool vec = vec_ok(w_type, k, uintptr_t(w));
-    const long long rb = row_bytes(*t, k);
-    const uint8_t * wb = static_cast<const uint8_t *>(w);
-    with_type(w_type, vec, [&](auto tag) {
-        using TT = typename decltype(tag)::type;
-        if (tiled) {
-            const dim3 grid(unsigned((n + TBN - 1) / TBN), unsigned((m + TBM - 1) / TBM));
-            tiled_kernel<TT><<<grid, 128, 0, st>>>(wb, rb, int(n), int(k), x_type == SPECTER_TYPE_F16, x, int(m), y);
-        } else if (x_type == SPECTER_TYPE_F16) {
-            launch_gemv<TT, __half>(wb, rb, int(n), int(k), static_cast<const __half *>(x), int(m), y, st);
-        } else {
-            launch_gemv<TT, float>(wb, rb, int(n), int(k), static_cast<const float *>(x), int(m), y, st);
-        }
-    });
-    return launch_status();
+    return qmatmul(w_type, w, n, k, x_type, x, m, y, algo, false, cudaStream_t(stream));
+}
+
+int specter_cuda_qmatmul_swiglu(int w_type, const void * w, int64_t n, int64_t k, int x_type, const void * x,
+                                int64_t m, float * y, void * stream) {
+    return qmatmul(w_type, w, n, k, x_type, x, m, y, SPECTER_ALGO_GEMV, true, cudaStream_t(stream));
 }
 
 }  // extern "C"

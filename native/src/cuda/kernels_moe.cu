@@ -27,11 +27,11 @@ __device__ __forceinline__ bool expert_ok(int e, int n_expert, const uint64_t * 
 }
 
 // meta: group_expert[G], group_off[G + 1], n_groups[1], perm[P]
-__global__ void __launch_bounds__(1024) route_kernel(const int32_t * __restrict__ ids, int P, int n_expert,
-                                                     const uint64_t * __restrict__ gp,
-                                                     const uint64_t * __restrict__ up,
-                                                     const uint64_t * __restrict__ dp, int * __restrict__ meta,
-                                                     int G) {
+__global__ void __launch_bounds__(256) route_kernel(const int32_t * __restrict__ ids, int P, int n_expert,
+                                                    const uint64_t * __restrict__ gp,
+                                                    const uint64_t * __restrict__ up,
+                                                    const uint64_t * __restrict__ dp, int * __restrict__ meta,
+                                                    int G) {
     __shared__ int cnt[kMaxExperts];
     __shared__ int start[kMaxExperts];
     int * group_expert = meta;
@@ -45,42 +45,40 @@ __global__ void __launch_bounds__(1024) route_kernel(const int32_t * __restrict_
         if (expert_ok(e, n_expert, gp, up, dp)) atomicAdd(&cnt[e], 1);  // counts: order-free
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        int off = 0, ng = 0;
-        for (int e = 0; e < n_expert; ++e) {
-            start[e] = off;
-            if (cnt[e] > 0) {
-                group_expert[ng] = e;
-                group_off[ng] = off;
-                ++ng;
-                off += cnt[e];
-            }
+    if (threadIdx.x >= 32) return;
+    const int lane = threadIdx.x;
+    // one warp: exclusive scans of the counts (start of each expert's pairs) and of the non-empty experts
+    // (group index), 32 experts at a time
+    int off = 0, ng = 0;
+    for (int base = 0; base < n_expert; base += 32) {
+        const int e = base + lane;
+        const int c = e < n_expert ? cnt[e] : 0, g = c > 0;
+        int sc = c, sg = g;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int a = __shfl_up_sync(0xffffffffu, sc, o), b = __shfl_up_sync(0xffffffffu, sg, o);
+            if (lane >= o) sc += a, sg += b;
         }
-        group_off[ng] = off;
-        *n_groups = ng;
+        if (e < n_expert) start[e] = off + sc - c;
+        if (g) group_expert[ng + sg - 1] = e, group_off[ng + sg - 1] = off + sc - c;
+        off += __shfl_sync(0xffffffffu, sc, 31);
+        ng += __shfl_sync(0xffffffffu, sg, 31);
     }
-    __syncthreads();
-    if (threadIdx.x < 32) {  // stable placement, 32 pairs at a time, by one warp
-        const int lane = threadIdx.x;
-        for (int base = 0; base < P; base += 32) {
-            const int p = base + lane;
-            const int e = p < P ? ids[p] : -1;
-            const bool ok = p < P && expert_ok(e, n_expert, gp, up, dp);
-            const unsigned mask = __match_any_sync(0xffffffffu, ok ? e : -1);
-            const int lower = __popc(mask & ((1u << lane) - 1u));
-            if (ok) perm[start[e] + lower] = p;
-            __syncwarp();
-            if (ok && lower == 0) start[e] += __popc(mask);
-            __syncwarp();
-        }
+    if (lane == 0) group_off[ng] = off, *n_groups = ng;
+    __syncwarp();
+    // stable placement, 32 pairs at a time
+    for (int base = 0; base < P; base += 32) {
+        const int p = base + lane;
+        const int e = p < P ? ids[p] : -1;
+        const bool ok = p < P && expert_ok(e, n_expert, gp, up, dp);
+        const unsigned mask = __match_any_sync(0xffffffffu, ok ? e : -1);
+        const int lower = __popc(mask & ((1u << lane) - 1u));
+        if (ok) perm[start[e] + lower] = p;
+        __syncwarp();
+        if (ok && lower == 0) start[e] += __popc(mask);
+        __syncwarp();
     }
 }
-
-__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
-
-// Weight rows per CTA (per matrix when fused): more at M = 1 for more loads in flight; a row's result does
-// not depend on it.
-__host__ __device__ constexpr int moe_rows(int M, bool fused) { return fused ? (M == 1 ? 2 : 1) : (M == 1 ? 4 : 2); }
 
 // FUSED: rows RF*blockIdx.x + r (r < RF) of tabA (gate) and tabB (up) -> dst[pair, row] = silu(a) * b.
 // else:  rows R*blockIdx.x + r of tabA -> dst[pair, row] = a.
@@ -91,7 +89,7 @@ __global__ void __launch_bounds__(256) moe_rows_kernel(const uint64_t * __restri
                                                        int k, const float * __restrict__ xin, int x_per_pair,
                                                        int top_k, const int * __restrict__ meta, int G,
                                                        float * __restrict__ dst) {
-    constexpr int RF = moe_rows(M, FUSED);     // rows per matrix
+    constexpr int RF = rows_per_cta(M, FUSED);     // rows per matrix
     constexpr int NR = FUSED ? 2 * RF : RF;    // rows dotted per CTA
     __shared__ float red[8 * NR * M];
     __shared__ float res[NR * M];
@@ -184,7 +182,7 @@ void project(int type, const TypeInfo & t, const uint64_t * tab, int n_out, int 
     const bool vec = vec_ok(type, k, 0);
     with_type(type, vec, [&](auto tag) {
         using TT = typename decltype(tag)::type;
-        const int rpc = moe_rows(M, false);
+        const int rpc = rows_per_cta(M, false);
         const dim3 grid(unsigned((n_out + rpc - 1) / rpc), unsigned(G));
         launch_rows<TT, false>(M, grid, cta_threads((long long)(k / TT::QK) * TT::NU), st, tab, nullptr,
                                row_bytes(t, k), n_out, k, xin, x_per_pair, top_k, meta, G, dst);
@@ -223,7 +221,7 @@ extern "C" int specter_cuda_moe_ffn(const float * x, int64_t n_tokens, int64_t d
     const int P = int(L.P), G = int(L.G), T = int(n_tokens), K = int(top_k), E = int(n_expert);
     const int D = int(d_model), F = int(d_ff);
     if (P > 0 && E > 0) {
-        route_kernel<<<1, 1024, 0, st>>>(ids, P, E, gate_ptrs, up_ptrs, down_ptrs, meta, G);
+        route_kernel<<<1, 256, 0, st>>>(ids, P, E, gate_ptrs, up_ptrs, down_ptrs, meta, G);
         const int M = T <= 1 ? 1 : T <= 2 ? 2 : T <= 4 ? 4 : 8;  // rows of X per pass (<= tokens per group)
         if (F == 0) {
             cudaMemsetAsync(ypair, 0, size_t(P) * D * sizeof(float), st);
@@ -232,7 +230,7 @@ extern "C" int specter_cuda_moe_ffn(const float * x, int64_t n_tokens, int64_t d
             if (gate_type == up_type) {
                 with_type(gate_type, vec, [&](auto tag) {
                     using TT = typename decltype(tag)::type;
-                    const int rpc = moe_rows(M, true);
+                    const int rpc = rows_per_cta(M, true);
                     launch_rows<TT, true>(M, dim3(unsigned((F + rpc - 1) / rpc), unsigned(G)),
                                           cta_threads((long long)(D / TT::QK) * TT::NU), st, gate_ptrs, up_ptrs,
                                           row_bytes(*tg, D), F, D, x, 0, K, meta, G, act);

@@ -377,6 +377,14 @@ __device__ __forceinline__ float cta_sum(float (&v)[N], float * red) {
     return s;
 }
 
+// Weight rows per CTA of the GEMV-style kernels at M rows of X (per matrix when a CTA dots two, gate and up):
+// more at M = 1 for more loads in flight; a row's result does not depend on it.
+__host__ __device__ constexpr int rows_per_cta(int M, bool pair) {
+    return pair ? (M == 1 ? 2 : 1) : (M == 1 ? 4 : 2);
+}
+
+__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
+
 // Threads per CTA for rows of `nunits` units: enough to give each thread ~2+ units, 32..256.
 inline int cta_threads(long long nunits) {
     int t = 32;

@@ -1,0 +1,194 @@
+// CUDA versions of the small fused ops of a decode step (specter_kernels.h): MoE top-k routing and the
+// attention inputs (biases, RoPE, KV cache store). Each replaces several framework kernels with one launch.
+#include <cstdint>
+
+#include "kernels_common.h"
+#include "quant.cuh"
+
+namespace specter {
+namespace cuda {
+namespace {
+
+// One CTA of 256 threads per row: s = x + delta kept in registers (n <= 256 * kNormPerThread) or re-read.
+constexpr int kNormPerThread = 16;
+
+__global__ void __launch_bounds__(256) rms_norm_kernel(const float * x, const float * delta,  // y or sum may alias them
+                                                       const float * __restrict__ weight,
+                                                       const float * __restrict__ bias, long long n, float eps,
+                                                       float * sum, float * y) {
+    __shared__ float red[8];
+    const long long base = (long long)blockIdx.x * n;
+    float s[kNormPerThread];
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kNormPerThread; ++j) {
+        const long long i = threadIdx.x + (long long)j * blockDim.x;
+        s[j] = i < n ? x[base + i] + (delta ? delta[base + i] : 0.0f) : 0.0f;
+        ss = fmaf(s[j], s[j], ss);
+    }
+    for (long long i = threadIdx.x + (long long)kNormPerThread * blockDim.x; i < n; i += blockDim.x) {
+        const float v = x[base + i] + (delta ? delta[base + i] : 0.0f);
+        ss = fmaf(v, v, ss);
+    }
+#pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    float total = 0.0f;
+    for (int w = 0; w < int(blockDim.x >> 5); ++w) total += red[w];
+    const float scale = rsqrtf(total / float(n) + eps);
+#pragma unroll
+    for (int j = 0; j < kNormPerThread; ++j) {
+        const long long i = threadIdx.x + (long long)j * blockDim.x;
+        if (i < n) {
+            if (sum) sum[base + i] = s[j];
+            y[base + i] = s[j] * scale * weight[i] + (bias ? bias[i] : 0.0f);
+        }
+    }
+    for (long long i = threadIdx.x + (long long)kNormPerThread * blockDim.x; i < n; i += blockDim.x) {
+        const float v = x[base + i] + (delta ? delta[base + i] : 0.0f);
+        if (sum) sum[base + i] = v;
+        y[base + i] = v * scale * weight[i] + (bias ? bias[i] : 0.0f);
+    }
+}
+
+// One warp per token. Softmax statistics by warp reductions, then top_k rounds: each round takes the best
+// expert ranked after the previous choice in (logit desc, index asc) order, so no per-expert state is kept.
+__global__ void topk_kernel(const float * __restrict__ logits, int T, int E, long long stride, int K, int normalize,
+                            float scale, int32_t * __restrict__ ids, float * __restrict__ weights) {
+    const int t = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+    if (t >= T) return;
+    const float * l = logits + t * stride;
+    float mx = -INFINITY;
+    for (int e = lane; e < E; e += 32) mx = fmaxf(mx, l[e]);
+#pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    float sum = 0.0f;
+    for (int e = lane; e < E; e += 32) sum += expf(l[e] - mx);
+#pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    float last_v = INFINITY, wsum = 0.0f;
+    int last_i = -1;
+    for (int j = 0; j < K; ++j) {
+        float bv = 0.0f;
+        int bi = -1;
+        for (int e = lane; e < E; e += 32) {
+            const float v = l[e];
+            if ((v < last_v || (v == last_v && e > last_i)) && (bi < 0 || v > bv)) bv = v, bi = e;
+        }
+#pragma unroll
+        for (int o = 16; o >= 1; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) bv = ov, bi = oi;
+        }
+        last_v = bv, last_i = bi;
+        const float p = bi >= 0 ? expf(bv - mx) / sum : 0.0f;
+        wsum += p;
+        if (lane == 0) ids[(long long)t * K + j] = bi, weights[(long long)t * K + j] = p;
+    }
+    if (lane == 0 && (normalize || (scale != 0.0f && scale != 1.0f)))
+        for (int j = 0; j < K; ++j) {
+            float w = weights[(long long)t * K + j];
+            if (normalize) w /= fmaxf(wsum, 6.103515625e-5f);
+            if (scale != 0.0f && scale != 1.0f) w *= scale;
+            weights[(long long)t * K + j] = w;
+        }
+}
+
+// One thread per feature pair of one head of q, k or v of one token: heads [0, H) are q's, [H, H + Hkv) k's,
+// [H + Hkv, H + 2 Hkv) v's. Pair i < rope_dim/2 is rotated (q, k); the others pass through as (2i, 2i+1).
+template <class OUT>
+__global__ void rope_kv_kernel(RopeKvArgs a) {
+    const long long half_dim = a.head_dim / 2, heads = a.n_head + 2 * a.n_head_kv;
+    const long long item = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (item >= a.n_tokens * heads * half_dim) return;
+    const long long i = item % half_dim, hh = (item / half_dim) % heads, t = item / (half_dim * heads);
+    const long long p = a.pos[t];
+    if (p < 0 || p >= a.n_pos || p >= a.capacity) return;
+    const float * x;
+    const float * bias;
+    OUT * out;
+    long long hd;
+    bool rotate = true;
+    if (hh < a.n_head) {
+        hd = hh, x = a.q + t * a.q_stride, bias = a.q_bias;
+        out = static_cast<OUT *>(a.q_out) + (hd * a.n_tokens + t) * a.head_dim;
+    } else if (hh < a.n_head + a.n_head_kv) {
+        hd = hh - a.n_head, x = a.k + t * a.k_stride, bias = a.k_bias;
+        out = static_cast<OUT *>(a.k_cache) + (hd * a.capacity + p) * a.head_dim;
+    } else {
+        hd = hh - a.n_head - a.n_head_kv, x = a.v + t * a.v_stride, bias = a.v_bias, rotate = false;
+        out = static_cast<OUT *>(a.v_cache) + (hd * a.capacity + p) * a.head_dim;
+    }
+    const long long half = a.rope_dim / 2;
+    rotate = rotate && i < half;
+    const long long ia = rotate && a.neox ? i : 2 * i, ib = rotate && a.neox ? i + half : 2 * i + 1;
+    x += hd * a.head_dim;
+    float xa = x[ia], xb = x[ib];
+    if (bias) xa += bias[hd * a.head_dim + ia], xb += bias[hd * a.head_dim + ib];
+    if (rotate) {
+        const float c = a.cos[p * half + i], s = a.sin[p * half + i];
+        const float ra = __fsub_rn(__fmul_rn(xa, c), __fmul_rn(xb, s));  // no FMA: the CPU's rounding
+        xb = __fadd_rn(__fmul_rn(xb, c), __fmul_rn(xa, s));
+        xa = ra;
+    }
+    if constexpr (sizeof(OUT) == 2) {
+        out[ia] = __float2half_rn(xa), out[ib] = __float2half_rn(xb);
+    } else {
+        out[ia] = xa, out[ib] = xb;
+    }
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace specter
+
+using namespace specter;
+using namespace specter::cuda;
+
+extern "C" {
+
+int specter_cuda_rms_norm(const float * x, const float * delta, const float * weight, const float * bias,
+                          int64_t n_rows, int64_t n, float eps, float * sum, float * y, void * stream) {
+    const int rc = check_rms_norm(x, weight, n_rows, n, eps, y);
+    if (rc != SPECTER_OK || n_rows == 0) return rc;
+    if (n_rows > 0x7fffffffLL) return SPECTER_ERR_INVALID_ARG;
+    cudaGetLastError();
+    rms_norm_kernel<<<unsigned(n_rows), 256, 0, cudaStream_t(stream)>>>(x, delta, weight, bias, n, eps, sum, y);
+    return launch_status();
+}
+
+int specter_cuda_moe_topk(const float * logits, int64_t n_tokens, int64_t n_expert, int64_t row_stride,
+                          int64_t top_k, int normalize, float scale, int32_t * ids, float * weights, void * stream) {
+    const int rc = check_topk(logits, n_tokens, n_expert, row_stride, top_k, ids, weights);
+    if (rc != SPECTER_OK || n_tokens == 0) return rc;
+    cudaGetLastError();
+    const unsigned blocks = unsigned((n_tokens + 3) / 4);  // 4 warps of 32 threads per CTA
+    topk_kernel<<<blocks, 128, 0, cudaStream_t(stream)>>>(logits, int(n_tokens), int(n_expert), row_stride,
+                                                           int(top_k), normalize, scale, ids, weights);
+    return launch_status();
+}
+
+int specter_cuda_rope_kv(const float * q, int64_t q_stride, const float * k, int64_t k_stride, const float * v,
+                         int64_t v_stride, const float * q_bias, const float * k_bias, const float * v_bias,
+                         int64_t n_tokens, int64_t n_head, int64_t n_head_kv, int64_t head_dim, int64_t rope_dim,
+                         int neox, const float * cos, const float * sin, int64_t n_pos, const int64_t * pos,
+                         int out_type, void * q_out, void * k_cache, void * v_cache, int64_t capacity,
+                         void * stream) {
+    const RopeKvArgs a{q, k, v, q_stride, k_stride, v_stride, q_bias, k_bias, v_bias, n_tokens, n_head, n_head_kv,
+                       head_dim, rope_dim, neox, cos, sin, n_pos, pos, out_type, q_out, k_cache, v_cache, capacity};
+    const int rc = check_rope_kv(a);
+    if (rc != SPECTER_OK) return rc;
+    const long long items = n_tokens * (n_head + 2 * n_head_kv) * (head_dim / 2);
+    if (items == 0) return SPECTER_OK;
+    cudaGetLastError();
+    const unsigned blocks = unsigned((items + 255) / 256);
+    if (out_type == SPECTER_TYPE_F16)
+        rope_kv_kernel<__half><<<blocks, 256, 0, cudaStream_t(stream)>>>(a);
+    else
+        rope_kv_kernel<float><<<blocks, 256, 0, cudaStream_t(stream)>>>(a);
+    return launch_status();
+}
+
+}  // extern "C"

@@ -1,0 +1,229 @@
+"""The fused ops of a decode step (native/include/specter_kernels.h) against numpy float64 references, on fresh
+random data, on the CPU and (when a GPU is visible) on CUDA:
+
+- `qmatmul_swiglu`: silu(x gate^T) * (x up^T) for stacked [gate; up] weights; error max |y - ref| / max |ref|
+  <= TOL_SWIGLU = 1e-5 (fp32 sums of exact weight values, then SiLU);
+- `rms_norm`: the norm (and the residual sum) within TOL_NORM = 1e-6 relative of float64, also in place;
+- `moe_topk`: ids equal to a stable descending sort of the logits (ties to the lower index), weights within
+  TOL_TOPK = 1e-6 relative of the float64 softmax (renormalized / scaled as asked);
+- `rope_kv`: q, k rotated (NeoX and adjacent pairs, partial rotation, biases) and stored with v at the given
+  positions of a NaN-poisoned cache; float32 outputs within TOL_ROPE = 1e-6 relative of float64, float16 outputs
+  within one f16 rounding (2^-11 relative) of it; the cache rows of other positions stay untouched.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as GT
+
+from specter_gguf import kernels, native
+from tests.test_kernels import DEVICES, make_weight, qt
+
+TOL_SWIGLU = 1e-5
+TOL_TOPK = 1e-6
+TOL_ROPE = 1e-6
+TOL_NORM = 1e-6
+
+
+def _stream(device: str):
+    return native.ffi().cast("void *", torch.cuda.current_stream().cuda_stream) if device == "cuda" else None
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+# ---- SwiGLU GEMV ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("qtype", [GT.Q4_K, GT.Q6_K, GT.Q5_0, GT.Q8_0, GT.F16, GT.F32], ids=lambda t: t.name)
+def test_qmatmul_swiglu(device: str, qtype: GT) -> None:
+    rng = np.random.default_rng(7000 + int(qtype))
+    n, k = 37, 512  # n: not a multiple of the rows per CTA
+    raw, wv = make_weight(qtype, 2 * n, k, rng)
+    w = qt(raw, qtype, (2 * n, k), device)
+    f, lb = native.ffi(), native.lib()
+    for m in (1, 2, 5, 8, 9, 20):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        xt = torch.from_numpy(x).to(device)
+        y = torch.full((m, n), float("nan"), device=device)  # poisoned: an unwritten element shows
+        args = (int(qtype), f.cast("void *", w.data.data_ptr()), n, k, native.F32, f.cast("void *", xt.data_ptr()),
+                m, f.cast("float *", y.data_ptr()))
+        code = (lb.specter_cuda_qmatmul_swiglu(*args, _stream(device)) if device == "cuda"
+                else lb.specter_qmatmul_swiglu(*args, 2))
+        _sync(device)
+        assert code == 0, native.error_string(code)
+        g, u = x.astype(np.float64) @ wv[:n].T.astype(np.float64), x.astype(np.float64) @ wv[n:].T.astype(np.float64)
+        ref = g / (1 + np.exp(-g)) * u
+        got = y.cpu().numpy()
+        assert np.isfinite(got).all(), f"m={m}: unwritten outputs"
+        err = np.abs(got - ref).max() / np.abs(ref).max()
+        assert err <= TOL_SWIGLU, f"{qtype.name} m={m}: error {err:.2e}"
+        # the Python wrapper gives the same values
+        assert torch.equal(kernels.qmatmul_swiglu(xt, w).cpu(), y.cpu())
+
+
+def test_qmatmul_swiglu_needs_stacked_rows() -> None:
+    rng = np.random.default_rng(1)
+    raw, _ = make_weight(GT.Q8_0, 3, 64, rng)
+    with pytest.raises(Exception, match="stacked"):
+        kernels.qmatmul_swiglu(torch.zeros(1, 64), qt(raw, GT.Q8_0, (3, 64), "cpu"))
+
+
+# ---- RMS norm of a residual sum ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n", [64, 2048, 5000])  # 5000: past the CUDA kernel's values kept in registers
+def test_rms_norm(device: str, n: int) -> None:
+    rng = np.random.default_rng(n)
+    x, delta = (rng.standard_normal((3, n)).astype(np.float32) for _ in range(2))
+    weight, bias = (rng.standard_normal(n).astype(np.float32) for _ in range(2))
+    eps = 1e-6
+    t = {k: torch.from_numpy(v).to(device) for k, v in dict(x=x, delta=delta, weight=weight, bias=bias).items()}
+
+    def ref(s: np.ndarray, b: np.ndarray | None) -> np.ndarray:
+        s = s.astype(np.float64)
+        y = s / np.sqrt((s * s).mean(-1, keepdims=True) + eps) * weight
+        return y if b is None else y + b
+
+    total, y = kernels.rms_norm(t["x"], t["weight"], eps)
+    assert total is None
+    assert np.abs(y.cpu().numpy() - ref(x, None)).max() / np.abs(ref(x, None)).max() <= TOL_NORM
+    total, y = kernels.rms_norm(t["x"], t["weight"], eps, delta=t["delta"], bias=t["bias"])
+    s = x.astype(np.float64) + delta
+    np.testing.assert_array_equal(total.cpu().numpy(), x + delta)
+    assert np.abs(y.cpu().numpy() - ref(s, bias)).max() / np.abs(ref(s, bias)).max() <= TOL_NORM
+    # in place: y and the sum over x's own storage, as the header allows
+    f, lb = native.ffi(), native.lib()
+    xs = t["x"].clone()
+    p = lambda a: f.cast("float *", a.data_ptr())  # noqa: E731
+    args = (p(xs), p(t["delta"]), p(t["weight"]), f.NULL, 3, n, eps, p(xs), p(xs))
+    code = lb.specter_cuda_rms_norm(*args, _stream(device)) if device == "cuda" else lb.specter_rms_norm(*args, 2)
+    _sync(device)
+    assert code == 0
+    assert np.abs(xs.cpu().numpy() - ref(s, None)).max() / np.abs(ref(s, None)).max() <= TOL_NORM
+
+
+# ---- MoE top-k ----------------------------------------------------------------------------------------------
+
+def topk_reference(logits: np.ndarray, k: int, normalize: bool, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    order = np.argsort(-logits, axis=1, kind="stable")[:, :k]  # stable: ties to the lower index
+    lg = logits.astype(np.float64)
+    p = np.exp(lg - lg.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    w = np.take_along_axis(p, order, 1)
+    if normalize:
+        w = w / np.maximum(w.sum(1, keepdims=True), 6.103515625e-5)
+    if scale not in (0.0, 1.0):
+        w = w * scale
+    return order, w
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("E,k", [(8, 2), (60, 4), (64, 6), (160, 8), (16, 16)])
+def test_moe_topk(device: str, E: int, k: int) -> None:
+    rng = np.random.default_rng(E * 100 + k)
+    T = 13
+    wide = rng.standard_normal((T, E + 3)).astype(np.float32) * 2
+    wide[3, 5:9] = wide[3, 1]  # ties
+    wide[4, :E] = 0.5  # a row of ties
+    logits = torch.from_numpy(wide).to(device)[:, :E]  # strided rows, as a slice of a wider product
+    for normalize, scale in ((False, 0.0), (True, 0.0), (True, 2.5), (False, 1.0)):
+        ids, w = kernels.moe_topk(logits, k, normalize, scale)
+        ref_ids, ref_w = topk_reference(wide[:, :E], k, normalize, scale)
+        assert ids.dtype == torch.int32 and ids.shape == (T, k)
+        np.testing.assert_array_equal(ids.cpu().numpy(), ref_ids)
+        np.testing.assert_allclose(w.cpu().numpy(), ref_w, rtol=TOL_TOPK, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_moe_topk_never_picks_nan(device: str) -> None:
+    logits = torch.tensor([[0.1, float("nan"), 0.3, -1.0]], device=device)
+    ids, _ = kernels.moe_topk(logits, 4)
+    assert ids.cpu().tolist() == [[2, 0, 3, -1]]
+
+
+def test_moe_topk_rejects_bad_arguments() -> None:
+    with pytest.raises(Exception, match="top 5 of 4"):
+        kernels.moe_topk(torch.zeros(2, 4), 5)
+
+
+# ---- RoPE + KV cache store -------------------------------------------------------------------------------
+
+def rope_reference(x: np.ndarray, pos: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_dim: int,
+                   neox: bool) -> np.ndarray:
+    """x [T, heads, head_dim] float64, rotated."""
+    out = x.copy()
+    half = rope_dim // 2
+    ia = np.arange(half) if neox else 2 * np.arange(half)
+    ib = ia + half if neox else ia + 1
+    c, s = cos[pos][:, None, :], sin[pos][:, None, :]
+    out[..., ia] = x[..., ia] * c - x[..., ib] * s
+    out[..., ib] = x[..., ib] * c + x[..., ia] * s
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("neox", [True, False], ids=["neox", "pairs"])
+@pytest.mark.parametrize("rope_dim", [64, 32], ids=["full", "partial"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_rope_kv(device: str, neox: bool, rope_dim: int, bias: bool) -> None:
+    rng = np.random.default_rng(rope_dim + 2 * neox + bias)
+    T, H, Hkv, d, cap, n_pos = 3, 4, 2, 64, 24, 32
+    pos = np.array([5, 17, 3])
+    wide = rng.standard_normal((T, (H + 2 * Hkv) * d + 8)).astype(np.float32)  # q | k | v | padding: strided
+    q_np, k_np, v_np = wide[:, :H * d], wide[:, H * d:(H + Hkv) * d], wide[:, (H + Hkv) * d:(H + 2 * Hkv) * d]
+    biases = [rng.standard_normal(n).astype(np.float32) if bias else None for n in (H * d, Hkv * d, Hkv * d)]
+    angles = rng.uniform(-np.pi, np.pi, (n_pos, rope_dim // 2))
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    dt = torch.tensor(wide, device=device)
+    q, k, v = dt[:, :H * d], dt[:, H * d:(H + Hkv) * d], dt[:, (H + Hkv) * d:(H + 2 * Hkv) * d]
+
+    def with_bias(x: np.ndarray, b: np.ndarray | None, heads: int) -> np.ndarray:
+        x = x.astype(np.float64) + (0 if b is None else b.astype(np.float64))
+        return x.reshape(T, heads, d)
+
+    c64, s64 = cos.astype(np.float64), sin.astype(np.float64)
+    ref_q = rope_reference(with_bias(q_np, biases[0], H), pos, c64, s64, rope_dim, neox).transpose(1, 0, 2)
+    ref_k = rope_reference(with_bias(k_np, biases[1], Hkv), pos, c64, s64, rope_dim, neox).transpose(1, 0, 2)
+    ref_v = with_bias(v_np, biases[2], Hkv).transpose(1, 0, 2)
+    dtypes = [torch.float32] + ([torch.float16] if device == "cuda" else [])
+    for dtype in dtypes:
+        k_cache = torch.full((Hkv, cap, d), float("nan"), dtype=dtype, device=device)
+        v_cache = torch.full((Hkv, cap, d), float("nan"), dtype=dtype, device=device)
+        q_out = kernels.rope_kv(q, k, v, [None if b is None else torch.from_numpy(b).to(device) for b in biases],
+                                torch.from_numpy(cos).to(device), torch.from_numpy(sin).to(device),
+                                torch.from_numpy(pos).to(device), d, rope_dim, neox, k_cache, v_cache)
+        _sync(device)
+        assert q_out.dtype == dtype and q_out.shape == (H, T, d)
+        got = [q_out.double().cpu().numpy(), k_cache[:, pos].double().cpu().numpy(),
+               v_cache[:, pos].double().cpu().numpy()]
+        for name, g, ref in zip("qkv", got, (ref_q, ref_k, ref_v)):
+            if dtype == torch.float32:
+                err = np.abs(g - ref).max() / np.abs(ref).max()
+                assert err <= TOL_ROPE, f"{name} ({dtype}): error {err:.2e}"
+            else:  # one f16 rounding of the float32 result
+                assert (np.abs(g - ref) <= np.abs(ref) * 2.0 ** -11 + 1e-6).all(), f"{name} ({dtype})"
+        untouched = np.setdiff1d(np.arange(cap), pos)
+        assert torch.isnan(k_cache[:, untouched]).all() and torch.isnan(v_cache[:, untouched]).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rope_kv_position_outside_the_cache(device: str) -> None:
+    """The CPU refuses a position past the cache; CUDA (positions unread by the host) writes nothing."""
+    d = 8
+    q, k, v = (torch.ones(1, d, device=device) for _ in range(3))
+    tables = torch.ones(16, d // 2, device=device)
+    k_cache = torch.zeros(1, 4, d, device=device)
+    v_cache = torch.zeros(1, 4, d, device=device)
+    args = (q, k, v, [None] * 3, tables, tables, torch.tensor([4], device=device), d, d, True, k_cache, v_cache)
+    if device == "cpu":
+        with pytest.raises(Exception, match="rope_kv"):
+            kernels.rope_kv(*args)
+    else:
+        kernels.rope_kv(*args)
+        torch.cuda.synchronize()
+        assert not k_cache.any() and not v_cache.any()
