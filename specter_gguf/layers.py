@@ -446,12 +446,12 @@ class MoE:
 
     def __post_init__(self) -> None:
         # the shared expert's gate as one more row of the router's product when their types allow (one matrix
-        # product instead of two); the router keeps a view of its rows
+        # product instead of two); the router and the gate keep views of their rows (no memory used twice)
         n_expert = self.router.weight.shape[0]
         stacked = _stack(Linear(self.router.weight), Linear(self.shared_gate)) if self.shared_gate is not None else None
         if stacked is not None:
             self._gates = stacked.weight
-            self.router.weight = self._gates[:n_expert]
+            self.router.weight, self.shared_gate = self._gates[:n_expert], self._gates[n_expert:]
         else:
             self._gates = self.router.weight
 
