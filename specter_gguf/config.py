@@ -64,6 +64,8 @@ class ModelConfig:
         if n_expert == 0:
             raise SpecterError(f"{f.path}: '{a}' model has no experts ({a}.expert_count is 0 or missing); "
                                f"specter-gguf runs Mixture-of-Experts models only — use llama.cpp for dense models")
+        if int(key("block_count")) < 1:
+            raise SpecterError(f"{f.path}: {a}.block_count is {key('block_count')}: the model has no layers")
         n_embd = int(key("embedding_length"))
         n_head = int(key("attention.head_count"))
         head_dim = int(key("attention.key_length", n_embd // n_head))

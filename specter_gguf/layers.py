@@ -629,9 +629,13 @@ class Block:
     ffn_norm: RMSNorm
     ffn: MoE | FeedForward
 
-    def __call__(self, x: torch.Tensor, at: Positions, cache: KVCache) -> torch.Tensor:
-        h, normed = self.ffn_norm.add(x, self.attn(self.attn_norm(x), self.layer, at, cache))
-        return h + self.ffn(normed)
+    def __call__(self, x: torch.Tensor, delta: torch.Tensor | None, at: Positions,
+                 cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream enters as x + delta and leaves as (h, ffn output): each residual add is left to
+        the norm that reads the sum next, which computes it in the same kernel."""
+        x, normed = self.attn_norm.add(x, delta) if delta is not None else (x, self.attn_norm(x))
+        h, normed = self.ffn_norm.add(x, self.attn(normed, self.layer, at, cache))
+        return h, self.ffn(normed)
 
 
 @dataclass
@@ -653,10 +657,11 @@ class Transformer:
 
     def run(self, tokens: torch.Tensor, at: Positions, cache: KVCache, last_only: bool = False) -> torch.Tensor:
         """`forward` at explicit positions, leaving `cache.length` alone (a CUDA graph's body)."""
-        x = self.token_embd[tokens].float()
+        x, delta = self.token_embd[tokens].float(), None
         for block in self.blocks:
-            x = block(x, at, cache)
-        return self.output(self.output_norm(x[-1:] if last_only else x))
+            x, delta = block(x, delta, at, cache)
+        rows = slice(-1, None) if last_only else slice(None)
+        return self.output(self.output_norm.add(x[rows], delta[rows])[1])
 
     def new_cache(self, max_len: int) -> KVCache:
         c = self.config

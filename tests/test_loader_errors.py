@@ -120,6 +120,10 @@ def dense(base: Path, d: Path) -> Path:
     return rewrite(base, d / "dense.gguf", kv={"llama.expert_count": DROP, "llama.expert_used_count": DROP})
 
 
+def no_layers(base: Path, d: Path) -> Path:
+    return rewrite(base, d / "no-layers.gguf", kv={"llama.block_count": (0, GGUFValueType.UINT32)})
+
+
 def missing_tensor(base: Path, d: Path) -> Path:
     return rewrite(base, d / "missing-tensor.gguf", tensors={"blk.1.ffn_up_exps.weight": DROP})
 
@@ -158,6 +162,7 @@ CASES: dict[str, tuple[Callable[[Path, Path], Path], str, bool]] = {
     "truncated_in_metadata": (truncated_in_metadata, r"truncated", True),
     "unsupported_arch": (unsupported_arch, r"'gpt2' is not supported.*" + r".*".join(SUPPORTED), True),
     "dense": (dense, r"no experts", True),
+    "no_layers": (no_layers, r"block_count is 0.*no layers", True),
     "missing_tensor": (missing_tensor, r"blk\.1\.ffn_up_exps\.weight.*missing", False),
     "wrong_shape": (wrong_shape, r"blk\.0\.attn_q\.weight.*shape", False),
     "iq4_xs_tensor": (iq4_xs_tensor, r"blk\.0\.attn_q\.weight.*IQ4_XS.*not supported", False),

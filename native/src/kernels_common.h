@@ -34,7 +34,8 @@ inline int check_qmatmul(int w_type, const void * w, int64_t n, int64_t k, int x
     return SPECTER_OK;
 }
 
-inline int check_rms_norm(const float * x, const float * weight, int64_t n_rows, int64_t n, float eps, const float * y) {
+inline int check_rms_norm(const float * x, const float * weight, int64_t n_rows, int64_t n, float eps,
+                          const float * y) {
     if (n_rows < 0 || n < 1 || !(eps >= 0.0f) || n_rows * n >= (int64_t(1) << 40)) return SPECTER_ERR_INVALID_ARG;
     if (n_rows > 0 && (!x || !weight || !y)) return SPECTER_ERR_INVALID_ARG;
     return SPECTER_OK;
@@ -42,7 +43,8 @@ inline int check_rms_norm(const float * x, const float * weight, int64_t n_rows,
 
 inline int check_topk(const float * logits, int64_t n_tokens, int64_t n_expert, int64_t row_stride, int64_t top_k,
                       const int32_t * ids, const float * weights) {
-    if (n_tokens < 0 || n_expert < 1 || top_k < 1 || top_k > n_expert || row_stride < n_expert) return SPECTER_ERR_INVALID_ARG;
+    if (n_tokens < 0 || n_expert < 1 || top_k < 1 || top_k > n_expert || row_stride < n_expert)
+        return SPECTER_ERR_INVALID_ARG;
     if (n_tokens > (int64_t(1) << 30) || n_expert > (int64_t(1) << 24)) return SPECTER_ERR_INVALID_ARG;
     if (n_tokens > 0 && (!logits || !ids || !weights)) return SPECTER_ERR_INVALID_ARG;
     return SPECTER_OK;
@@ -76,7 +78,8 @@ inline int check_rope_kv(const RopeKvArgs & a) {
         a.n_head_kv * a.capacity * a.head_dim >= big)
         return SPECTER_ERR_INVALID_ARG;
     if (a.n_tokens == 0) return SPECTER_OK;
-    if (!a.pos || (a.n_head > 0 && (!a.q || !a.q_out)) || (a.n_head_kv > 0 && (!a.k || !a.v || !a.k_cache || !a.v_cache)))
+    if (!a.pos || (a.n_head > 0 && (!a.q || !a.q_out)) ||
+        (a.n_head_kv > 0 && (!a.k || !a.v || !a.k_cache || !a.v_cache)))
         return SPECTER_ERR_INVALID_ARG;
     if (a.rope_dim > 0 && (!a.cos || !a.sin)) return SPECTER_ERR_INVALID_ARG;
     return SPECTER_OK;

@@ -303,7 +303,8 @@ int specter_moe_topk(const float * logits, int64_t n_tokens, int64_t n_expert, i
                                  float bv = 0.0f;
                                  for (int64_t i = 0; i < n_expert; ++i) {
                                      const float v = l[i];
-                                     if ((v < last_v || (v == last_v && i > last_i)) && (bi < 0 || v > bv)) bv = v, bi = i;
+                                     const bool after = v < last_v || (v == last_v && i > last_i);
+                                     if (after && (bi < 0 || v > bv)) bv = v, bi = i;
                                  }
                                  last_v = bv, last_i = bi;
                                  id[j] = int32_t(bi);
@@ -345,7 +346,8 @@ int specter_rope_kv(const float * q, int64_t q_stride, const float * k, int64_t 
         };
         // head `hd` of row x (+ bias) into h, its first rope_dim features rotated at position p when `rotate`
         auto load = [&](const float * x, const float * bias, int64_t hd, int64_t p, bool rotate) {
-            for (int64_t i = 0; i < head_dim; ++i) h[size_t(i)] = x[hd * head_dim + i] + (bias ? bias[hd * head_dim + i] : 0.0f);
+            for (int64_t i = 0; i < head_dim; ++i)
+                h[size_t(i)] = x[hd * head_dim + i] + (bias ? bias[hd * head_dim + i] : 0.0f);
             if (!rotate) return;
             for (int64_t i = 0; i < half; ++i) {
                 const int64_t ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
