@@ -92,23 +92,8 @@ __global__ void __launch_bounds__(256) gemv_kernel(const uint8_t * __restrict__ 
     const XT * xs[M];
 #pragma unroll
     for (int t = 0; t < M; ++t) xs[t] = x + (long long)min(t0 + t, m - 1) * k;
-    float acc[ND][M];
-#pragma unroll
-    for (int r = 0; r < ND; ++r)
-#pragma unroll
-        for (int t = 0; t < M; ++t) acc[r][t] = 0.0f;
-    cta_dot<TT, M, ND, XT>(rows, xs, k / TT::QK, acc);
-    float flat[ND * M];
-#pragma unroll
-    for (int r = 0; r < ND; ++r)
-#pragma unroll
-        for (int t = 0; t < M; ++t) flat[r * M + t] = acc[r][t];
-    float s = cta_sum<ND * M>(flat, red);
-    if (SWIGLU) {  // thread i holds total i: gate totals first, then up
-        if (threadIdx.x < ND * M) res[threadIdx.x] = s;
-        __syncthreads();
-        if (threadIdx.x < NR * M) s = silu(res[threadIdx.x]) * res[NR * M + threadIdx.x];
-    }
+    float s = cta_dot_totals<TT, M, ND, XT>(rows, xs, k / TT::QK, red);
+    if (SWIGLU) s = swiglu_of_totals<NR * M>(s, res);
     if (threadIdx.x < NR * M) {
         const int r = threadIdx.x / M, t = threadIdx.x % M;
         if (row0 + r < n && t0 + t < m) y[(long long)(t0 + t) * n + row0 + r] = s;

@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(256) moe_rows_kernel(const uint64_t * __restri
     constexpr int RF = rows_per_cta(M, FUSED);     // rows per matrix
     constexpr int NR = FUSED ? 2 * RF : RF;    // rows dotted per CTA
     __shared__ float red[8 * NR * M];
-    __shared__ float res[NR * M];
+    __shared__ float res[FUSED ? NR * M : 1];
     const int gi = blockIdx.y;
     if (gi >= meta[2 * G + 1]) return;  // fewer groups than the grid allows for
     const int e = meta[gi], q0 = meta[G + gi], q1 = meta[G + gi + 1];
@@ -114,28 +114,9 @@ __global__ void __launch_bounds__(256) moe_rows_kernel(const uint64_t * __restri
             pr[t] = perm[q + min(t, cnt - 1)];
             xs[t] = xin + (long long)(x_per_pair ? pr[t] : pr[t] / top_k) * k;
         }
-        float acc[NR][M];
-#pragma unroll
-        for (int r = 0; r < NR; ++r)
-#pragma unroll
-            for (int t = 0; t < M; ++t) acc[r][t] = 0.0f;
-        cta_dot<TT, M, NR, float>(rows, xs, k / TT::QK, acc);
-        float flat[NR * M];
-#pragma unroll
-        for (int r = 0; r < NR; ++r)
-#pragma unroll
-            for (int t = 0; t < M; ++t) flat[r * M + t] = acc[r][t];
-        const float s = cta_sum<NR * M>(flat, red);
-        if (FUSED) {
-            if (threadIdx.x < NR * M) res[threadIdx.x] = s;
-            __syncthreads();
-            if (threadIdx.x < RF * M) {
-                const int r = threadIdx.x / M, t = threadIdx.x % M;
-                if (t < cnt && row0 + r < n_out)
-                    dst[(long long)perm[q + t] * n_out + row0 + r] = silu(res[r * M + t]) * res[(RF + r) * M + t];
-            }
-            __syncthreads();
-        } else if (threadIdx.x < NR * M) {
+        float s = cta_dot_totals<TT, M, NR, float>(rows, xs, k / TT::QK, red);
+        if (FUSED) s = swiglu_of_totals<RF * M>(s, res);
+        if (threadIdx.x < RF * M) {  // RF output rows (= NR unless FUSED)
             const int r = threadIdx.x / M, t = threadIdx.x % M;
             if (t < cnt && row0 + r < n_out) dst[(long long)perm[q + t] * n_out + row0 + r] = s;
         }

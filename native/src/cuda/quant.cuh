@@ -52,6 +52,22 @@ __device__ __forceinline__ void k4_scale_min(const uint8_t * s, int j, int & sc,
     }
 }
 
+// v[0..8) (quants of sub-block 2c) and v[8..16) (of sub-block 2c + 1) of a Q4_K/Q5_K block: each times its
+// sub-block's scale d * sc, minus its offset dmin * m.
+template <bool EXACT>
+__device__ __forceinline__ void k4_scale_unit(const uint8_t * b, int c, float * v) {
+    int s0, m0, s1, m1;
+    k4_scale_min(b + 4, 2 * c, s0, m0);
+    k4_scale_min(b + 4, 2 * c + 1, s1, m1);
+    const float d = ldh(b), dmin = ldh(b + 2);
+    const float d0 = __fmul_rn(d, float(s0)), n0 = __fmul_rn(dmin, float(m0));
+    const float d1 = __fmul_rn(d, float(s1)), n1 = __fmul_rn(dmin, float(m1));
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = dmq<EXACT>(d0, v[i], n0);
+#pragma unroll
+    for (int i = 8; i < 16; ++i) v[i] = dmq<EXACT>(d1, v[i], n1);
+}
+
 // ---- quantized types --------------------------------------------------------------------------
 
 struct TQ8_0 {  // f16 d; int8 qs[32]
@@ -137,21 +153,12 @@ struct TQ4_K {  // f16 d, dmin; uint8 scales[12]; uint8 qs[128]
     template <bool EXACT>
     __device__ static void decode(const uint8_t * b, int u, float * v) {
         const int c = u >> 2, l0 = 8 * (u & 3);
-        int s0, m0, s1, m1;
-        k4_scale_min(b + 4, 2 * c, s0, m0);
-        k4_scale_min(b + 4, 2 * c + 1, s1, m1);
-        const float d = ldh(b), dmin = ldh(b + 2);
-        const float d0 = __fmul_rn(d, float(s0)), n0 = __fmul_rn(dmin, float(m0));
-        const float d1 = __fmul_rn(d, float(s1)), n1 = __fmul_rn(dmin, float(m1));
         const uint32_t q0 = ld32(b + 16 + c * 32 + l0), q1 = ld32(b + 20 + c * 32 + l0);
         bytes_f4(q0 & 0x0f0f0f0fu, 0.0f, v);
         bytes_f4(q1 & 0x0f0f0f0fu, 0.0f, v + 4);
         bytes_f4((q0 >> 4) & 0x0f0f0f0fu, 0.0f, v + 8);
         bytes_f4((q1 >> 4) & 0x0f0f0f0fu, 0.0f, v + 12);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = dmq<EXACT>(d0, v[i], n0);
-#pragma unroll
-        for (int i = 8; i < 16; ++i) v[i] = dmq<EXACT>(d1, v[i], n1);
+        k4_scale_unit<EXACT>(b, c, v);
     }
 };
 
@@ -161,12 +168,6 @@ struct TQ5_K {  // f16 d, dmin; uint8 scales[12]; uint8 qh[32]; uint8 qs[128]
     template <bool EXACT>
     __device__ static void decode(const uint8_t * b, int u, float * v) {
         const int c = u >> 2, l0 = 8 * (u & 3);
-        int s0, m0, s1, m1;
-        k4_scale_min(b + 4, 2 * c, s0, m0);
-        k4_scale_min(b + 4, 2 * c + 1, s1, m1);
-        const float d = ldh(b), dmin = ldh(b + 2);
-        const float d0 = __fmul_rn(d, float(s0)), n0 = __fmul_rn(dmin, float(m0));
-        const float d1 = __fmul_rn(d, float(s1)), n1 = __fmul_rn(dmin, float(m1));
         const uint32_t q0 = ld32(b + 48 + c * 32 + l0), q1 = ld32(b + 52 + c * 32 + l0);
         const uint32_t h0 = ld32(b + 16 + l0), h1 = ld32(b + 20 + l0);
         const int g0 = 2 * c, g1 = 2 * c + 1;
@@ -174,10 +175,7 @@ struct TQ5_K {  // f16 d, dmin; uint8 scales[12]; uint8 qh[32]; uint8 qs[128]
         bytes_f4((q1 & 0x0f0f0f0fu) | (((h1 >> g0) & 0x01010101u) << 4), 0.0f, v + 4);
         bytes_f4(((q0 >> 4) & 0x0f0f0f0fu) | (((h0 >> g1) & 0x01010101u) << 4), 0.0f, v + 8);
         bytes_f4(((q1 >> 4) & 0x0f0f0f0fu) | (((h1 >> g1) & 0x01010101u) << 4), 0.0f, v + 12);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = dmq<EXACT>(d0, v[i], n0);
-#pragma unroll
-        for (int i = 8; i < 16; ++i) v[i] = dmq<EXACT>(d1, v[i], n1);
+        k4_scale_unit<EXACT>(b, c, v);
     }
 };
 
@@ -377,13 +375,43 @@ __device__ __forceinline__ float cta_sum(float (&v)[N], float * red) {
     return s;
 }
 
+__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
+
+// The CTA's dot products of ND weight rows with M rows of X, summed over the CTA: thread i < ND * M returns
+// the total of weight row i / M with X row i % M. `red` holds 8 * ND * M floats.
+template <class TT, int M, int ND, class XT>
+__device__ __forceinline__ float cta_dot_totals(const uint8_t * const (&rows)[ND], const XT * const (&xs)[M],
+                                                int nblocks, float * red) {
+    float acc[ND][M];
+#pragma unroll
+    for (int r = 0; r < ND; ++r)
+#pragma unroll
+        for (int t = 0; t < M; ++t) acc[r][t] = 0.0f;
+    cta_dot<TT, M, ND, XT>(rows, xs, nblocks, acc);
+    float flat[ND * M];
+#pragma unroll
+    for (int r = 0; r < ND; ++r)
+#pragma unroll
+        for (int t = 0; t < M; ++t) flat[r * M + t] = acc[r][t];
+    return cta_sum<ND * M>(flat, red);
+}
+
+// From totals s of 2 * NM values (thread i holds total i: gate totals first, then up totals), thread i < NM
+// returns silu(gate total i) * (up total i). `res` holds 2 * NM floats; ends with a barrier (res reusable).
+template <int NM>
+__device__ __forceinline__ float swiglu_of_totals(float s, float * res) {
+    if (threadIdx.x < 2 * NM) res[threadIdx.x] = s;
+    __syncthreads();
+    const float y = threadIdx.x < NM ? silu(res[threadIdx.x]) * res[NM + threadIdx.x] : 0.0f;
+    __syncthreads();
+    return y;
+}
+
 // Weight rows per CTA of the GEMV-style kernels at M rows of X (per matrix when a CTA dots two, gate and up):
 // more at M = 1 for more loads in flight; a row's result does not depend on it.
 __host__ __device__ constexpr int rows_per_cta(int M, bool pair) {
     return pair ? (M == 1 ? 2 : 1) : (M == 1 ? 4 : 2);
 }
-
-__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 
 // Threads per CTA for rows of `nunits` units: enough to give each thread ~2+ units, 32..256.
 inline int cta_threads(long long nunits) {
