@@ -6,7 +6,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -339,16 +339,42 @@ class Model:
     def _tokens(self, logits: torch.Tensor, cache: KVCache, graphs: Any, sampler: Sampler, history: list[int],
                 stats: GenerationStats) -> Iterator[int]:
         """The generated tokens one by one, from the logits after the prompt. The caller appends each token to
-        `history` before asking for the next; the forward pass of a token runs only when the next is asked
-        for, so a generation that ends computes nothing more. Ends when the context is full."""
+        `history` before asking for the next. Ends when the context is full.
+
+        The forward pass of a token runs only when the next is asked for, so a generation that ends computes
+        nothing more; except in greedy decoding on CUDA graphs, which looks one step ahead (`_lookahead`)."""
+        token = sampler.sample(logits, history)  # reads the logits back: the step's host sync
+        p = sampler.params
+        if graphs is not None and not self.transformer.observers and p.greedy and not p.penalties_active:
+            yield from self._lookahead(token, cache, graphs)
+            return
         while True:
-            yield sampler.sample(logits, history)  # reads the logits back: the step's host sync
+            yield token
             if cache.length + 1 > self.ctx_size:
                 return
             if graphs is not None and not self.transformer.observers:
                 logits = graphs.step(history[-1])
             else:
                 logits = self.transformer.forward(torch.tensor(history[-1:], device=self.device), cache)[-1]
+            token = sampler.sample(logits, history)
+
+    def _lookahead(self, token: int, cache: KVCache, graphs: Any) -> Iterator[int]:
+        """`_tokens` for greedy decoding on CUDA graphs, from its first `token`: each graph also chooses the next
+        token (the argmax, on the device) and feeds it to the next step, and the step of a token is enqueued
+        before the token is read back, so the GPU computes while the host handles a token. The step of the last
+        token yielded is thus computed even when the caller stops there; `cache.length` then leaves it out, as
+        without the lookahead (its keys, past the length, are overwritten before any query may see them)."""
+        chosen: Callable[[], int] = lambda: token  # the first token is on the host already
+        feed: int | None = token  # the token the next step appends; None: the previous step's choice
+        asked = cache.length  # the cache's length without the lookahead
+        try:
+            while cache.length + 1 <= self.ctx_size:
+                ahead = graphs.greedy_step(feed)
+                yield chosen()
+                asked, chosen, feed = cache.length, ahead, None  # the caller asked past the step of that token
+            yield chosen()
+        finally:
+            cache.truncate(asked)
 
     def _offload_stats(self, stats: GenerationStats, start: Any) -> None:
         c = self.offload.stats(start)  # waits for the device once, after the last token, to read copy timings

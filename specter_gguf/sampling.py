@@ -118,6 +118,7 @@ def _top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 NAN_LOGITS = "the model produced NaN logits: check the model file, or try another --dtype"
+NONFINITE_LOGITS = "the model produced NaN or infinite logits: check the model file"
 
 
 class Sampler:
@@ -293,7 +294,7 @@ class Sampler:
         value, index = torch.max(logits.detach().reshape(-1).float(), 0)
         value, index = torch.stack([value.double(), index.double()]).tolist()
         if not math.isfinite(value):
-            raise SpecterError("the model produced NaN or infinite logits: check the model file")
+            raise SpecterError(NONFINITE_LOGITS)
         return int(index)
 
     def sample(self, logits: torch.Tensor, history: Sequence[int] = ()) -> int:

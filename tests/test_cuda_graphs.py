@@ -4,7 +4,9 @@ Same model, same prompt, same tokens fed to both: the graph reads a fixed window
 (masked attention kernel) where the eager step reads exactly the used keys, so logits differ by rounding only:
 per step max|graph - eager| / max|eager| must stay within 1e-3. The prompts end just below a window boundary
 (`DecodeGraphs.WINDOW`) so decoding captures a second window, and the KV cache grows there (storage moves:
-the graphs must be captured again). Runs only on a CUDA GPU with the native CUDA build.
+the graphs must be captured again). Greedy generation, which lets the graphs choose and feed each next token
+themselves one step ahead of the host, must give exactly the tokens of stepping the same graphs with the host's
+argmax, and leave the cache as long. Runs only on a CUDA GPU with the native CUDA build.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from specter_gguf import native
 from specter_gguf.cuda_graphs import DecodeGraphs
 from specter_gguf.engine import Model
-from specter_gguf.sampling import SamplingParams
+from specter_gguf.sampling import Sampler, SamplingParams
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and native.has_cuda()),
                                 reason="needs a CUDA GPU and libspecter built with CUDA")
@@ -74,3 +76,36 @@ def test_generation_with_graphs_equals_without(tiny_models, arch: str) -> None:
     assert inner.tokens == eager.tokens
     for _ in outer:
         pass
+
+
+@torch.inference_mode()
+def _stepped(model: Model, prompt: list[int], n_predict: int) -> tuple[list[int], int]:
+    """Greedy tokens from `DecodeGraphs.step` fed with the host's argmax (what generation does without looking
+    ahead), up to `n_predict`, an end-of-generation token (included) or a full context; and the cache's length."""
+    t, greedy = model.transformer, Sampler(SamplingParams(temperature=0))
+    cache = t.new_cache(model.ctx_size)
+    graphs = DecodeGraphs(t, cache)
+    tokens = [greedy.sample(t.forward(torch.tensor(prompt, device="cuda"), cache, last_only=True)[-1])]
+    while len(tokens) != n_predict and cache.length < model.ctx_size and not model.tokenizer.is_eog(tokens[-1]):
+        tokens.append(greedy.sample(graphs.step(tokens[-1])))
+    return tokens, cache.length
+
+
+@pytest.mark.parametrize("n_predict, ctx_extra", [(12, None), (-1, 6)])  # stops at the limit; at a full context
+@pytest.mark.parametrize("arch", ["qwen2moe", "tiny-deepseek2"])
+def test_greedy_lookahead_equals_stepping_the_graphs(tiny_models, arch: str, n_predict: int,
+                                                     ctx_extra: int | None) -> None:
+    """The prompt ends just below a window boundary: a chained step captures the next window, after the cache
+    has moved. The step computed ahead of the last token is left out of the cache's length, and the next
+    generation gives the same tokens."""
+    prompt = _prompt(DecodeGraphs.WINDOW - 5, seed=11)
+    ctx = None if ctx_extra is None else len(prompt) + ctx_extra
+    m = Model.load(tiny_models[(arch, "f16")], device="cuda", progress=False, ctx_size=ctx)
+    expected, length = _stepped(m, prompt, n_predict)
+    eog = m.tokenizer.is_eog(expected[-1])
+    assert eog or length == (ctx or len(prompt) + n_predict - 1)
+    for _ in range(2):
+        gen = m.generate(prompt, n_predict, SamplingParams(temperature=0)).wait()
+        assert gen.tokens == (expected[:-1] if eog else expected)
+        assert gen.finish_reason == ("stop" if eog else "length")
+        assert m._cache.length == length

@@ -18,12 +18,14 @@ __global__ void __launch_bounds__(256) rms_norm_kernel(const float * x, const fl
                                                        float * sum, float * y) {
     __shared__ float red[8];
     const long long base = (long long)blockIdx.x * n;
-    float s[kNormPerThread];
+    float s[kNormPerThread], wt[kNormPerThread], bs[kNormPerThread];
     float ss = 0.0f;
 #pragma unroll
-    for (int j = 0; j < kNormPerThread; ++j) {
+    for (int j = 0; j < kNormPerThread; ++j) {  // weight and bias loaded with x: no second wait after the sum
         const long long i = threadIdx.x + (long long)j * blockDim.x;
         s[j] = i < n ? x[base + i] + (delta ? delta[base + i] : 0.0f) : 0.0f;
+        wt[j] = i < n ? weight[i] : 0.0f;
+        bs[j] = i < n && bias ? bias[i] : 0.0f;
         ss = fmaf(s[j], s[j], ss);
     }
     for (long long i = threadIdx.x + (long long)kNormPerThread * blockDim.x; i < n; i += blockDim.x) {
@@ -42,7 +44,7 @@ __global__ void __launch_bounds__(256) rms_norm_kernel(const float * x, const fl
         const long long i = threadIdx.x + (long long)j * blockDim.x;
         if (i < n) {
             if (sum) sum[base + i] = s[j];
-            y[base + i] = s[j] * scale * weight[i] + (bias ? bias[i] : 0.0f);
+            y[base + i] = s[j] * scale * wt[j] + bs[j];
         }
     }
     for (long long i = threadIdx.x + (long long)kNormPerThread * blockDim.x; i < n; i += blockDim.x) {

@@ -5,7 +5,8 @@
 // The E values of a unit are E/G runs of G consecutive elements: run g starts at element
 // TT::xoff(u, g) of its block, so X is read as float4 (G = 4) when possible.
 // decode<EXACT>: EXACT = true reproduces ggml's float32 dequantization bit for bit (no FMA
-// contraction: __fmul_rn/__fsub_rn); EXACT = false lets d*q - m be one FMA (GEMV/GEMM paths).
+// contraction: __fmul_rn/__fsub_rn); EXACT = false (GEMV/GEMM paths) spends two operations per value
+// (quants_f4 below): the same weights for types without an offset m, within ~2^-24 of d * 128 with one.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -26,46 +27,74 @@ __device__ __forceinline__ uint32_t ld32a2(const uint8_t * p) {
     return uint32_t(h[0]) | (uint32_t(h[1]) << 16);
 }
 
-// The four bytes of w (each < 256 - bias range as the caller knows) as exact floats minus bias:
-// 0x4B0000bb is the float 2^23 + bb.
-__device__ __forceinline__ void bytes_f4(uint32_t w, float bias, float * o) {
-    const float off = 8388608.0f + bias;
-    o[0] = __int_as_float(__byte_perm(w, 0x4B000000u, 0x7440)) - off;
-    o[1] = __int_as_float(__byte_perm(w, 0x4B000000u, 0x7441)) - off;
-    o[2] = __int_as_float(__byte_perm(w, 0x4B000000u, 0x7442)) - off;
-    o[3] = __int_as_float(__byte_perm(w, 0x4B000000u, 0x7443)) - off;
-}
-
+// Quants to weights w = d * (q - bias) - m, in two steps: quants_f4 turns four quants (the bytes of a word)
+// into floats v, an Affine (a, b) per group of quants sharing d and m turns each into a * v - b.
+//   EXACT: v = q - bias (0x4B0000qq is the float 2^23 + q), w = d * v - m rounded as ggml rounds it.
+//   fast:  v = 2 + q / 64 from one byte permute (0x40qq0000, q < 128), w = 64 d * v - (d (128 + bias) + m) in
+//          one FMA: a value costs two operations instead of three. Without m (d (128 + bias) exact: d is an f16,
+//          128 + bias a small integer) this is d * (q - bias) rounded once, as in EXACT; with m, b is rounded
+//          once more (relative error ~2^-24 of d * 128).
 template <bool EXACT>
-__device__ __forceinline__ float dmq(float d, float q, float m) {  // d*q - m
-    if (EXACT) return __fsub_rn(__fmul_rn(d, q), m);
-    return fmaf(d, q, -m);
-}
-
-__device__ __forceinline__ void k4_scale_min(const uint8_t * s, int j, int & sc, int & m) {
-    if (j < 4) {
-        sc = s[j] & 63;
-        m = s[j + 4] & 63;
+__device__ __forceinline__ void quants_f4(uint32_t w, float bias, float * o) {
+    if (EXACT) {
+        const float off = 8388608.0f + bias;
+        o[0] = __int_as_float(__byte_perm(w, 0x4B000000u, 0x7440)) - off;
+        o[1] = __int_as_float(__byte_perm(w, 0x4B000000u, 0x7441)) - off;
+        o[2] = __int_as_float(__byte_perm(w, 0x4B000000u, 0x7442)) - off;
+        o[3] = __int_as_float(__byte_perm(w, 0x4B000000u, 0x7443)) - off;
     } else {
-        sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
-        m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+        o[0] = __int_as_float(__byte_perm(w, 0x40000000u, 0x7044));
+        o[1] = __int_as_float(__byte_perm(w, 0x40000000u, 0x7144));
+        o[2] = __int_as_float(__byte_perm(w, 0x40000000u, 0x7244));
+        o[3] = __int_as_float(__byte_perm(w, 0x40000000u, 0x7344));
     }
 }
 
-// v[0..8) (quants of sub-block 2c) and v[8..16) (of sub-block 2c + 1) of a Q4_K/Q5_K block: each times its
-// sub-block's scale d * sc, minus its offset dmin * m.
+struct Affine {
+    float a, b;
+};
+
+template <bool EXACT>
+__device__ __forceinline__ Affine affine(float d, float bias, float m) {
+    if (EXACT) return {d, m};
+    return {64.0f * d, fmaf(d, 128.0f + bias, m)};
+}
+
+template <bool EXACT>
+__device__ __forceinline__ float weight(Affine s, float v) {
+    if (EXACT) return __fsub_rn(__fmul_rn(s.a, v), s.b);
+    return fmaf(s.a, v, -s.b);
+}
+
+// Applies one Affine to n values.
+template <bool EXACT, int N>
+__device__ __forceinline__ void weights(Affine s, float * v) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] = weight<EXACT>(s, v[i]);
+}
+
+// Scale and min (6 bits each) of sub-block j of a Q4_K/Q5_K block from its 12 scale bytes, read as three words:
+// without branches (units of one warp ask for sub-blocks on both sides of j = 4).
+__device__ __forceinline__ void k4_scale_min(const uint32_t (&s)[3], int j, int & sc, int & m) {
+    const int jj = j & 3;
+    const int sel = 0x4440 | jj;  // byte jj, zeros above
+    const int a = __byte_perm(s[0], 0, sel), b = __byte_perm(s[1], 0, sel), c = __byte_perm(s[2], 0, sel);
+    const int hi = -int(j >= 4);  // all ones for j >= 4: a mask, so that no branch is compiled
+    sc = (((c & 0x0f) | ((a >> 6) << 4)) & hi) | (a & 63 & ~hi);
+    m = (((c >> 4) | ((b >> 6) << 4)) & hi) | (b & 63 & ~hi);
+}
+
+// v[0..16) (quants of sub-block 2c) and v[16..32) (of sub-block 2c + 1) of a Q4_K/Q5_K block (from quants_f4
+// with bias 0) to weights: each times its sub-block's scale d * sc, minus its offset dmin * m.
 template <bool EXACT>
 __device__ __forceinline__ void k4_scale_unit(const uint8_t * b, int c, float * v) {
+    const uint32_t s[3] = {ld32(b + 4), ld32(b + 8), ld32(b + 12)};
     int s0, m0, s1, m1;
-    k4_scale_min(b + 4, 2 * c, s0, m0);
-    k4_scale_min(b + 4, 2 * c + 1, s1, m1);
+    k4_scale_min(s, 2 * c, s0, m0);
+    k4_scale_min(s, 2 * c + 1, s1, m1);
     const float d = ldh(b), dmin = ldh(b + 2);
-    const float d0 = __fmul_rn(d, float(s0)), n0 = __fmul_rn(dmin, float(m0));
-    const float d1 = __fmul_rn(d, float(s1)), n1 = __fmul_rn(dmin, float(m1));
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = dmq<EXACT>(d0, v[i], n0);
-#pragma unroll
-    for (int i = 8; i < 16; ++i) v[i] = dmq<EXACT>(d1, v[i], n1);
+    weights<EXACT, 16>(affine<EXACT>(__fmul_rn(d, float(s0)), 0.0f, __fmul_rn(dmin, float(m0))), v);
+    weights<EXACT, 16>(affine<EXACT>(__fmul_rn(d, float(s1)), 0.0f, __fmul_rn(dmin, float(m1))), v + 16);
 }
 
 // ---- quantized types --------------------------------------------------------------------------
@@ -77,8 +106,8 @@ struct TQ8_0 {  // f16 d; int8 qs[32]
     __device__ static void decode(const uint8_t * b, int u, float * v) {
         const float d = ldh(b);
         const uint32_t w0 = ld32a2(b + 2 + 8 * u) ^ 0x80808080u, w1 = ld32a2(b + 6 + 8 * u) ^ 0x80808080u;
-        bytes_f4(w0, 128.0f, v);
-        bytes_f4(w1, 128.0f, v + 4);
+        quants_f4<true>(w0, 128.0f, v);  // quants up to 255: the exact conversion in both modes
+        quants_f4<true>(w1, 128.0f, v + 4);
 #pragma unroll
         for (int i = 0; i < 8; ++i) v[i] = __fmul_rn(v[i], d);
     }
@@ -91,10 +120,9 @@ struct TQ4_0 {  // f16 d; uint8 qs[16]: element l low nibble of qs[l], l+16 high
     __device__ static void decode(const uint8_t * b, int u, float * v) {
         const float d = ldh(b);
         const uint32_t w = ld32a2(b + 2 + 4 * u);
-        bytes_f4(w & 0x0f0f0f0fu, 8.0f, v);
-        bytes_f4((w >> 4) & 0x0f0f0f0fu, 8.0f, v + 4);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = __fmul_rn(v[i], d);
+        quants_f4<EXACT>(w & 0x0f0f0f0fu, 8.0f, v);
+        quants_f4<EXACT>((w >> 4) & 0x0f0f0f0fu, 8.0f, v + 4);
+        weights<EXACT, 8>(affine<EXACT>(d, 8.0f, 0.0f), v);
     }
 };
 
@@ -110,10 +138,9 @@ struct TQ4_1 {  // f16 d, m; uint8 qs[16]: as Q4_0, value q*d + m
     __device__ static void decode(const uint8_t * b, int u, float * v) {
         const float d = ldh(b), m = ldh(b + 2);
         const uint32_t w = ld32(b + 4 + 4 * u);
-        bytes_f4(w & 0x0f0f0f0fu, 0.0f, v);
-        bytes_f4((w >> 4) & 0x0f0f0f0fu, 0.0f, v + 4);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = dmq<EXACT>(d, v[i], -m);
+        quants_f4<EXACT>(w & 0x0f0f0f0fu, 0.0f, v);
+        quants_f4<EXACT>((w >> 4) & 0x0f0f0f0fu, 0.0f, v + 4);
+        weights<EXACT, 8>(affine<EXACT>(d, 0.0f, -m), v);
     }
 };
 
@@ -125,10 +152,9 @@ struct TQ5_0 {  // f16 d; uint8 qh[4] (uint32: bit j = fifth bit of element j); 
         const float d = ldh(b);
         const uint32_t qh = ld32a2(b + 2);
         const uint32_t w = ld32a2(b + 6 + 4 * u);
-        bytes_f4((w & 0x0f0f0f0fu) | hbits4(qh >> (4 * u)), 16.0f, v);
-        bytes_f4(((w >> 4) & 0x0f0f0f0fu) | hbits4(qh >> (16 + 4 * u)), 16.0f, v + 4);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = __fmul_rn(v[i], d);
+        quants_f4<EXACT>((w & 0x0f0f0f0fu) | hbits4(qh >> (4 * u)), 16.0f, v);
+        quants_f4<EXACT>(((w >> 4) & 0x0f0f0f0fu) | hbits4(qh >> (16 + 4 * u)), 16.0f, v + 4);
+        weights<EXACT, 8>(affine<EXACT>(d, 16.0f, 0.0f), v);
     }
 };
 
@@ -140,65 +166,70 @@ struct TQ5_1 {  // f16 d, m; uint8 qh[4]; uint8 qs[16]: as Q5_0 without the offs
         const float d = ldh(b), m = ldh(b + 2);
         const uint32_t qh = ld32(b + 4);
         const uint32_t w = ld32(b + 8 + 4 * u);
-        bytes_f4((w & 0x0f0f0f0fu) | hbits4(qh >> (4 * u)), 0.0f, v);
-        bytes_f4(((w >> 4) & 0x0f0f0f0fu) | hbits4(qh >> (16 + 4 * u)), 0.0f, v + 4);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = dmq<EXACT>(d, v[i], -m);
+        quants_f4<EXACT>((w & 0x0f0f0f0fu) | hbits4(qh >> (4 * u)), 0.0f, v);
+        quants_f4<EXACT>(((w >> 4) & 0x0f0f0f0fu) | hbits4(qh >> (16 + 4 * u)), 0.0f, v + 4);
+        weights<EXACT, 8>(affine<EXACT>(d, 0.0f, -m), v);
     }
 };
 
 struct TQ4_K {  // f16 d, dmin; uint8 scales[12]; uint8 qs[128]
-    static constexpr int QK = 256, BYTES = 144, NU = 16, E = 16, G = 4;
-    __device__ static int xoff(int u, int g) { return (u >> 2) * 64 + 8 * (u & 3) + (g & 1) * 4 + (g >> 1) * 32; }
+    // unit u: the 16 quant bytes at 32 c + l0 (c = u / 2, l0 = 16 (u % 2)): their low nibbles are elements
+    // l0.. of sub-block 2c, their high nibbles the same elements of sub-block 2c + 1 (one scale decode per 32)
+    static constexpr int QK = 256, BYTES = 144, NU = 8, E = 32, G = 4;
+    __device__ static int xoff(int u, int g) { return (u >> 1) * 64 + 16 * (u & 1) + 4 * (g & 3) + 32 * (g >> 2); }
     template <bool EXACT>
     __device__ static void decode(const uint8_t * b, int u, float * v) {
-        const int c = u >> 2, l0 = 8 * (u & 3);
-        const uint32_t q0 = ld32(b + 16 + c * 32 + l0), q1 = ld32(b + 20 + c * 32 + l0);
-        bytes_f4(q0 & 0x0f0f0f0fu, 0.0f, v);
-        bytes_f4(q1 & 0x0f0f0f0fu, 0.0f, v + 4);
-        bytes_f4((q0 >> 4) & 0x0f0f0f0fu, 0.0f, v + 8);
-        bytes_f4((q1 >> 4) & 0x0f0f0f0fu, 0.0f, v + 12);
+        const int c = u >> 1;
+        const uint8_t * qs = b + 16 + c * 32 + 16 * (u & 1);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const uint32_t q = ld32(qs + 4 * i);
+            quants_f4<EXACT>(q & 0x0f0f0f0fu, 0.0f, v + 4 * i);
+            quants_f4<EXACT>((q >> 4) & 0x0f0f0f0fu, 0.0f, v + 16 + 4 * i);
+        }
         k4_scale_unit<EXACT>(b, c, v);
     }
 };
 
-struct TQ5_K {  // f16 d, dmin; uint8 scales[12]; uint8 qh[32]; uint8 qs[128]
-    static constexpr int QK = 256, BYTES = 176, NU = 16, E = 16, G = 4;
+struct TQ5_K {  // f16 d, dmin; uint8 scales[12]; uint8 qh[32]; uint8 qs[128]: units as Q4_K's
+    static constexpr int QK = 256, BYTES = 176, NU = 8, E = 32, G = 4;
     __device__ static int xoff(int u, int g) { return TQ4_K::xoff(u, g); }
     template <bool EXACT>
     __device__ static void decode(const uint8_t * b, int u, float * v) {
-        const int c = u >> 2, l0 = 8 * (u & 3);
-        const uint32_t q0 = ld32(b + 48 + c * 32 + l0), q1 = ld32(b + 52 + c * 32 + l0);
-        const uint32_t h0 = ld32(b + 16 + l0), h1 = ld32(b + 20 + l0);
-        const int g0 = 2 * c, g1 = 2 * c + 1;
-        bytes_f4((q0 & 0x0f0f0f0fu) | (((h0 >> g0) & 0x01010101u) << 4), 0.0f, v);
-        bytes_f4((q1 & 0x0f0f0f0fu) | (((h1 >> g0) & 0x01010101u) << 4), 0.0f, v + 4);
-        bytes_f4(((q0 >> 4) & 0x0f0f0f0fu) | (((h0 >> g1) & 0x01010101u) << 4), 0.0f, v + 8);
-        bytes_f4(((q1 >> 4) & 0x0f0f0f0fu) | (((h1 >> g1) & 0x01010101u) << 4), 0.0f, v + 12);
+        const int c = u >> 1, l0 = 16 * (u & 1);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const uint32_t q = ld32(b + 48 + c * 32 + l0 + 4 * i), h = ld32(b + 16 + l0 + 4 * i);
+            quants_f4<EXACT>((q & 0x0f0f0f0fu) | (((h >> (2 * c)) & 0x01010101u) << 4), 0.0f, v + 4 * i);
+            quants_f4<EXACT>(((q >> 4) & 0x0f0f0f0fu) | (((h >> (2 * c + 1)) & 0x01010101u) << 4), 0.0f,
+                             v + 16 + 4 * i);
+        }
         k4_scale_unit<EXACT>(b, c, v);
     }
 };
 
 struct TQ6_K {  // uint8 ql[128]; uint8 qh[64]; int8 scales[16]; f16 d
-    static constexpr int QK = 256, BYTES = 210, NU = 16, E = 16, G = 4;
-    __device__ static int xoff(int u, int g) { return (u >> 3) * 128 + 4 * (u & 7) + 32 * g; }
+    // unit u: elements l0 .. l0 + 7 (l0 = 8 (u % 4)) of the four 32-element runs of half j = u / 4, one scale each
+    static constexpr int QK = 256, BYTES = 210, NU = 8, E = 32, G = 4;
+    __device__ static int xoff(int u, int g) { return (u >> 2) * 128 + 8 * (u & 3) + 4 * (g & 1) + 32 * (g >> 1); }
     template <bool EXACT>
     __device__ static void decode(const uint8_t * b, int u, float * v) {
-        const int j = u >> 3, l0 = 4 * (u & 7), is = j * 8 + (l0 >> 4);
-        const uint32_t A = ld32a2(b + j * 64 + l0), B = ld32a2(b + j * 64 + 32 + l0);
-        const uint32_t H = ld32a2(b + 128 + j * 32 + l0);
+        const int j = u >> 2, l0 = 8 * (u & 3), is = j * 8 + (l0 >> 4);
         const int8_t * sc = reinterpret_cast<const int8_t *>(b + 192);
         const float d = ldh(b + 208);
-        bytes_f4((A & 0x0f0f0f0fu) | ((H & 0x03030303u) << 4), 32.0f, v);
-        bytes_f4((B & 0x0f0f0f0fu) | (((H >> 2) & 0x03030303u) << 4), 32.0f, v + 4);
-        bytes_f4(((A >> 4) & 0x0f0f0f0fu) | (((H >> 4) & 0x03030303u) << 4), 32.0f, v + 8);
-        bytes_f4(((B >> 4) & 0x0f0f0f0fu) | (((H >> 6) & 0x03030303u) << 4), 32.0f, v + 12);
 #pragma unroll
-        for (int g = 0; g < 4; ++g) {
-            const float dl = __fmul_rn(d, float(sc[is + 2 * g]));
-#pragma unroll
-            for (int i = 0; i < 4; ++i) v[4 * g + i] = __fmul_rn(dl, v[4 * g + i]);
+        for (int w = 0; w < 2; ++w) {
+            const int l = l0 + 4 * w;
+            const uint32_t A = ld32a2(b + j * 64 + l), B = ld32a2(b + j * 64 + 32 + l);
+            const uint32_t H = ld32a2(b + 128 + j * 32 + l);
+            quants_f4<EXACT>((A & 0x0f0f0f0fu) | ((H & 0x03030303u) << 4), 32.0f, v + 4 * w);
+            quants_f4<EXACT>((B & 0x0f0f0f0fu) | (((H >> 2) & 0x03030303u) << 4), 32.0f, v + 8 + 4 * w);
+            quants_f4<EXACT>(((A >> 4) & 0x0f0f0f0fu) | (((H >> 4) & 0x03030303u) << 4), 32.0f, v + 16 + 4 * w);
+            quants_f4<EXACT>(((B >> 4) & 0x0f0f0f0fu) | (((H >> 6) & 0x03030303u) << 4), 32.0f, v + 24 + 4 * w);
         }
+#pragma unroll
+        for (int g = 0; g < 4; ++g)
+            weights<EXACT, 8>(affine<EXACT>(__fmul_rn(d, float(sc[is + 2 * g])), 32.0f, 0.0f), v + 8 * g);
     }
 };
 
@@ -217,9 +248,9 @@ struct TQ3_K {  // uint8 hmask[32]; uint8 qs[64]; uint8 scales[12]; f16 d
             const int lo = is < 8 ? (sc[is] & 0x0f) : (sc[is - 8] >> 4);
             const int hi = (sc[8 + (is & 3)] >> (2 * (is >> 2))) & 3;
             const float dl = __fmul_rn(d, float((lo | (hi << 4)) - 32));
-            bytes_f4(((Q >> (2 * s)) & 0x03030303u) | (((H >> (4 * j + s)) & 0x01010101u) << 2), 4.0f, v + 4 * s);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) v[4 * s + i] = __fmul_rn(dl, v[4 * s + i]);
+            quants_f4<EXACT>(((Q >> (2 * s)) & 0x03030303u) | (((H >> (4 * j + s)) & 0x01010101u) << 2), 4.0f,
+                             v + 4 * s);
+            weights<EXACT, 4>(affine<EXACT>(dl, 4.0f, 0.0f), v + 4 * s);
         }
     }
 };
@@ -235,10 +266,9 @@ struct TQ2_K {  // uint8 scales[16]; uint8 qs[64]; f16 d, dmin
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
             const int sc = b[j * 8 + 2 * s + (l0 >> 4)];
-            const float dl = __fmul_rn(d, float(sc & 0x0f)), ml = __fmul_rn(dmin, float(sc >> 4));
-            bytes_f4((Q >> (2 * s)) & 0x03030303u, 0.0f, v + 4 * s);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) v[4 * s + i] = dmq<EXACT>(dl, v[4 * s + i], ml);
+            quants_f4<EXACT>((Q >> (2 * s)) & 0x03030303u, 0.0f, v + 4 * s);
+            weights<EXACT, 4>(affine<EXACT>(__fmul_rn(d, float(sc & 0x0f)), 0.0f, __fmul_rn(dmin, float(sc >> 4))),
+                              v + 4 * s);
         }
     }
 };
@@ -407,8 +437,9 @@ __device__ __forceinline__ float swiglu_of_totals(float s, float * res) {
     return y;
 }
 
-// Weight rows per CTA of the GEMV-style kernels at M rows of X (per matrix when a CTA dots two, gate and up):
-// more at M = 1 for more loads in flight; a row's result does not depend on it.
+// Output rows per CTA of the GEMV-style kernels at M rows of X (per matrix when a CTA dots two, gate and up):
+// four weight rows at M = 1 (more loads in flight; on the H200 faster than 1, 2 or 8 for Qwen1.5-MoE's shapes),
+// two above. A row's result does not depend on it.
 __host__ __device__ constexpr int rows_per_cta(int M, bool pair) {
     return pair ? (M == 1 ? 2 : 1) : (M == 1 ? 4 : 2);
 }
