@@ -9,7 +9,8 @@ Every test makes fresh random weights in GGUF encoding, takes their exact values
 - outputs are poisoned with NaN (workspaces with 0xFF bytes) before each run, so an unwritten element shows;
 - error measure: max |y - ref| / max_row( sum |x| |w| ) (the size of the terms summed), thresholds:
     * fp32 paths (CPU, CUDA GEMV, CUDA MoE): TOL_FP32 = 2e-6 for every type (the weights are exact, only the
-      float32 summation order differs: ~sqrt(k) * 2^-24 per unit of the terms' size);
+      float32 summation order differs: ~sqrt(k) * 2^-24 per unit of the terms' size; on CUDA the offset types
+      Q5_1/Q2_K/Q4_K/Q5_K round d*(128+bias)+m once more, ~2^-24 of 128*d per weight: native/src/cuda/quant.cuh);
     * CUDA tiled path (x and the dequantized weights rounded to f16, fp32 accumulation): TOL_F16 = 1.5e-3
       (each term's factors carry <= 2^-11 relative error);
   the MoE layer is compared by max |y - ref| / max |ref| with TOL_MOE = 1e-4 (fp32 through two matrix products
