@@ -4,7 +4,8 @@
 // Launches (all on the caller's stream, fixed workspace, capturable in a CUDA graph):
 //   1. route:   group the (token, slot) pairs by expert, deterministically (one CTA);
 //   2. gate/up: grid (d_ff rows / 1-2, groups); each CTA reads 1-2 gate rows and up rows of its group's
-//               expert once per chunk of <= 8 tokens and writes act = silu(gate.x) * (up.x)
+//               expert once per chunk of <= 8 tokens (a pass sized to the chunk: 1, 2, 4 or 8 X rows)
+//               and writes act = silu(gate.x) * (up.x)
 //               (gate and up of different types: two launches and an elementwise silu-mul);
 //   3. down:    grid (d_model rows / 2-4, groups): ypair[pair] = down . act[pair];
 //   4. reduce:  out[t] (+)= sum over the token's slots, in slot order, of weight * ypair.
@@ -80,9 +81,33 @@ __global__ void __launch_bounds__(256) route_kernel(const int32_t * __restrict__
     }
 }
 
+// One pass of a CTA over its weight rows for the X rows of pairs perm[q .. q + cnt), cnt <= MP: dst[pair, row]
+// = the dot product (FUSED: rows[0..RF) gate, rows[RF..2RF) up, silu(gate) * up).
+template <class TT, int MP, int RF, bool FUSED>
+__device__ __forceinline__ void rows_pass(const uint8_t * const (&rows)[FUSED ? 2 * RF : RF], int row0, int n_out,
+                                          int k, const float * __restrict__ xin, int x_per_pair, int top_k,
+                                          const int * __restrict__ perm, int q, int cnt, float * red, float * res,
+                                          float * __restrict__ dst) {
+    const float * xs[MP];
+#pragma unroll
+    for (int t = 0; t < MP; ++t) {
+        const int pr = perm[q + min(t, cnt - 1)];
+        xs[t] = xin + (long long)(x_per_pair ? pr : pr / top_k) * k;
+    }
+    float s = cta_dot_totals<TT, MP, FUSED ? 2 * RF : RF, float>(rows, xs, k / TT::QK, red);
+    if (FUSED) s = swiglu_of_totals<RF * MP>(s, res);
+    if (threadIdx.x < RF * MP) {
+        const int r = threadIdx.x / MP, t = threadIdx.x % MP;
+        if (t < cnt && row0 + r < n_out) dst[(long long)perm[q + t] * n_out + row0 + r] = s;
+    }
+}
+
 // FUSED: rows RF*blockIdx.x + r (r < RF) of tabA (gate) and tabB (up) -> dst[pair, row] = silu(a) * b.
 // else:  rows R*blockIdx.x + r of tabA -> dst[pair, row] = a.
 // X row of a pair: xin + (x_per_pair ? pair : pair / top_k) * k.
+// A group's tokens go M at a time; a chunk of fewer (with many experts most groups hold one or two tokens) takes
+// the pass for the fewest X rows that hold it, with the same results: each (weight row, X row) value is summed
+// the same way whatever the pass.
 template <class TT, int M, bool FUSED>
 __global__ void __launch_bounds__(256) moe_rows_kernel(const uint64_t * __restrict__ tabA,
                                                        const uint64_t * __restrict__ tabB, long long rb, int n_out,
@@ -107,19 +132,23 @@ __global__ void __launch_bounds__(256) moe_rows_kernel(const uint64_t * __restri
     }
     for (int q = q0; q < q1; q += M) {
         const int cnt = min(M, q1 - q);
-        const float * xs[M];
-        int pr[M];
-#pragma unroll
-        for (int t = 0; t < M; ++t) {
-            pr[t] = perm[q + min(t, cnt - 1)];
-            xs[t] = xin + (long long)(x_per_pair ? pr[t] : pr[t] / top_k) * k;
-        }
-        float s = cta_dot_totals<TT, M, NR, float>(rows, xs, k / TT::QK, red);
-        if (FUSED) s = swiglu_of_totals<RF * M>(s, res);
-        if (threadIdx.x < RF * M) {  // RF output rows (= NR unless FUSED)
-            const int r = threadIdx.x / M, t = threadIdx.x % M;
-            if (t < cnt && row0 + r < n_out) dst[(long long)perm[q + t] * n_out + row0 + r] = s;
-        }
+        const int mp = cnt == 1 ? 1 : cnt == 2 ? 2 : cnt <= 4 ? 4 : 8;
+        if constexpr (M > 1)
+            if (mp == 1) {
+                rows_pass<TT, 1, RF, FUSED>(rows, row0, n_out, k, xin, x_per_pair, top_k, perm, q, cnt, red, res, dst);
+                continue;
+            }
+        if constexpr (M > 2)
+            if (mp == 2) {
+                rows_pass<TT, 2, RF, FUSED>(rows, row0, n_out, k, xin, x_per_pair, top_k, perm, q, cnt, red, res, dst);
+                continue;
+            }
+        if constexpr (M > 4)
+            if (mp == 4) {
+                rows_pass<TT, 4, RF, FUSED>(rows, row0, n_out, k, xin, x_per_pair, top_k, perm, q, cnt, red, res, dst);
+                continue;
+            }
+        rows_pass<TT, M, RF, FUSED>(rows, row0, n_out, k, xin, x_per_pair, top_k, perm, q, cnt, red, res, dst);
     }
 }
 
