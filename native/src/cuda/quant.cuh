@@ -440,8 +440,8 @@ __device__ __forceinline__ float swiglu_of_totals(float s, float * res) {
 }
 
 // Output rows per CTA of the GEMV-style kernels at M rows of X (per matrix when a CTA dots two, gate and up):
-// four weight rows at M = 1 (more loads in flight; on the H200 faster than 1, 2 or 8 for Qwen1.5-MoE's shapes),
-// two above. A row's result does not depend on it.
+// four weight rows dotted at M = 1 (more loads in flight; on the H200 faster than 1, 2 or 8 for Qwen1.5-MoE's
+// shapes), two above. A row's result does not depend on it.
 __host__ __device__ constexpr int rows_per_cta(int M, bool pair) {
     return pair ? (M == 1 ? 2 : 1) : (M == 1 ? 4 : 2);
 }
