@@ -105,13 +105,28 @@ class GGUFFile:
             raise SpecterError(f"{self.path}: tensor '{name}' has type {t.type.name}, which is not supported; "
                                f"supported types: {type_names(SUPPORTED_TYPES)} (re-quantize with "
                                f"`specter-gguf quantize`)")
-        if shape is not None and t.shape != tuple(shape):
+        if shape is None or t.shape == tuple(shape):
+            return t
+        if not same_shape(t.shape, shape):
             raise SpecterError(f"{self.path}: tensor '{name}' has shape {list(t.shape)}, expected "
                                f"{list(shape)} from the file's metadata; the file is inconsistent")
-        return t
+        # a dimension of 1 more or less, as llama.cpp's converter writes some vectors ([1, n] for [n]): the same
+        # bytes, viewed in the expected shape (the last axis of quantized and BF16 data counts bytes)
+        return GGUFTensor(t.name, t.type, tuple(shape), t.data.reshape(*shape[:-1], t.data.shape[-1]))
 
     def has_tensor(self, name: str) -> bool:
         return name in self.tensors
+
+
+def same_shape(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    """Whether two numpy-order shapes are equal up to leading dimensions of 1 (ggml's trailing ones), as llama.cpp
+    compares a tensor's shape with the one it expects."""
+    def strip(s: tuple[int, ...]) -> tuple[int, ...]:
+        s = tuple(s)
+        while len(s) > 1 and s[0] == 1:
+            s = s[1:]
+        return s
+    return strip(a) == strip(b)
 
 
 def type_names(types: tuple[T, ...]) -> str:

@@ -241,3 +241,30 @@ def test_base_model_loads(tiny_models) -> None:
     a = Model.load(base, device="cpu", progress=False).logits([1, 2, 3])
     b = Model.load(ok, device="cpu", progress=False).logits([1, 2, 3])
     assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["f16", "q4_k_m"])
+def test_trailing_dimensions_of_one_load_as_llama_cpp_loads_them(kind: str, tiny_models, tmp_path: Path) -> None:
+    """llama.cpp's converter writes qwen2moe's shared-expert gate as a 2-D [n_embd, 1] tensor (ggml order), and
+    llama.cpp compares shapes up to trailing dimensions of 1: such files load and give the same logits. Vectors
+    stored as [n, 1, 1], and a matrix with an extra trailing 1, load too; a real mismatch is still refused."""
+    base = tiny_models[("qwen2moe", kind)]
+    reader = GGUFReader(base)
+    gate = next(t for t in reader.tensors if t.name == "blk.0.ffn_gate_inp_shexp.weight")
+    norm = next(t for t in reader.tensors if t.name == "blk.1.attn_norm.weight")
+    router = next(t for t in reader.tensors if t.name == "blk.1.ffn_gate_inp.weight")
+    edits = {"blk.0.ffn_gate_inp_shexp.weight": (np.asarray(gate.data).reshape(1, -1), None),
+             "blk.1.attn_norm.weight": (np.asarray(norm.data).reshape(1, 1, -1), None),
+             "blk.1.ffn_gate_inp.weight": (np.asarray(router.data).reshape(1, *router.data.shape), None)}
+    padded = rewrite(base, tmp_path / "padded.gguf", tensors=edits)
+    stored = {t.name: tuple(int(d) for d in t.shape) for t in GGUFReader(padded).tensors}
+    assert stored["blk.0.ffn_gate_inp_shexp.weight"][1:] == (1,)  # ggml order: [n_embd, 1]
+    assert stored["blk.1.attn_norm.weight"][1:] == (1, 1)
+    tokens = [1, 2, 3, 4]
+    want = Model.load(base, device="cpu", progress=False).logits(tokens)
+    got = Model.load(padded, device="cpu", progress=False).logits(tokens)
+    assert np.array_equal(want, got)
+    gate_2 = np.concatenate([np.asarray(gate.data).reshape(1, -1)] * 2)  # [n_embd, 2]: not a shape llama.cpp takes
+    bad = rewrite(base, tmp_path / "two-gates.gguf", tensors={"blk.0.ffn_gate_inp_shexp.weight": (gate_2, None)})
+    with pytest.raises(SpecterError, match=r"ffn_gate_inp_shexp\.weight' has shape \[2, \d+\]"):
+        Model.load(bad, device="cpu", progress=False)
