@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 mkdir -p .whl
-py312=$(command -v python3.12 || ls ~/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | head -1)
+py312=$(python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null || ls ~/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | head -1)
 [ -n "$py312" ] || { echo "gpu_wheels: needs a python3.12 (the GPU machine's version)"; exit 1; }
 ls .whl/llama_cpp_python-0.3.36-*.whl >/dev/null 2>&1 ||
   CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" "$py312" -m pip wheel -q --no-deps \

@@ -59,6 +59,9 @@ def model_argument(required: bool) -> Any:
     return click.argument("model", required=required, type=click.Path(path_type=Path))
 
 
+ctx_size_option = click.option("-c", "--ctx-size", type=int, default=None, show_default=False,
+                               help="Context size in tokens (default: the model's own, at most 4096, as llama.cpp; "
+                               "0: the model's own).")
 device_option = click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
                              help="Where to run (default: cuda when a GPU is present, else cpu).")
 
@@ -118,7 +121,7 @@ def load_options(f: Any) -> Any:
 
     return _with_options(command, [
         device_option,
-        click.option("-c", "--ctx-size", type=int, default=None, help="Context size in tokens (default: the model's)."),
+        ctx_size_option,
         click.option("--gpu-budget", default=None, help="Device memory budget, e.g. 16GiB, 12000MiB, 1.5GB: weights, "
                      "KV cache, workspace and an expert cache are planned within it (see `specter-gguf plan`)."),
         click.option("--offload", type=click.Choice(["on-demand", "lru", "gate-prefetch", "none"]), default=None,
@@ -167,7 +170,7 @@ def run(model: Path | None, prompt: str | None, prompt_file: Path | None, n_pred
     counts = None
     if save_routing_profile is not None:
         counts = DeviceRoutingCounts(m.config.n_layer, m.config.n_expert, m.device)
-        m.transformer.observers.append(counts)
+        m.routing_observer = counts
     gen = m.generate(prompt, n_predict=n_predict, sampling=sampling, stop=stop)
     if as_json:
         gen.wait()
@@ -200,7 +203,7 @@ def _save_profile(counts: Any, m: Any, path: Path | None) -> None:
 @click.option("--gpu-budget", required=True, help="Device memory budget, e.g. 16GiB, 12000MiB, 1.5GB.")
 @click.option("--draft", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Draft GGUF (the target with quantized experts): its routed experts stay on the device.")
-@click.option("-c", "--ctx-size", type=int, default=None, help="Context size in tokens (default: the model's).")
+@ctx_size_option
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cuda", help="Device the plan is for.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as one JSON object.")
 def plan(model: Path, gpu_budget: str, draft: Path | None, ctx_size: int | None, device: str, as_json: bool) -> None:
@@ -212,8 +215,6 @@ def plan(model: Path, gpu_budget: str, draft: Path | None, ctx_size: int | None,
 
     f = GGUFFile(model)
     check_architecture(f)
-    if ctx_size is not None and ctx_size <= 0:
-        raise SpecterError(f"context size must be positive, got {ctx_size}")
     p = plan_memory(f, parse_size(gpu_budget), ctx_size, device, GGUFFile(draft) if draft is not None else None)
     click.echo(json.dumps(p.to_dict()) if as_json else p.describe())
     p.check()  # a budget below the minimum: the split is shown, then the error (exit 1) says what is missing
@@ -322,7 +323,7 @@ def chat(model: Path | None, system: str | None, n_predict: int, sampling: Any, 
     interactive = sys.stdin.isatty()
     m = load(model, progress=interactive)
     session = ChatSession(m, system=system, n_predict=n_predict, sampling=sampling)
-    click.echo(f"chatting with {m.path.stem} (chat template: {chat_template(m).source}); "
+    click.echo(f"chatting with {m.path.stem} (context {m.ctx_size}, chat template: {chat_template(m).source}); "
                "/reset clears the history, /exit or Ctrl-D quits", err=True)
     if interactive:
         try:

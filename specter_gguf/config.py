@@ -8,6 +8,8 @@ from typing import Any
 from specter_gguf.errors import SpecterError
 from specter_gguf.gguf_file import GGUFFile
 
+DEFAULT_CTX_SIZE = 4096  # llama.cpp's default context; a model's own is often 32768 or more
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -104,6 +106,17 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def context_size(self, requested: int | None) -> int:
+        """The context a run uses for `requested` tokens, as llama.cpp's -c reads it: None gives
+        min(training context, DEFAULT_CTX_SIZE), 0 the training context."""
+        if requested is None:
+            return min(self.n_ctx_train, DEFAULT_CTX_SIZE)
+        if requested < 0:
+            raise SpecterError(f"context size must be 0 (the model's own, {self.n_ctx_train}) or positive, "
+                               f"got {requested}")
+        return requested or self.n_ctx_train
+
 
 
 def _default_expert_width(arch: str, n_ff: int, n_expert_used: int) -> int:

@@ -11,10 +11,12 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import torch
 
+from specter_gguf.config import ModelConfig
 from specter_gguf.errors import SpecterError
 from specter_gguf.gguf_file import GGUFFile
-from specter_gguf.layers import KVCache, Transformer
-from specter_gguf.models import load_transformer
+from specter_gguf.layers import KVCache, RoutingObserver, Transformer
+from specter_gguf.models import check_architecture
+from specter_gguf.runtime.offload import load_offloaded
 from specter_gguf.sampling import Sampler, SamplingParams
 from specter_gguf.tokenizer import Tokenizer
 
@@ -39,6 +41,7 @@ class GenerationStats:
 
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    ctx_size: int = 0                   # the context the model ran with
     prefill_s: float = 0.0
     decode_s: float = 0.0
     # expert offloading (None when the model runs without it; see specter_gguf.runtime.metrics)
@@ -99,13 +102,13 @@ class GenerationStats:
                 "mean_accepted_len": self.mean_accepted_len}
 
     def summary(self) -> str:
-        """One line: tokens, prefill, TPOT, tokens/s; with offloading the cache's hit rate, bytes copied per
+        """One line: tokens, context, prefill, TPOT, tokens/s; with offloading the cache's hit rate, bytes copied per
         token and hidden copy share; with a draft its acceptance; on CUDA the peak memory (`to_dict` has every
         figure)."""
         from specter_gguf.runtime.budget import format_size
 
-        text = (f"prompt {self.prompt_tokens} tokens, generated {self.generated_tokens} tokens, "
-                f"prefill {self.prefill_s * 1000:.1f} ms, TPOT {self.tpot_ms:.2f} ms, "
+        text = (f"prompt {self.prompt_tokens} tokens, generated {self.generated_tokens} tokens, context "
+                f"{self.ctx_size}, prefill {self.prefill_s * 1000:.1f} ms, TPOT {self.tpot_ms:.2f} ms, "
                 f"{self.tokens_per_s:.1f} tokens/s")
         if self.offload is not None:
             text += (f"; offload {self.offload} ({self.cache_policy}, {self.cache_slots} slots): cache hit rate "
@@ -155,6 +158,8 @@ class Model:
         self.memory_plan: Any = None  # specter_gguf.runtime.MemoryPlan when a GPU budget was given
         self.prefill_chunk: int | None = None  # prompts are evaluated in chunks of this many tokens (budget)
         self.cuda_graphs = False      # decode steps replay CUDA graphs (specter_gguf.cuda_graphs)
+        # sees the routing of every forward of a generation (e.g. runtime.DeviceRoutingCounts for a profile)
+        self.routing_observer: RoutingObserver | None = None
         # one KV cache (and its decode graphs) reused by generation after generation; a generation started
         # while another is still running gets a cache of its own and decodes eagerly
         self._cache: KVCache | None = None
@@ -168,32 +173,27 @@ class Model:
              routing_profile: str | os.PathLike[str] | Any = None, cuda_graphs: bool = True,
              draft: GGUFFile | None = None) -> Model:
         """Load `path` (default: the small model shipped in `models/`) onto `device` ("cpu", "cuda";
-        default CUDA when present). `ctx_size` defaults to the context length the model was trained for.
+        default CUDA when present). `ctx_size`: tokens of context; default min(the model's training context,
+        4096) as llama.cpp; 0: the model's training context.
 
         `gpu_budget` (bytes or "16GiB") plans the device memory (`specter_gguf.runtime.budget`) and refuses a
-        budget below the minimum before loading. `offload`: "on-demand", "lru", "gate-prefetch" (routed experts
-        in host memory, a device expert cache; needs `gpu_budget`), "none"; default: lru when a budget is given
-        and the model does not fit, none otherwise. `cache_policy`: lru (default), lfu, static-hot (needs
+        budget below the minimum before loading; without one, a model that does not fit the free memory of a
+        CUDA device runs offloaded within that free memory less a margin (`runtime.offload.load_offloaded`).
+        `offload`: "on-demand", "lru", "gate-prefetch" (routed experts in host memory, a device expert cache),
+        "none"; default: lru when the model does not fit the budget, none otherwise. `cache_policy`: lru (default), lfu, static-hot (needs
         `routing_profile`, a `RoutingProfile` or its JSON file). `cuda_graphs`: replay each decode step as a
         CUDA graph (on CUDA without offloading, whose cache bookkeeping runs on the host between layers).
         `draft`: a draft GGUF whose experts will share the device (`SpeculativeModel`): the budget counts them."""
         path = Path(path) if path is not None else SHIPPED_MODEL
         dev = resolve_device(device)
         f = GGUFFile(path)
-        if ctx_size is not None and ctx_size <= 0:
-            raise SpecterError(f"context size must be positive, got {ctx_size}")
-        if gpu_budget is None and offload in (None, "none"):
-            transformer, runtime, plan = load_transformer(f, dev, progress), None, None
-        else:
-            from specter_gguf.config import ModelConfig
-            from specter_gguf.runtime.offload import load_offloaded
-
-            if dev.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(dev)
-            transformer, runtime, plan = load_offloaded(
-                f, dev, ctx_size or ModelConfig.from_gguf(f).n_ctx_train, progress, gpu_budget, offload,
-                cache_policy, routing_profile, draft=draft)
-        model = cls(path, transformer, Tokenizer.from_gguf(path), ctx_size or transformer.config.n_ctx_train)
+        check_architecture(f)
+        ctx = ModelConfig.from_gguf(f).context_size(ctx_size)
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        transformer, runtime, plan = load_offloaded(f, dev, ctx, progress, gpu_budget, offload, cache_policy,
+                                                    routing_profile, draft=draft)
+        model = cls(path, transformer, Tokenizer.from_gguf(path), ctx)
         model.offload, model.memory_plan = runtime, plan
         model.cuda_graphs = cuda_graphs and dev.type == "cuda" and runtime is None
         model.prefill_chunk = plan.prefill_chunk if plan is not None else None
@@ -286,7 +286,7 @@ class Model:
                 graphs: Any) -> Iterator[str]:
         limit = n_predict if n_predict >= 0 else self.ctx_size
         stats = gen.stats
-        stats.prompt_tokens = len(gen.prompt_tokens)
+        stats.prompt_tokens, stats.ctx_size = len(gen.prompt_tokens), self.ctx_size
         decoder = self.tokenizer.stream(continuation=True)  # generated text continues the prompt
         history = list(gen.prompt_tokens)
         emitted = 0  # characters of gen.text already yielded
@@ -295,7 +295,8 @@ class Model:
         prompt = self._check_tokens(gen.prompt_tokens)
         step = self.prefill_chunk or len(prompt)  # chunks keep the workspace within a GPU budget
         for first in range(0, len(prompt), step):
-            logits = self.transformer.forward(prompt[first:first + step], cache, last_only=True)[-1]
+            logits = self.transformer.forward(prompt[first:first + step], cache, last_only=True,
+                                              observe=self.routing_observer)[-1]
         tokens = self._tokens(logits, cache, graphs, sampler, history, stats)
         first_token_at = None
         cut = None
@@ -345,17 +346,18 @@ class Model:
         nothing more; except in greedy decoding on CUDA graphs, which looks one step ahead (`_lookahead`)."""
         token = sampler.sample(logits, history)  # reads the logits back: the step's host sync
         p = sampler.params
-        if graphs is not None and not self.transformer.observers and p.greedy and not p.penalties_active:
+        if graphs is not None and self.routing_observer is None and p.greedy and not p.penalties_active:
             yield from self._lookahead(token, cache, graphs)
             return
         while True:
             yield token
             if cache.length + 1 > self.ctx_size:
                 return
-            if graphs is not None and not self.transformer.observers:
+            if graphs is not None and self.routing_observer is None:
                 logits = graphs.step(history[-1])
             else:
-                logits = self.transformer.forward(torch.tensor(history[-1:], device=self.device), cache)[-1]
+                logits = self.transformer.forward(torch.tensor(history[-1:], device=self.device), cache,
+                                                  observe=self.routing_observer)[-1]
             token = sampler.sample(logits, history)
 
     def _lookahead(self, token: int, cache: KVCache, graphs: Any) -> Iterator[int]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -127,6 +127,9 @@ class RMSNorm:
         return rms_norm(x, self.weight, self.eps, delta=delta, bias=self.bias)
 
 
+_ROPE_BLOCK = 4096  # positions whose angles are computed at once (in float64) when a RoPE table grows
+
+
 @dataclass
 class Rope:
     """Rotary position embedding of the first `dim` features of each head. `neox` rotates the pairs
@@ -150,13 +153,24 @@ class Rope:
         angles = (positions.double()[:, None] * self.freq_scale) * inv_freq[None, :]  # [T, dim/2]
         return angles.cos().float()[:, None, :], angles.sin().float()[:, None, :]
 
-    def table(self, n_pos: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [capacity, 1, dim/2] of positions 0 .. capacity-1, capacity >= n_pos (grown on demand)."""
-        if self._cos is None or self._cos.shape[0] < n_pos or self._cos.device != device:
-            capacity = max(n_pos, 2 * (0 if self._cos is None else self._cos.shape[0]), 256)
-            self._cos, self._sin = self.tables(torch.arange(capacity, device=device))
-            self._at = None
-        return self._cos, self._sin
+    def table(self, n_pos: int, device: torch.device, limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [capacity, 1, dim/2] of positions 0 .. capacity-1, capacity >= n_pos, grown on demand by
+        doubling up to `limit` (the context size). The new rows are computed a block at a time, so growing costs
+        the old and new tables and no more."""
+        old = self._cos if self._cos is not None and self._cos.device == device else None
+        have = 0 if old is None else old.shape[0]
+        if have >= n_pos:
+            return self._cos, self._sin
+        capacity = max(n_pos, min(2 * have, limit or 2 * have), min(256, limit or 256))
+        cos = torch.empty((capacity, 1, self.dim // 2), device=device)
+        sin = torch.empty_like(cos)
+        if old is not None:
+            cos[:have], sin[:have] = old, self._sin
+        for start in range(have, capacity, _ROPE_BLOCK):
+            stop = min(start + _ROPE_BLOCK, capacity)
+            cos[start:stop], sin[start:stop] = self.tables(torch.arange(start, stop, device=device))
+        self._cos, self._sin, self._at = cos, sin, None
+        return cos, sin
 
     def __call__(self, x: torch.Tensor, at: Positions) -> torch.Tensor:
         """Rotate x [T, heads, head_dim] of the tokens at positions `at.ids` (attention that caches per-head keys
@@ -188,10 +202,22 @@ def _rotate(x: torch.Tensor, dim: int, neox: bool, cos: torch.Tensor, sin: torch
 _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """Scaled dot-product attention of q [1, H, T, d] over k, v [1, H, S, d], without the cuDNN backend."""
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+           scale: float) -> torch.Tensor:
+    """Scaled dot-product attention of q [H, T, d] over keys [H_kv, S, d] and values [H_kv, S, d_v], each key/value
+    head serving H / H_kv query heads (grouped-query attention; MLA's latent cache is one shared head), with an
+    additive `mask` [T, S] or None. The query heads of a group form one batch entry over which keys and values are
+    broadcast with stride 0, so neither repeated keys/values nor [H, T, S] scores are materialised: PyTorch's
+    fused kernels (flash attention on the CPU, memory-efficient attention on CUDA; measured on the H200, where
+    those take no grouped keys/values) read the cache in place. Returns [H, T, d_v]."""
+    H, T, d = q.shape
+    n_kv, S, _ = keys.shape
+    group = H // n_kv
     with sdpa_kernel(_SDPA_BACKENDS):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        out = F.scaled_dot_product_attention(q.reshape(n_kv, group, T, d), keys[:, None].expand(n_kv, group, S, d),
+                                             values[:, None].expand(n_kv, group, S, values.shape[-1]),
+                                             attn_mask=mask, scale=scale)
+    return out.reshape(H, T, -1)
 
 
 @dataclass(eq=False)
@@ -316,15 +342,12 @@ class Attention:
             q = self.q_norm(q.view(T, -1, self.q_norm.weight.numel())).view(T, -1)
             k = self.k_norm(k.view(T, -1, self.k_norm.weight.numel())).view(T, -1)
         k_store, v_store = cache.storage(layer, at)
-        cos, sin = self.rope.table(at.keys, x.device)
+        cos, sin = self.rope.table(at.keys, x.device, cache.max_len)
         q = rope_kv(q, k, v, self.bias, cos, sin, at.ids, self.head_dim, self.rope.dim, self.rope.neox, k_store,
                     v_store)  # [n_head, T, head_dim] in the cache's dtype
         keys, values = k_store[:, :at.keys], v_store[:, :at.keys]
-        group = self.n_head // self.n_head_kv
-        if group > 1:
-            keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
-        out = sdpa(q[None], keys[None], values[None], at.attn_bias(keys.dtype), 1.0 / math.sqrt(self.head_dim))
-        return self.wo(out[0].transpose(0, 1).reshape(T, -1))
+        out = attend(q, keys, values, at.attn_bias(keys.dtype), 1.0 / math.sqrt(self.head_dim))
+        return self.wo(out.transpose(0, 1).reshape(T, -1))
 
 
 @dataclass
@@ -433,13 +456,16 @@ RoutingObserver = Callable[[int, torch.Tensor, torch.Tensor], None]
 """Called by each MoE layer with (layer index, expert ids [T, k], weights [T, k]); tensors stay on the
 compute device, so an observer that does not read them back causes no host synchronisation."""
 
+ExpertSource = Sequence[Experts | None] | None
+"""A forward's routed experts, indexed by layer (None entries, dense layers: the layer's own); None: every MoE
+layer's own."""
+
 
 @dataclass
 class MoE:
     layer: int
     router: Router
-    experts: Experts
-    observers: list[RoutingObserver]
+    experts: Experts  # the layer's own routed experts; a forward may run it with others (the draft's)
     shared: FeedForward | None = None
     shared_gate: torch.Tensor | None = None  # [1, n_embd]: sigmoid gate of the shared expert (qwen2moe)
     _gates: torch.Tensor | QuantizedTensor | None = field(default=None, init=False, repr=False)
@@ -455,13 +481,16 @@ class MoE:
         else:
             self._gates = self.router.weight
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, experts: Experts | None = None,
+                 observe: RoutingObserver | None = None) -> torch.Tensor:
+        """The layer's output for x, its routed experts from `experts` (default: its own); `observe` sees the
+        routing."""
         n_expert = self.router.weight.shape[0]
         logits = matmul(x, self._gates)  # [T, n_expert (+ 1)]
         ids, weights = self.router.route(logits[:, :n_expert])
-        for observe in self.observers:
+        if observe is not None:
             observe(self.layer, ids, weights)
-        out = self.experts(x, ids, weights)
+        out = (self.experts if experts is None else experts)(x, ids, weights)
         if self.shared is None:
             return out
         shared = self.shared(x)
@@ -516,11 +545,11 @@ class ScaledRope(Rope):
             mscale *= 1.0 + 0.1 * math.log(1.0 / self.freq_scale)
         return (theta.cos() * mscale).float()[:, None, :], (theta.sin() * mscale).float()[:, None, :]
 
-    def table(self, n_pos: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def table(self, n_pos: int, device: torch.device, limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if self._cos is not None and self._tables_long != self._long():  # the context size changed the factors
             self._cos = self._sin = None
         self._tables_long = self._long()
-        return super().table(n_pos, device)
+        return super().table(n_pos, device, limit)
 
 
 def rope_for(cfg: ModelConfig, neox: bool, dim: int | None = None, freq_factors: torch.Tensor | None = None,
@@ -574,6 +603,7 @@ class LatentAttention:
 
     def __call__(self, x: torch.Tensor, layer: int, at: Positions, cache: KVCache) -> torch.Tensor:
         T, H, r = x.shape[0], self.n_head, self.n_lora_kv
+        self.rope.table(at.keys, x.device, cache.max_len)  # sized for the context before `rope` gathers from it
         q = self.wq(x) if self.wq is not None else self.wq_b(self.q_a_norm(self.wq_a(x)))
         q = q.view(T, H, self.n_nope + self.n_rot)
         q_pe = self.rope(q[..., self.n_nope:], at)                        # [T, H, n_rot]
@@ -582,11 +612,9 @@ class LatentAttention:
         latent = self.kv_a_norm(kv[:, :r])                                        # [T, r]
         k_pe = self.rope(kv[:, r:].view(T, 1, self.n_rot), at)             # [T, 1, n_rot]
         entry = torch.cat([latent[:, None, :], k_pe], dim=-1)                     # [T, 1, r + n_rot]
-        keys, _ = cache.update(layer, at, entry, entry[..., :0])
-        keys = keys[None]                                                         # [1, 1, L, r + n_rot]
-        qq = torch.cat([q_abs, q_pe], dim=-1).transpose(0, 1)[None].to(keys.dtype)  # [1, H, T, r + n_rot]
-        out = sdpa(qq, keys.expand(1, H, -1, -1), keys[..., :r].expand(1, H, -1, -1), at.attn_bias(keys.dtype),
-                   self.kq_scale)[0].float()  # [H, T, r]
+        keys, _ = cache.update(layer, at, entry, entry[..., :0])                  # [1, L, r + n_rot]
+        qq = torch.cat([q_abs, q_pe], dim=-1).transpose(0, 1).to(keys.dtype)      # [H, T, r + n_rot]
+        out = attend(qq, keys, keys[..., :r], at.attn_bias(keys.dtype), self.kq_scale).float()  # [H, T, r]
         out = torch.stack([matmul(out[h], self.wv_b[h]) for h in range(H)], dim=1)  # [T, H, v_head]
         return self.wo(out.reshape(T, -1))
 
@@ -629,13 +657,14 @@ class Block:
     ffn_norm: RMSNorm
     ffn: MoE | FeedForward
 
-    def __call__(self, x: torch.Tensor, delta: torch.Tensor | None, at: Positions,
-                 cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, x: torch.Tensor, delta: torch.Tensor | None, at: Positions, cache: KVCache,
+                 experts: Experts | None = None, observe: RoutingObserver | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream enters as x + delta and leaves as (h, ffn output): each residual add is left to
-        the norm that reads the sum next, which computes it in the same kernel."""
+        the norm that reads the sum next, which computes it in the same kernel. `experts`, `observe`: see
+        `MoE.__call__` (ignored by a dense layer)."""
         x, normed = self.attn_norm.add(x, delta) if delta is not None else (x, self.attn_norm(x))
         h, normed = self.ffn_norm.add(x, self.attn(normed, self.layer, at, cache))
-        return h, self.ffn(normed)
+        return h, self.ffn(normed, experts, observe) if isinstance(self.ffn, MoE) else self.ffn(normed)
 
 
 @dataclass
@@ -645,21 +674,23 @@ class Transformer:
     blocks: list[Block]
     output_norm: RMSNorm
     output: Linear
-    observers: list[RoutingObserver] = field(default_factory=list)  # shared with every MoE layer
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False, experts: ExpertSource = None,
+                observe: RoutingObserver | None = None) -> torch.Tensor:
         """Logits [T, n_vocab] (float32) for `tokens` [T] appended at position `cache.length`; with
-        `last_only`, [1, n_vocab] of the last position (prefill needs no more)."""
+        `last_only`, [1, n_vocab] of the last position (prefill needs no more). `experts`: the routed experts of
+        each MoE layer by layer index (None: the layers' own); `observe` sees every MoE layer's routing."""
         T = tokens.shape[0]
-        logits = self.run(tokens, Positions.at(cache.length, T, tokens.device), cache, last_only)
+        logits = self.run(tokens, Positions.at(cache.length, T, tokens.device), cache, last_only, experts, observe)
         cache.length += T
         return logits
 
-    def run(self, tokens: torch.Tensor, at: Positions, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+    def run(self, tokens: torch.Tensor, at: Positions, cache: KVCache, last_only: bool = False,
+            experts: ExpertSource = None, observe: RoutingObserver | None = None) -> torch.Tensor:
         """`forward` at explicit positions, leaving `cache.length` alone (a CUDA graph's body)."""
         x, delta = self.token_embd[tokens].float(), None
         for block in self.blocks:
-            x, delta = block(x, delta, at, cache)
+            x, delta = block(x, delta, at, cache, None if experts is None else experts[block.layer], observe)
         rows = slice(-1, None) if last_only else slice(None)
         return self.output(self.output_norm.add(x[rows], delta[rows])[1])
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -79,25 +78,6 @@ class SpeculativeModel(Model):
         model.cuda_graphs = False
         return model
 
-    @contextmanager
-    def _drafting(self) -> Iterator[None]:
-        """The draft experts in the MoE layers, the target's back afterwards. Routing observers (e.g. a routing
-        profile being recorded) are detached meanwhile: they describe the target's routing; the lookahead
-        buffer observes the draft instead."""
-        layers = [(b.ffn, d) for b, d in zip(self.transformer.blocks, self.draft_experts) if d is not None]
-        target = [moe.experts for moe, _ in layers]
-        observers = list(self.transformer.observers)
-        try:
-            # the list every MoE layer shares
-            self.transformer.observers[:] = [self.lookahead] if self.lookahead is not None else []
-            for moe, d in layers:
-                moe.experts = d
-            yield
-        finally:
-            for (moe, _), t in zip(layers, target):
-                moe.experts = t
-            self.transformer.observers[:] = observers
-
     def _tokens(self, logits: torch.Tensor, cache: KVCache, graphs: Any, sampler: Sampler, history: list[int],
                 stats: GenerationStats) -> Iterator[int]:
         stats.draft_tokens = stats.draft_accepted = stats.draft_rounds = 0
@@ -131,17 +111,17 @@ class SpeculativeModel(Model):
         seen = [*history]
         drafted: list[int] = []
         probs: list[torch.Tensor] | None = None if sampler.params.greedy else []
-        with self._drafting():
-            for _ in range(k):
-                logits = self.transformer.forward(torch.tensor(seen[-1:], device=self.device), cache)[-1]
-                if probs is None:
-                    drafted.append(sampler.sample(logits, seen))
-                else:
-                    probs.append(sampler.probabilities(logits, seen))
-                    drafted.append(sampler.draw(probs[-1]))
-                seen.append(drafted[-1])
-                if self.lookahead is not None:
-                    self.lookahead.flush()
+        for _ in range(k):
+            logits = self.transformer.forward(torch.tensor(seen[-1:], device=self.device), cache,
+                                              experts=self.draft_experts, observe=self.lookahead)[-1]
+            if probs is None:
+                drafted.append(sampler.sample(logits, seen))
+            else:
+                probs.append(sampler.probabilities(logits, seen))
+                drafted.append(sampler.draw(probs[-1]))
+            seen.append(drafted[-1])
+            if self.lookahead is not None:
+                self.lookahead.flush()
         return drafted, probs
 
 

@@ -21,41 +21,15 @@ from specter_gguf.runtime import MODES, plan_memory
 from specter_gguf.runtime.budget import format_size
 from specter_gguf.sampling import SamplingParams
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="needs a CUDA GPU: the offload runtime's CUDA path (copy stream, events, "
-                                       "device budget) runs on the GPU machine; tests/test_runtime.py covers the CPU")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(),
+                                 reason="needs a CUDA GPU: the offload runtime's CUDA path (copy stream, events, "
+                                        "device budget) runs on the GPU machine; tests/test_runtime.py covers the CPU"),
+              pytest.mark.usefixtures("ids_tokenizer")]
 
 GREEDY = SamplingParams(temperature=0.0)
 CTX = 256
 N_TOKENS = 32
 PROMPT = [11, 23, 5, 42, 7, 19]  # token ids: the test needs no tokenizer
-
-
-class _NoTokenizer:
-    """Stands in for the llama.cpp tokenizer where llama-cpp-python is not installed (token ids in, token ids
-    out; no end-of-generation token, so every run generates N_TOKENS)."""
-
-    def is_eog(self, token: int) -> bool:
-        return False
-
-    def stream(self, continuation: bool = True) -> "_NoTokenizer":
-        return self
-
-    def push(self, token: int) -> str:
-        return ""
-
-    def flush(self) -> str:
-        return ""
-
-
-@pytest.fixture(autouse=True)
-def _tokenizer(monkeypatch) -> None:
-    import importlib.util
-
-    if importlib.util.find_spec("llama_cpp") is None:
-        from specter_gguf import engine
-
-        monkeypatch.setattr(engine.Tokenizer, "from_gguf", staticmethod(lambda path: _NoTokenizer()))
 
 
 def _native_cuda() -> None:

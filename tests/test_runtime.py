@@ -93,6 +93,50 @@ def test_plan_command(shipped_model) -> None:
     assert "Error: GPU budget 1.00 MiB is too small" in r.output and "Traceback" not in r.output
 
 
+def test_default_context_is_the_models_own_up_to_4096(tiny_models) -> None:
+    """As llama.cpp's -c: min(training context, 4096) by default, 0 for the model's own; negative is refused."""
+    long_trained = tiny_models[("tiny-deepseek2", "f16")]  # trained context 163840
+    short_trained = tiny_models[("qwen2moe", "f16")]       # 2048
+    assert Model.load(long_trained, device="cpu", progress=False).ctx_size == 4096
+    assert Model.load(long_trained, device="cpu", progress=False, ctx_size=0).ctx_size == 163840
+    assert Model.load(short_trained, device="cpu", progress=False).ctx_size == 2048
+    with pytest.raises(SpecterError, match="context size must be 0 .* or positive"):
+        Model.load(short_trained, device="cpu", progress=False, ctx_size=-5)
+    assert plan_memory(GGUFFile(long_trained), "16GiB").ctx_size == 4096
+    r = CliRunner().invoke(cli, ["plan", str(long_trained), "--gpu-budget", "16GiB"])
+    assert r.exit_code == 0 and "context 4096 tokens (the model's own is 163840: -c 0)" in r.output, r.output
+    r = CliRunner().invoke(cli, ["plan", str(long_trained), "--gpu-budget", "16GiB", "-c", "0"])
+    assert "context 163840 tokens (the model's own)" in r.output, r.output
+    r = CliRunner().invoke(cli, ["run", str(long_trained), "-p", "Hi", "-n", "2", "--device", "cpu", "--temp", "0"])
+    assert r.exit_code == 0 and "context 4096," in r.stderr, r.output
+    r = CliRunner().invoke(cli, ["run", str(long_trained), "-p", "Hi", "-n", "2", "--device", "cpu", "-c", "-1"])
+    assert r.exit_code == 1 and "Error: context size must be 0" in r.output and "Traceback" not in r.output
+
+
+def test_workspace_hardly_grows_with_the_context(shipped_model) -> None:
+    """Attention reads the KV cache in place: from 4096 to 32768 tokens of context the planned workspace of the
+    hidden-256 model grows by the [chunk, context] mask and the RoPE tables only (well under 64 MiB)."""
+    f = GGUFFile(shipped_model)
+    small, large = (plan_memory(f, "16GiB", ctx, "cuda") for ctx in (4096, 32768))
+    assert ModelConfig.from_gguf(f).n_embd == 256
+    assert 0 < large.workspace - small.workspace < 64 << 20, (small.workspace, large.workspace)
+
+
+def test_fitted_budget_is_the_free_memory_less_the_margin(shipped_model, monkeypatch) -> None:
+    """Without --gpu-budget on CUDA, a model that does not fit the free memory is planned within it, less
+    FIT_MARGIN; one that fits needs no plan (the load is plain)."""
+    from specter_gguf.runtime import budget
+
+    f = GGUFFile(shipped_model)
+    whole = plan_memory(f, "64GiB", CTX, "cuda")
+    need = whole.fixed + whole.resident_expert_bytes
+    monkeypatch.setattr(budget, "free_device_memory", lambda device: need + budget.FIT_MARGIN)
+    assert budget.fitted_budget(f, "cuda", CTX) is None
+    monkeypatch.setattr(budget, "free_device_memory", lambda device: need + budget.FIT_MARGIN - 1)
+    fit = budget.fitted_budget(f, "cuda", CTX)
+    assert fit is not None and fit.budget == need - 1 and not fit.fits_all and fit.n_slots < fit.n_experts_total
+
+
 # ---------------------------------------------------------------------------------------------- store, cache
 def _small_cache(shipped_model, n_slots: int, policy: str = "lru", profile: RoutingProfile | None = None
                  ) -> ExpertCache:
@@ -245,7 +289,7 @@ def test_policies_match_the_plain_engine(tiny_models, tmp_path, policy: str) -> 
     if policy == "static-hot":  # a profiling run with the routing observer, then the profile
         m = Model.load(path, device="cpu", ctx_size=CTX, progress=False)
         counts = DeviceRoutingCounts(m.config.n_layer, m.config.n_expert, "cpu")
-        m.transformer.observers.append(counts)
+        m.routing_observer = counts
         m.generate("A different prompt for profiling", n_predict=8, sampling=GREEDY).wait()
         counts.profile().save(tmp_path / "profile.json")
         kwargs["routing_profile"] = tmp_path / "profile.json"

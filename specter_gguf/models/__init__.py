@@ -49,5 +49,5 @@ def load_transformer(f: GGUFFile, device: torch.device, progress: bool = True,
             output=Linear(token_embd if output is None else output,  # tied embeddings when absent
                           w("output.bias", (cfg.n_vocab,), optional=True)),
         )
-        model.blocks = [module.build_block(cfg, i, w.layer(i), model.observers) for i in range(cfg.n_layer)]
+        model.blocks = [module.build_block(cfg, i, w.layer(i)) for i in range(cfg.n_layer)]
     return model

@@ -10,7 +10,7 @@ from tqdm import tqdm
 from specter_gguf.config import ModelConfig
 from specter_gguf.gguf_file import GGUFFile
 from specter_gguf.layers import (Attention, Block, Experts, FeedForward, Linear, MoE, Projections, ResidentExperts,
-                                  RMSNorm, Router, RoutingObserver, rope_for)
+                                  RMSNorm, Router, rope_for)
 from specter_gguf.weights import load_tensor
 
 
@@ -80,7 +80,7 @@ def norm(cfg: ModelConfig, w: Weights, name: str) -> RMSNorm:
     return RMSNorm(w(f"{name}.weight", (cfg.n_embd,)), cfg.rms_eps)
 
 
-def moe_block(cfg: ModelConfig, i: int, w: Weights, observers: list[RoutingObserver], *, neox: bool,
+def moe_block(cfg: ModelConfig, i: int, w: Weights, *, neox: bool,
               normalize_topk: bool, qk_norm: str | None = None, shared: FeedForward | None = None,
               shared_gate: torch.Tensor | None = None) -> Block:
     """The pre-norm block all supported architectures share: attention, then a routed-expert FFN."""
@@ -89,5 +89,5 @@ def moe_block(cfg: ModelConfig, i: int, w: Weights, observers: list[RoutingObser
         attn_norm=norm(cfg, w, "attn_norm"),
         attn=attention(cfg, w, neox=neox, qk_norm=qk_norm),
         ffn_norm=norm(cfg, w, "ffn_norm"),
-        ffn=MoE(i, router(cfg, w, normalize_topk), w.make_experts(cfg, i, w), observers, shared, shared_gate),
+        ffn=MoE(i, router(cfg, w, normalize_topk), w.make_experts(cfg, i, w), shared, shared_gate),
     )

@@ -23,7 +23,7 @@ import math
 import torch
 
 from specter_gguf.config import ModelConfig
-from specter_gguf.layers import (Block, FeedForward, LatentAttention, Linear, MoE, RMSNorm, RoutingObserver,
+from specter_gguf.layers import (Block, FeedForward, LatentAttention, Linear, MoE, RMSNorm,
                                   SelectingRouter, rope_for)
 from specter_gguf.models.common import Weights, norm
 
@@ -62,7 +62,7 @@ def latent_attention(cfg: ModelConfig, w: Weights) -> LatentAttention:
     )
 
 
-def build_block(cfg: ModelConfig, i: int, w: Weights, observers: list[RoutingObserver]) -> Block:
+def build_block(cfg: ModelConfig, i: int, w: Weights) -> Block:
     d = cfg.n_embd
     if i < cfg.n_leading_dense:
         f = cfg.n_ff
@@ -79,6 +79,6 @@ def build_block(cfg: ModelConfig, i: int, w: Weights, observers: list[RoutingObs
             s = cfg.n_ff_shexp
             shared = FeedForward.of(w("ffn_gate_shexp.weight", (s, d)), w("ffn_up_shexp.weight", (s, d)),
                                     w("ffn_down_shexp.weight", (d, s)))
-        ffn = MoE(i, router, w.make_experts(cfg, i, w), observers, shared)
+        ffn = MoE(i, router, w.make_experts(cfg, i, w), shared)
     return Block(layer=i, attn_norm=norm(cfg, w, "attn_norm"), attn=latent_attention(cfg, w),
                  ffn_norm=norm(cfg, w, "ffn_norm"), ffn=ffn)

@@ -23,7 +23,7 @@ import torch
 
 from specter_gguf.config import ModelConfig
 from specter_gguf.layers import (Block, ContextRopeAttention, Linear, MoE, Projections, RMSNorm, Router,
-                                  RoutingObserver, rope_for)
+                                  rope_for)
 from specter_gguf.models.common import Weights
 from specter_gguf.weights import load_tensor
 
@@ -57,9 +57,9 @@ def attention(cfg: ModelConfig, w: Weights) -> ContextRopeAttention:
         wo=Linear(w("attn_output.weight", (d, nq)), w("attn_output.bias", (d,))), rope=rope)
 
 
-def build_block(cfg: ModelConfig, i: int, w: Weights, observers: list[RoutingObserver]) -> Block:
+def build_block(cfg: ModelConfig, i: int, w: Weights) -> Block:
     router = Router(w("ffn_gate_inp.weight", (cfg.n_expert, cfg.n_embd)), cfg.n_expert_used, True,
                     cfg.expert_weights_scale)
     return Block(layer=i, attn_norm=_norm(cfg, w, "attn_norm"), attn=attention(cfg, w),
                  ffn_norm=_norm(cfg, w, "ffn_norm"),
-                 ffn=MoE(i, router, w.make_experts(cfg, i, w), observers))
+                 ffn=MoE(i, router, w.make_experts(cfg, i, w)))

@@ -4,9 +4,9 @@ RoPE; softmax top-k routing, always renormalized (as llama.cpp does, whatever th
 from __future__ import annotations
 
 from specter_gguf.config import ModelConfig
-from specter_gguf.layers import Block, RoutingObserver
+from specter_gguf.layers import Block
 from specter_gguf.models.common import Weights, moe_block
 
 
-def build_block(cfg: ModelConfig, i: int, w: Weights, observers: list[RoutingObserver]) -> Block:
-    return moe_block(cfg, i, w, observers, neox=True, normalize_topk=True, qk_norm="head")
+def build_block(cfg: ModelConfig, i: int, w: Weights) -> Block:
+    return moe_block(cfg, i, w, neox=True, normalize_topk=True, qk_norm="head")

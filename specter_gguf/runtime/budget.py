@@ -1,22 +1,23 @@
 """The GPU memory plan: how one `--gpu-budget` figure is split before anything is loaded.
 
-    budget = non-expert weights + KV cache (whole context) + workspace + draft experts + expert-cache slots
+    budget = non-expert weights + KV cache (whole context) + workspace + libraries + draft experts
+             + expert-cache slots
 
 - **non-expert weights**: every tensor except the routed experts, at the size it takes on the device
   (`device_bytes`: the file's bytes — `weights.load_tensor` keeps quantized tensors quantized). The runtime
   re-measures after loading (`torch.cuda.memory_allocated`) and sizes the slot pool from what was really
   allocated.
 - **KV cache**: keys and values of every layer for the whole context, in the cache's dtype (fp16 on CUDA).
-- **workspace**: activations of one forward over `prefill_chunk` tokens (the engine prefills long prompts in
-  chunks of that size when offloading), the repeated keys/values and attention scores at the full context, the
-  logits of the chunk, the dequantized weights of one expert, plus a fixed margin (cuBLAS workspace, the
-  caching allocator's rounding). Deliberately generous: the budget is a promise.
+- **workspace**: the transient memory of one forward over `prefill_chunk` tokens (the engine prefills long
+  prompts in chunks of that size when offloading) at the full context, as `workspace_bytes` follows the code:
+  attention reads the KV cache in place, so only its [chunk, context] mask grows with the context.
+- **libraries**: cuBLAS's workspace, made on the first matrix product and kept (CUDA only).
 - **draft experts**: the routed experts of a `--draft` GGUF (its file bytes: the draft stays quantized on
   the GPU).
 - **slots**: what is left, in whole slots. A slot holds one routed expert's gate|up|down record in the
   target's GGUF type (the largest record over the layers: Q4_K_M files mix types between layers).
 
-**Minimum budget** = non-expert weights + KV + workspace + draft experts + `top_k` slots for every MoE layer:
+**Minimum budget** = non-expert weights + KV + workspace + libraries + draft experts + `top_k` slots for every MoE layer:
 one decoding token needs `top_k` experts per layer at once, and the per-layer LRU of Mixtral-offloading keeps
 each layer's slots apart. (A batch of tokens — prefill, verification — that needs more distinct experts than a
 layer has slots runs in waves; correctness never needs more than `top_k` per layer.) A smaller budget is
@@ -34,11 +35,16 @@ from gguf import GGMLQuantizationType as T
 
 from specter_gguf.config import ModelConfig
 from specter_gguf.errors import SpecterError
-from specter_gguf.gguf_file import GGUFFile, GGUFTensor
+from specter_gguf.gguf_file import FLOAT_TYPES, GGUFFile, GGUFTensor
+from specter_gguf.kernels import moe_workspace_size
+from specter_gguf.layers import ResidentExperts
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SLOT_ALIGN = 256          # bytes: slot and part offsets (vector loads, any element type)
-WORKSPACE_MARGIN = 256 * MiB
+WORKSPACE_SLACK = 1.15    # small tensors the estimate leaves out
+CUBLAS_WORKSPACE = 32 * MiB
+VERIFY_ROWS = 17          # logits rows a forward returns at most: a verification of 16 drafted tokens
+FIT_MARGIN = 1 * GiB      # left free when the budget is the device's free memory (llama.cpp's --fit leaves 1 GiB)
 DEFAULT_PREFILL_CHUNK = 256
 EXPERT_PARTS = ("gate", "up", "down")
 
@@ -140,24 +146,37 @@ def kv_bytes(cfg: ModelConfig, ctx: int, device_type: str) -> int:
     return 2 * cfg.n_layer * cfg.n_head_kv * cfg.head_dim * ctx * per
 
 
-def workspace_bytes(cfg: ModelConfig, ctx: int, chunk: int, device_type: str) -> int:
-    """Peak transient memory of one forward over `chunk` tokens at a context of `ctx` (see the docstring)."""
-    T_, d, f32 = chunk, cfg.n_embd, 4
+def workspace_bytes(cfg: ModelConfig, ctx: int, chunk: int, device_type: str, quantized_experts: bool) -> int:
+    """Peak transient memory of one forward over `chunk` tokens at a context of `ctx`, following what the code
+    allocates (float32 activations, the cache's dtype in attention): what lives through the forward (the residual
+    stream; the [chunk, ctx] attention mask and its additive form; the RoPE tables), plus the larger of a block's
+    attention phase (attention reads the KV cache in place, `layers.attend`; a layer's storage grows by doubling,
+    the old beside the new) and its FFN phase (router, routed experts by the kernel or the dense path, shared
+    expert; `quantized_experts`: the dense path dequantizes an expert), plus the logits of a verification pass
+    and the sampler's copies of them."""
+    T, d, f32 = chunk, cfg.n_embd, 4
     kvb = 2 if device_type == "cuda" else 4
-    nq, nkv = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
-    widest = max(d, nq, cfg.n_ff, cfg.n_ff_exp, cfg.n_ff_shexp)
-    resid = 8 * T_ * d * f32
-    attn = (2 * T_ * (nq + 2 * nkv) * f32                      # q, k, v and their rotated copies
-            + 2 * cfg.n_head * ctx * cfg.head_dim * kvb         # keys/values repeated to every query head
-            + 2 * cfg.n_head * T_ * ctx * f32 + T_ * ctx        # scores, softmax, mask
-            + 2 * cfg.n_head_kv * ctx * cfg.head_dim * kvb // max(cfg.n_layer, 1) * 2)  # one layer's KV regrown
-    ffn = (2 * T_ * cfg.n_expert * f32                          # router
-           + 4 * T_ * max(cfg.n_ff_exp, cfg.n_ff_shexp, cfg.n_ff) * f32 + 2 * T_ * d * f32
-           + 3 * cfg.n_ff_exp * d * f32                         # one expert dequantized (dense path)
-           + T_ * cfg.n_expert_used * (cfg.n_ff_exp + d) * f32  # moe_ffn workspace (per-pair activations)
-           + T_ * widest * 2)                                   # half-precision casts of the input
-    logits = 2 * T_ * cfg.n_vocab * f32
-    return int(1.5 * (resid + attn + ffn + logits)) + WORKSPACE_MARGIN
+    mla = cfg.n_lora_kv > 0
+    n_q = cfg.n_head * (cfg.head_dim_k_mla if mla else cfg.head_dim)
+    kv_row = cfg.n_lora_kv + cfg.rope_dim if mla else cfg.n_head_kv * cfg.head_dim  # keys of a token and layer
+    n_qkv = n_q + (kv_row if mla else 2 * kv_row)
+    n_out = cfg.n_head * (kv_row if mla else cfg.head_dim)  # the attended heads' width
+    lives = 6 * T * d * f32 + T * ctx * (1 + kvb) + 4 * ctx * cfg.rope_dim
+    grow = kv_row * (ctx // 2) * kvb
+    heads = T * n_q * kvb + 2 * T * n_out * kvb + T * d * (kvb + f32)
+    if mla:  # absorbed queries and the per-head value products, in float32
+        heads += 2 * T * n_out * f32 + 2 * T * cfg.n_head * cfg.head_dim_v_mla * f32
+    attention = T * n_qkv * f32 + max(T * d * kvb + T * n_qkv * kvb, grow, heads)
+    pairs = T * cfg.n_expert_used
+    if pairs >= ResidentExperts.DENSE_MIN_TOKENS_PER_EXPERT * cfg.n_expert:  # one GEMM per expert; results summed
+        routed = pairs * d * f32 + T * 3 * cfg.n_ff_exp * (kvb + f32) + 3 * cfg.n_ff_exp * d * f32 * quantized_experts
+    else:
+        routed = moe_workspace_size(T, cfg.n_expert_used, cfg.n_expert, d, cfg.n_ff_exp)
+    dense_ff = max(cfg.n_ff_shexp if cfg.n_expert_shared else 0, cfg.n_ff if cfg.n_leading_dense else 0)
+    swiglu = T * 2 * dense_ff * (kvb + f32) + 2 * T * dense_ff * f32
+    ffn = T * (cfg.n_expert + 1) * (kvb + f32) + T * d * f32 + max(routed, swiglu)
+    logits = VERIFY_ROWS * cfg.n_vocab * 2 * f32 + 4 * cfg.n_vocab * 8
+    return int(WORKSPACE_SLACK * (lives + max(attention, ffn) + logits))
 
 
 @dataclass
@@ -167,10 +186,12 @@ class MemoryPlan:
     budget: int
     device: str
     ctx_size: int
+    n_ctx_train: int             # the model's own context (the default is min(it, 4096))
     prefill_chunk: int
     non_expert: int
     kv_cache: int
     workspace: int
+    libraries: int
     draft_experts: int
     slot_bytes: int
     slot_types: tuple[str, ...]
@@ -185,7 +206,7 @@ class MemoryPlan:
 
     @property
     def fixed(self) -> int:
-        return self.non_expert + self.kv_cache + self.workspace + self.draft_experts
+        return self.non_expert + self.kv_cache + self.workspace + self.libraries + self.draft_experts
 
     @property
     def slots_bytes(self) -> int:
@@ -202,19 +223,21 @@ class MemoryPlan:
                 f"GPU budget {format_size(self.budget)} is too small: the minimum for this model at a context of "
                 f"{self.ctx_size} tokens is {format_size(self.minimum)} ({self.minimum} bytes: non-expert weights "
                 f"{format_size(self.non_expert)} + KV cache {format_size(self.kv_cache)} + workspace "
-                f"{format_size(self.workspace)}"
+                f"{format_size(self.workspace)} + libraries {format_size(self.libraries)}"
                 + (f" + draft experts {format_size(self.draft_experts)}" if self.draft_experts else "")
                 + f" + {self.top_k} expert slots per MoE layer × {self.n_moe_layers} layers of "
                 f"{format_size(self.slot_bytes)}); raise --gpu-budget or lower -c/--ctx-size")
 
     def describe(self) -> str:
         rows = [("non-expert weights", self.non_expert), ("KV cache", self.kv_cache),
-                ("workspace", self.workspace)]
+                ("workspace", self.workspace), ("cuBLAS workspace", self.libraries)]
         if self.draft_experts:
             rows.append(("draft experts", self.draft_experts))
         rows.append((f"expert cache ({self.n_slots} slots × {format_size(self.slot_bytes)})", self.slots_bytes))
-        lines = [f"GPU budget {format_size(self.budget)} on {self.device}, context {self.ctx_size} tokens "
-                 f"(prefill chunk {self.prefill_chunk})"]
+        context = (f"context {self.ctx_size} tokens (the model's own)" if self.ctx_size == self.n_ctx_train else
+                   f"context {self.ctx_size} tokens (the model's own is {self.n_ctx_train}: -c 0)")
+        lines = [f"GPU budget {format_size(self.budget)} on {self.device}, {context}, prefill chunk "
+                 f"{self.prefill_chunk}"]
         lines += [f"  {name:<44} {format_size(n):>12}  {100 * n / self.budget:5.1f}%" for name, n in rows]
         unused = self.budget - self.fixed - self.slots_bytes
         lines.append(f"  {'unassigned':<44} {format_size(unused):>12}  {100 * unused / self.budget:5.1f}%")
@@ -238,7 +261,7 @@ def plan_memory(f: GGUFFile, budget: int | str, ctx_size: int | None = None, dev
     """Split `budget` for `f` (see the module docstring). Reads metadata and tensor headers only."""
     budget = parse_size(budget)
     cfg = ModelConfig.from_gguf(f)
-    ctx = ctx_size or cfg.n_ctx_train
+    ctx = cfg.context_size(ctx_size)
     layers = moe_layers(f, cfg)
     layouts = [record_layout(f, cfg, i) for i in layers]
     slot = max((r.nbytes for r in layouts), default=0)
@@ -254,24 +277,41 @@ def plan_memory(f: GGUFFile, budget: int | str, ctx_size: int | None = None, dev
                                f"{cfg.n_expert}, {cfg.n_embd})")
         draft_bytes = sum(t.n_bytes for t in draft.tensors.values() if is_routed_expert(t.name))
     kv = kv_bytes(cfg, ctx, device_type)
-    ws = workspace_bytes(cfg, ctx, min(prefill_chunk, ctx), device_type)
-    fixed = non_expert + kv + ws + draft_bytes
+    quantized = any(T[t] not in FLOAT_TYPES for t in types)
+    ws = workspace_bytes(cfg, ctx, min(prefill_chunk, ctx), device_type, quantized)
+    libraries = CUBLAS_WORKSPACE if device_type == "cuda" else 0
+    fixed = non_expert + kv + ws + libraries + draft_bytes
     total = len(layers) * cfg.n_expert
     n_slots = max(0, min(total, (budget - fixed) // slot)) if slot else 0
     return MemoryPlan(
-        budget=budget, device=device_type, ctx_size=ctx, prefill_chunk=min(prefill_chunk, ctx),
-        non_expert=non_expert, kv_cache=kv, workspace=ws, draft_experts=draft_bytes, slot_bytes=slot,
+        budget=budget, device=device_type, ctx_size=ctx, n_ctx_train=cfg.n_ctx_train,
+        prefill_chunk=min(prefill_chunk, ctx),
+        non_expert=non_expert, kv_cache=kv, workspace=ws, libraries=libraries, draft_experts=draft_bytes, slot_bytes=slot,
         slot_types=types, n_moe_layers=len(layers), n_expert=cfg.n_expert, top_k=cfg.n_expert_used,
         n_experts_total=total, resident_expert_bytes=resident, n_slots=int(n_slots),
         minimum=fixed + len(layers) * cfg.n_expert_used * slot,
         fits_all=fixed + resident <= budget)
 
 
+def free_device_memory(device: Any) -> int:
+    """Bytes free on the CUDA `device` now: what a load without --gpu-budget plans within (tests cap it)."""
+    import torch
+
+    return int(torch.cuda.mem_get_info(device)[0])
+
+
+def fitted_budget(f: GGUFFile, device: Any, ctx_size: int, draft: GGUFFile | None = None) -> MemoryPlan | None:
+    """The plan for a budget of the device's free memory less FIT_MARGIN when the model does not fit it (None
+    when it fits): how a load without --gpu-budget offloads what must be offloaded."""
+    plan = plan_memory(f, max(0, free_device_memory(device) - FIT_MARGIN), ctx_size, "cuda", draft=draft)
+    return None if plan.fits_all else plan
+
+
 def slots_after_load(plan: MemoryPlan, measured_non_expert: int) -> int:
     """Slots that fit once the non-expert weights are on the device and their real size is known."""
-    free = plan.budget - (measured_non_expert + plan.kv_cache + plan.workspace + plan.draft_experts)
+    free = plan.budget - (plan.fixed - plan.non_expert + measured_non_expert)
     return max(0, min(plan.n_experts_total, free // plan.slot_bytes)) if plan.slot_bytes else 0
 
 
-__all__ = ["parse_size", "format_size", "MemoryPlan", "plan_memory", "record_layout", "RecordLayout",
+__all__ = ["parse_size", "format_size", "MemoryPlan", "plan_memory", "fitted_budget", "free_device_memory", "record_layout", "RecordLayout",
            "PartLayout", "moe_layers", "slots_after_load"]

@@ -20,6 +20,7 @@ ones, again as the resident engine does.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,12 +32,14 @@ from specter_gguf.errors import SpecterError
 from specter_gguf.gguf_file import GGUFFile
 from specter_gguf.kernels import ExpertTable, QuantizedTensor, moe_ffn
 from specter_gguf.layers import FeedForward, MoE, ResidentExperts, Router, Transformer
-from specter_gguf.runtime.budget import (MemoryPlan, RecordLayout, format_size, moe_layers, plan_memory,
-                                         record_layout, slots_after_load)
+from specter_gguf.runtime.budget import (FIT_MARGIN, MemoryPlan, RecordLayout, fitted_budget, format_size,
+                                         moe_layers, plan_memory, record_layout, slots_after_load)
 from specter_gguf.runtime.cache import POLICIES, ExpertCache
 from specter_gguf.runtime.metrics import OffloadCounters
 from specter_gguf.runtime.routing import RoutingProfile
 from specter_gguf.runtime.store import ExpertStore
+
+log = logging.getLogger(__name__)
 
 MODES = ("on-demand", "lru", "gate-prefetch")
 _TORCH_TYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
@@ -199,8 +202,9 @@ def load_offloaded(f: GGUFFile, device: torch.device, ctx_size: int, progress: b
                    routing_profile: RoutingProfile | str | None = None, pin: str = "background",
                    draft: GGUFFile | None = None) -> tuple[Transformer, OffloadRuntime | None, MemoryPlan | None]:
     """Plan the budget (counting the experts of `draft` when speculative decoding will hold them), then load:
-    the plain way when the model fits (and no mode is forced), else with offloaded experts. Returns
-    (transformer, runtime or None, plan or None)."""
+    the plain way when the model fits (and no mode is forced), else with offloaded experts. Without a budget on
+    CUDA, a model that does not fit the device's free memory is offloaded within it (`fitted_budget`).
+    Returns (transformer, runtime or None, plan or None: no budget was given or needed)."""
     from specter_gguf.models import check_architecture, load_transformer
 
     check_architecture(f)
@@ -209,9 +213,18 @@ def load_offloaded(f: GGUFFile, device: torch.device, ctx_size: int, progress: b
     if cache_policy is not None and cache_policy not in POLICIES:
         raise SpecterError(f"unknown cache policy '{cache_policy}'; choose one of {', '.join(POLICIES)}")
     if gpu_budget is None:
-        if offload not in (None, "none"):
-            raise SpecterError(f"--offload {offload} needs a GPU memory budget: give --gpu-budget SIZE")
-        return load_transformer(f, device, progress), None, None
+        fit = fitted_budget(f, device, ctx_size, draft) if device.type == "cuda" else None
+        if fit is None:
+            if offload not in (None, "none"):
+                raise SpecterError(f"--offload {offload} needs a GPU memory budget: give --gpu-budget SIZE")
+            return load_transformer(f, device, progress), None, None
+        need = (f"the model needs {format_size(fit.fixed + fit.resident_expert_bytes)} on {device} at a context of "
+                f"{ctx_size} tokens and {format_size(fit.budget + FIT_MARGIN)} is free")
+        if offload == "none":
+            raise SpecterError(f"{need}; drop --offload none to offload its routed experts, or lower -c/--ctx-size")
+        log.warning("%s: its routed experts are offloaded within a budget of %s (the free memory less a %s "
+                    "margin); --gpu-budget sets another", need, format_size(fit.budget), format_size(FIT_MARGIN))
+        gpu_budget = fit.budget
     plan = plan_memory(f, gpu_budget, ctx_size, device.type, draft=draft)
     if offload is None:
         offload = "none" if plan.fits_all else "lru"
