@@ -215,16 +215,16 @@ def bench_decode(path: Path, llama_bin: Path | None, n_predict: int, runs: int) 
 def graph_step_us(m, prompt: list[int], n_steps: int) -> float:
     """Microseconds per decode step replaying the graphs back to back with no sampling and no host sync between
     steps: the step's GPU time, what generation adds on top of it is host work (sampling, the token read back)."""
-    from specter_gguf.cuda_graphs import DecodeGraphs
+    from specter_gguf.cuda_graphs import StepGraphs
 
     cache = m.transformer.new_cache(1024)
     m.transformer.forward(torch.tensor(prompt, device="cuda"), cache)
-    graphs = DecodeGraphs(m.transformer, cache)
-    graphs.step(prompt[-1])  # captures
+    graphs = StepGraphs(m.transformer, cache)
+    graphs.step(prompt[-1:])  # captures
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(n_steps):
-        graphs.step(prompt[-1])
+        graphs.step(None)
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / n_steps * 1e6
 

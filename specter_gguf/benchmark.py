@@ -646,12 +646,15 @@ def _load_offload(mode: str) -> Callable[[dict[str, Any]], Any]:
 
 
 def _load_spec(job: dict[str, Any]) -> Any:
-    from . import speculative
+    from . import speculation
+    from .engine import Model
 
-    return speculative.SpeculativeModel.load(
-        job["model"], draft=job["draft"], device=job["device"], ctx_size=job["ctx_size"],
-        gpu_budget=job["budget_bytes"], progress=False, synth_len=job.get("synth_len"),
-        n_draft=job.get("draft_n_max") or speculative.DEFAULT_N_DRAFT)
+    model = Model.load(job["model"], draft=job["draft"], device=job["device"], ctx_size=job["ctx_size"],
+                       gpu_budget=job["budget_bytes"], progress=False,
+                       n_draft=job.get("draft_n_max") or speculation.DEFAULT_N_DRAFT)
+    if job.get("synth_len") is not None:
+        speculation.synthetic_acceptance(model, job["synth_len"])
+    return model
 
 
 # The registry of our modes: adding a mode is one entry.

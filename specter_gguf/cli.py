@@ -14,6 +14,7 @@ import numpy as np
 
 from specter_gguf.errors import SpecterError
 from specter_gguf.quantize import FTYPES
+from specter_gguf.speculation import DEFAULT_N_DRAFT
 
 
 class Cli(click.Group):
@@ -110,11 +111,7 @@ def load_options(f: Any) -> Any:
             options = dict(device=device, ctx_size=ctx_size, progress=progress,
                            gpu_budget=parse_size(gpu_budget) if gpu_budget is not None else None,
                            offload=offload, cache_policy=cache_policy, routing_profile=routing_profile,
-                           cuda_graphs=cuda_graphs)
-            if draft is not None:
-                from specter_gguf.speculative import SpeculativeModel
-
-                return SpeculativeModel.load(model, draft=draft, n_draft=n_draft, **options)
+                           cuda_graphs=cuda_graphs, draft=draft, n_draft=n_draft if draft is not None else None)
             return Model.load(model, **options)
 
         return f(*args, load=load, **kwargs)
@@ -132,11 +129,12 @@ def load_options(f: Any) -> Any:
         click.option("--routing-profile", type=click.Path(exists=True, dir_okay=False, path_type=Path),
                      default=None, help="Routing profile (JSON) for the static-hot policy."),
         click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
-                     help="Replay each decode step as a CUDA graph (CUDA, without offloading or a draft)."),
+                     help="Replay each decode step, draft step and verification as a CUDA graph (CUDA; not with "
+                     "--offload gate-prefetch)."),
         click.option("--draft", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
                      help="Decode speculatively with the experts of this quantized copy of the model (e.g. made by "
                      "`specter-gguf quantize MODEL --type q4_k_m`); the output is the model's own."),
-        click.option("--n-draft", type=click.IntRange(min=1), default=4, show_default=True,
+        click.option("--n-draft", type=click.IntRange(min=1), default=DEFAULT_N_DRAFT, show_default=True,
                      help="Tokens drafted per verification (with --draft)."),
     ])
 

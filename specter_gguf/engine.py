@@ -6,7 +6,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -14,7 +14,8 @@ import torch
 from specter_gguf.config import ModelConfig
 from specter_gguf.errors import SpecterError
 from specter_gguf.gguf_file import GGUFFile
-from specter_gguf.layers import KVCache, RoutingObserver, Transformer
+from specter_gguf.decoding import Decoder, GraphDecoder, PlainDecoder
+from specter_gguf.layers import ExpertSource, KVCache, RoutingObserver, Transformer
 from specter_gguf.models import check_architecture
 from specter_gguf.runtime.offload import load_offloaded
 from specter_gguf.sampling import Sampler, SamplingParams
@@ -54,6 +55,7 @@ class GenerationStats:
     cache_evictions: int | None = None
     prefetches: int | None = None
     bytes_copied: int | None = None     # host -> device, whole generation (prefill included)
+    zero_copy_bytes: int | None = None  # experts read in place from host memory by the kernels
     copy_s: float | None = None         # time copies took on the copy stream
     copy_exposed_s: float | None = None  # time compute waited for copies
     copy_hidden_s: float | None = None   # copy_s - copy_exposed_s: overlapped with compute
@@ -62,6 +64,11 @@ class GenerationStats:
     draft_tokens: int | None = None     # tokens drafted
     draft_accepted: int | None = None   # drafted tokens the target accepted
     draft_rounds: int | None = None     # verification passes
+    draft_s: float | None = None        # time spent drafting (GPU time on CUDA)
+    verify_s: float | None = None       # time spent verifying, the lookahead's prefetch planning included
+    prefetched: int | None = None       # experts the lookahead buffer copied in ahead of verifications
+    prefetched_used: int | None = None  # ... that the verification then used
+    verify_experts: int | None = None   # (layer, expert) pairs the verifications used
 
     @property
     def cache_hit_rate(self) -> float | None:
@@ -73,12 +80,30 @@ class GenerationStats:
         return self.bytes_copied / total if self.bytes_copied is not None and total else None
 
     @property
+    def bytes_moved_per_token(self) -> float | None:
+        """Expert bytes over PCIe per token: copies into slots and reads in place."""
+        total = self.prompt_tokens + self.generated_tokens
+        if self.bytes_copied is None or not total:
+            return None
+        return (self.bytes_copied + (self.zero_copy_bytes or 0)) / total
+
+    @property
     def hidden_copy_share(self) -> float | None:
         return self.copy_hidden_s / self.copy_s if self.copy_s else None
 
     @property
     def acceptance_rate(self) -> float | None:
         return self.draft_accepted / self.draft_tokens if self.draft_tokens else None
+
+    @property
+    def prefetch_precision(self) -> float | None:
+        """Of the experts prefetched for verifications, the share they used."""
+        return self.prefetched_used / self.prefetched if self.prefetched else None
+
+    @property
+    def prefetch_recall(self) -> float | None:
+        """Of the experts verifications used, the share prefetched for them."""
+        return self.prefetched_used / self.verify_experts if self.verify_experts else None
 
     @property
     def mean_accepted_len(self) -> float | None:
@@ -98,8 +123,10 @@ class GenerationStats:
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "tpot_ms": self.tpot_ms, "tokens_per_s": self.tokens_per_s,
                 "cache_hit_rate": self.cache_hit_rate, "bytes_copied_per_token": self.bytes_copied_per_token,
+                "bytes_moved_per_token": self.bytes_moved_per_token,
                 "hidden_copy_share": self.hidden_copy_share, "acceptance_rate": self.acceptance_rate,
-                "mean_accepted_len": self.mean_accepted_len}
+                "mean_accepted_len": self.mean_accepted_len, "prefetch_precision": self.prefetch_precision,
+                "prefetch_recall": self.prefetch_recall}
 
     def summary(self) -> str:
         """One line: tokens, context, prefill, TPOT, tokens/s; with offloading the cache's hit rate, bytes copied per
@@ -112,8 +139,9 @@ class GenerationStats:
                 f"{self.tokens_per_s:.1f} tokens/s")
         if self.offload is not None:
             text += (f"; offload {self.offload} ({self.cache_policy}, {self.cache_slots} slots): cache hit rate "
-                     f"{100 * (self.cache_hit_rate or 0):.1f}%, {format_size(self.bytes_copied_per_token or 0)} "
-                     f"copied per token, {100 * (self.hidden_copy_share or 0):.0f}% of copy time hidden")
+                     f"{100 * (self.cache_hit_rate or 0):.1f}%, {format_size(self.bytes_moved_per_token or 0)} "
+                     f"moved per token ({format_size(self.bytes_copied_per_token or 0)} copied), "
+                     f"{100 * (self.hidden_copy_share or 0):.0f}% of copy time hidden")
         if self.draft_rounds:
             text += (f"; speculative: {self.draft_accepted} of {self.draft_tokens} drafted tokens accepted "
                      f"({100 * (self.acceptance_rate or 0):.1f}%), {self.mean_accepted_len:.2f} tokens per "
@@ -158,12 +186,12 @@ class Model:
         self.memory_plan: Any = None  # specter_gguf.runtime.MemoryPlan when a GPU budget was given
         self.prefill_chunk: int | None = None  # prompts are evaluated in chunks of this many tokens (budget)
         self.cuda_graphs = False      # decode steps replay CUDA graphs (specter_gguf.cuda_graphs)
+        self.decoder: Decoder = PlainDecoder()  # produces the tokens after the prompt (specter_gguf.decoding)
         # sees the routing of every forward of a generation (e.g. runtime.DeviceRoutingCounts for a profile)
         self.routing_observer: RoutingObserver | None = None
         # one KV cache (and its decode graphs) reused by generation after generation; a generation started
         # while another is still running gets a cache of its own and decodes eagerly
         self._cache: KVCache | None = None
-        self._graphs: Any = None
         self._cache_in_use = False
 
     @classmethod
@@ -171,7 +199,7 @@ class Model:
              ctx_size: int | None = None, progress: bool = True, gpu_budget: int | str | None = None,
              offload: str | None = None, cache_policy: str | None = None,
              routing_profile: str | os.PathLike[str] | Any = None, cuda_graphs: bool = True,
-             draft: GGUFFile | None = None) -> Model:
+             draft: str | os.PathLike[str] | None = None, n_draft: int | None = None) -> Model:
         """Load `path` (default: the small model shipped in `models/`) onto `device` ("cpu", "cuda";
         default CUDA when present). `ctx_size`: tokens of context; default min(the model's training context,
         4096) as llama.cpp; 0: the model's training context.
@@ -182,22 +210,48 @@ class Model:
         `offload`: "on-demand", "lru", "gate-prefetch" (routed experts in host memory, a device expert cache),
         "none"; default: lru when the model does not fit the budget, none otherwise. `cache_policy`: lru (default), lfu, static-hot (needs
         `routing_profile`, a `RoutingProfile` or its JSON file). `cuda_graphs`: replay each decode step as a
-        CUDA graph (on CUDA without offloading, whose cache bookkeeping runs on the host between layers).
-        `draft`: a draft GGUF whose experts will share the device (`SpeculativeModel`): the budget counts them."""
+        CUDA graph (on CUDA; not with gate-prefetch, whose planning reads every layer's routing on the host).
+        `draft`: a quantized copy of the model (e.g. `specter-gguf quantize MODEL --type q4_k_m`) whose routed
+        experts share the device and draft `n_draft` tokens per verification (`speculation`); the budget counts
+        them."""
         path = Path(path) if path is not None else SHIPPED_MODEL
         dev = resolve_device(device)
         f = GGUFFile(path)
         check_architecture(f)
         ctx = ModelConfig.from_gguf(f).context_size(ctx_size)
+        if draft is None and n_draft is not None:
+            raise SpecterError("--n-draft needs a draft (--draft DRAFT.gguf)")
+        draft_file = GGUFFile(draft) if draft is not None else None
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         transformer, runtime, plan = load_offloaded(f, dev, ctx, progress, gpu_budget, offload, cache_policy,
-                                                    routing_profile, draft=draft)
+                                                    routing_profile, draft=draft_file)
         model = cls(path, transformer, Tokenizer.from_gguf(path), ctx)
         model.offload, model.memory_plan = runtime, plan
-        model.cuda_graphs = cuda_graphs and dev.type == "cuda" and runtime is None
+        model.cuda_graphs = cuda_graphs and dev.type == "cuda" and (runtime is None or runtime.mode != "gate-prefetch")
         model.prefill_chunk = plan.prefill_chunk if plan is not None else None
+        if draft_file is not None:
+            from specter_gguf.speculation import DEFAULT_N_DRAFT, SpeculativeDecoder
+
+            model.decoder = SpeculativeDecoder.load(model, draft_file, DEFAULT_N_DRAFT if n_draft is None else n_draft)
+        elif model.cuda_graphs:
+            model.decoder = GraphDecoder()
         return model
+
+    @property
+    def reusable_cache(self) -> KVCache | None:
+        """The KV cache generation after generation reuses (decoders keep their CUDA graphs over it)."""
+        return self._cache
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False, experts: ExpertSource = None,
+                observe: RoutingObserver | None = None) -> torch.Tensor:
+        """`Transformer.forward` for the decoders: an offloaded model's expert runtime brackets it."""
+        if self.offload is not None:
+            self.offload.begin()
+        logits = self.transformer.forward(tokens, cache, last_only, experts, observe)
+        if self.offload is not None:
+            self.offload.end()
+        return logits
 
     # -- tokens ----------------------------------------------------------------------------------------
     def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
@@ -220,7 +274,7 @@ class Model:
         """float32 logits [len(tokens), n_vocab] of one forward pass over `tokens` from an empty context."""
         ids = self._check_tokens(tokens)
         cache = self.transformer.new_cache(len(tokens))
-        return self.transformer.forward(ids, cache).cpu().numpy()
+        return self.forward(ids, cache).cpu().numpy()
 
     def generate(self, prompt: str | Sequence[int], n_predict: int = 128,
                  sampling: SamplingParams | None = None, stop: Sequence[str] = ()) -> Generation:
@@ -260,30 +314,25 @@ class Model:
 
     @torch.inference_mode()
     def _run(self, gen: Generation, n_predict: int, sampler: Sampler, stop: list[str]) -> Iterator[str]:
-        cache, graphs = self._claim_cache()
+        cache = self._claim_cache()
         try:
-            yield from self._decode(gen, n_predict, sampler, stop, cache, graphs)
+            yield from self._decode(gen, n_predict, sampler, stop, cache)
         finally:
             if cache is self._cache:
                 self._cache_in_use = False
 
-    def _claim_cache(self) -> tuple[KVCache, Any]:
-        """The model's reusable KV cache, emptied, and its decode graphs; a fresh cache (no graphs) when a
-        generation is already using it."""
+    def _claim_cache(self) -> KVCache:
+        """The model's reusable KV cache, emptied; a fresh one when a generation is already using it."""
         if self._cache_in_use:
-            return self.transformer.new_cache(self.ctx_size), None
+            return self.transformer.new_cache(self.ctx_size)
         if self._cache is None:
             self._cache = self.transformer.new_cache(self.ctx_size)
-        if self.cuda_graphs and self._graphs is None:
-            from specter_gguf.cuda_graphs import DecodeGraphs
-
-            self._graphs = DecodeGraphs(self.transformer, self._cache)
         self._cache.truncate(0)
         self._cache_in_use = True
-        return self._cache, self._graphs if self.cuda_graphs else None
+        return self._cache
 
-    def _decode(self, gen: Generation, n_predict: int, sampler: Sampler, stop: list[str], cache: KVCache,
-                graphs: Any) -> Iterator[str]:
+    def _decode(self, gen: Generation, n_predict: int, sampler: Sampler, stop: list[str],
+                cache: KVCache) -> Iterator[str]:
         limit = n_predict if n_predict >= 0 else self.ctx_size
         stats = gen.stats
         stats.prompt_tokens, stats.ctx_size = len(gen.prompt_tokens), self.ctx_size
@@ -295,9 +344,9 @@ class Model:
         prompt = self._check_tokens(gen.prompt_tokens)
         step = self.prefill_chunk or len(prompt)  # chunks keep the workspace within a GPU budget
         for first in range(0, len(prompt), step):
-            logits = self.transformer.forward(prompt[first:first + step], cache, last_only=True,
-                                              observe=self.routing_observer)[-1]
-        tokens = self._tokens(logits, cache, graphs, sampler, history, stats)
+            logits = self.forward(prompt[first:first + step], cache, last_only=True,
+                                  observe=self.routing_observer)[-1]
+        tokens = self.decoder.tokens(self, logits, cache, sampler, history, stats)
         first_token_at = None
         cut = None
         while gen.finish_reason is None:
@@ -337,53 +386,13 @@ class Model:
         if self.device.type == "cuda":
             stats.peak_gpu_bytes = int(torch.cuda.max_memory_allocated(self.device))
 
-    def _tokens(self, logits: torch.Tensor, cache: KVCache, graphs: Any, sampler: Sampler, history: list[int],
-                stats: GenerationStats) -> Iterator[int]:
-        """The generated tokens one by one, from the logits after the prompt. The caller appends each token to
-        `history` before asking for the next. Ends when the context is full.
-
-        The forward pass of a token runs only when the next is asked for, so a generation that ends computes
-        nothing more; except in greedy decoding on CUDA graphs, which looks one step ahead (`_lookahead`)."""
-        token = sampler.sample(logits, history)  # reads the logits back: the step's host sync
-        p = sampler.params
-        if graphs is not None and self.routing_observer is None and p.greedy and not p.penalties_active:
-            yield from self._lookahead(token, cache, graphs)
-            return
-        while True:
-            yield token
-            if cache.length + 1 > self.ctx_size:
-                return
-            if graphs is not None and self.routing_observer is None:
-                logits = graphs.step(history[-1])
-            else:
-                logits = self.transformer.forward(torch.tensor(history[-1:], device=self.device), cache,
-                                                  observe=self.routing_observer)[-1]
-            token = sampler.sample(logits, history)
-
-    def _lookahead(self, token: int, cache: KVCache, graphs: Any) -> Iterator[int]:
-        """`_tokens` for greedy decoding on CUDA graphs, from its first `token`: each graph also chooses the next
-        token (the argmax, on the device) and feeds it to the next step, and the step of a token is enqueued
-        before the token is read back, so the GPU computes while the host handles a token. The step of the last
-        token yielded is thus computed even when the caller stops there; `cache.length` then leaves it out, as
-        without the lookahead (its keys, past the length, are overwritten before any query may see them)."""
-        chosen: Callable[[], int] = lambda: token  # the first token is on the host already
-        feed: int | None = token  # the token the next step appends; None: the previous step's choice
-        asked = cache.length  # the cache's length without the lookahead
-        try:
-            while cache.length + 1 <= self.ctx_size:
-                ahead = graphs.greedy_step(feed)
-                yield chosen()
-                asked, chosen, feed = cache.length, ahead, None  # the caller asked past the step of that token
-            yield chosen()
-        finally:
-            cache.truncate(asked)
-
     def _offload_stats(self, stats: GenerationStats, start: Any) -> None:
         c = self.offload.stats(start)  # waits for the device once, after the last token, to read copy timings
         stats.offload, stats.cache_policy = self.offload.mode, self.offload.options.policy
         stats.cache_slots = self.offload.cache.n_slots
         stats.cache_lookups, stats.cache_hits, stats.cache_misses = c.cache_lookups, c.cache_hits, c.cache_misses
         stats.cache_evictions, stats.prefetches, stats.bytes_copied = c.cache_evictions, c.prefetches, c.bytes_copied
+        stats.zero_copy_bytes = c.zero_copy_bytes
         stats.copy_s, stats.copy_exposed_s = c.copy_s, min(c.copy_exposed_s, c.copy_s)
         stats.copy_hidden_s = c.copy_s - stats.copy_exposed_s
 

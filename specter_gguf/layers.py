@@ -237,8 +237,11 @@ class Positions:
         if self.mask is None:
             return None
         if self._bias is None or self._bias.dtype != dtype:
-            self._bias = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device).masked_fill_(
-                ~self.mask, float("-inf"))
+            # rows 16-aligned (a view of a wider buffer): the fused attention kernels take it as it is, where an
+            # unaligned bias is padded into a copy per layer (seen on the H200: [T, keys] in every layer)
+            T, keys = self.mask.shape
+            wide = torch.full((T, -(-keys // 16) * 16), float("-inf"), dtype=dtype, device=self.mask.device)
+            self._bias = wide[:, :keys].masked_fill_(self.mask, 0.0)  # no [T, keys] temporary
         return self._bias
 
     @classmethod

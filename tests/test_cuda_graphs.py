@@ -3,7 +3,7 @@
 Same model, same prompt, same tokens fed to both: the graph reads a fixed window of the KV cache with a mask
 (masked attention kernel) where the eager step reads exactly the used keys, so logits differ by rounding only:
 per step max|graph - eager| / max|eager| must stay within 1e-3. The prompts end just below a window boundary
-(`DecodeGraphs.WINDOW`) so decoding captures a second window, and the KV cache grows there (storage moves:
+(`StepGraphs.WINDOW`) so decoding captures a second window, and the KV cache grows there (storage moves:
 the graphs must be captured again). Greedy generation, which lets the graphs choose and feed each next token
 themselves one step ahead of the host, must give exactly the tokens of stepping the same graphs with the host's
 argmax, and leave the cache as long. Runs only on a CUDA GPU with the native CUDA build.
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from specter_gguf import native
-from specter_gguf.cuda_graphs import DecodeGraphs
+from specter_gguf.cuda_graphs import StepGraphs
 from specter_gguf.engine import Model
 from specter_gguf.sampling import Sampler, SamplingParams
 
@@ -36,21 +36,21 @@ def _prompt(n: int, seed: int = 3) -> list[int]:
 @torch.inference_mode()
 def test_graph_steps_match_eager_steps(tiny_models, arch: str, kind: str) -> None:
     t = Model.load(tiny_models[(arch, kind)], device="cuda", progress=False, cuda_graphs=False).transformer
-    prompt = torch.tensor(_prompt(DecodeGraphs.WINDOW - 5), device="cuda")
+    prompt = torch.tensor(_prompt(StepGraphs.WINDOW - 5), device="cuda")
     eager_cache, graph_cache = t.new_cache(1024), t.new_cache(1024)
     token = int(t.forward(prompt, eager_cache, last_only=True)[-1].argmax())
     t.forward(prompt, graph_cache, last_only=True)
-    graphs = DecodeGraphs(t, graph_cache)
+    graphs = StepGraphs(t, graph_cache)
     storage = graph_cache.k[0].data_ptr()
     worst = 0.0
     for _ in range(STEPS):
         eager = t.forward(torch.tensor([token], device="cuda"), eager_cache)[-1]
-        graph = graphs.step(token)
+        graph = graphs.step([token])[0]
         worst = max(worst, float((graph - eager).abs().max() / eager.abs().max()))
         token = int(eager.argmax())
-    assert graph_cache.length == eager_cache.length == DecodeGraphs.WINDOW - 5 + STEPS
+    assert graph_cache.length == eager_cache.length == StepGraphs.WINDOW - 5 + STEPS
     assert graph_cache.k[0].data_ptr() != storage, "the cache was expected to grow past the first window"
-    assert sorted(graphs._graphs) == [2 * DecodeGraphs.WINDOW], "graphs over the old storage must be dropped"
+    assert sorted(graphs._graphs) == [2 * StepGraphs.WINDOW], "graphs over the old storage must be dropped"
     print(f"{arch} {kind}: max rel {worst:.2e}")
     assert worst <= 1e-3, f"max rel {worst:.2e}"
 
@@ -66,10 +66,10 @@ def test_generation_with_graphs_equals_without(tiny_models, arch: str) -> None:
     m = Model.load(path, device="cuda", progress=False)
     assert m.cuda_graphs
     first = m.generate(prompt, 24, greedy).wait()
-    captured = dict(m._graphs._graphs)
+    captured = dict(m.decoder._graphs._graphs)
     second = m.generate(prompt, 24, greedy).wait()
     assert first.tokens == second.tokens == eager.tokens
-    assert m._graphs._graphs == captured, "the second generation must replay the graphs of the first"
+    assert m.decoder._graphs._graphs == captured, "the second generation must replay the graphs of the first"
     outer = iter(m.generate(prompt, 24, greedy))
     next(outer)
     inner = m.generate(prompt, 24, greedy).wait()
@@ -80,14 +80,14 @@ def test_generation_with_graphs_equals_without(tiny_models, arch: str) -> None:
 
 @torch.inference_mode()
 def _stepped(model: Model, prompt: list[int], n_predict: int) -> tuple[list[int], int]:
-    """Greedy tokens from `DecodeGraphs.step` fed with the host's argmax (what generation does without looking
+    """Greedy tokens from `StepGraphs.step` fed with the host's argmax (what generation does without looking
     ahead), up to `n_predict`, an end-of-generation token (included) or a full context; and the cache's length."""
     t, greedy = model.transformer, Sampler(SamplingParams(temperature=0))
     cache = t.new_cache(model.ctx_size)
-    graphs = DecodeGraphs(t, cache)
+    graphs = StepGraphs(t, cache)
     tokens = [greedy.sample(t.forward(torch.tensor(prompt, device="cuda"), cache, last_only=True)[-1])]
     while len(tokens) != n_predict and cache.length < model.ctx_size and not model.tokenizer.is_eog(tokens[-1]):
-        tokens.append(greedy.sample(graphs.step(tokens[-1])))
+        tokens.append(greedy.sample(graphs.step(tokens[-1:])[0]))
     return tokens, cache.length
 
 
@@ -98,7 +98,7 @@ def test_greedy_lookahead_equals_stepping_the_graphs(tiny_models, arch: str, n_p
     """The prompt ends just below a window boundary: a chained step captures the next window, after the cache
     has moved. The step computed ahead of the last token is left out of the cache's length, and the next
     generation gives the same tokens."""
-    prompt = _prompt(DecodeGraphs.WINDOW - 5, seed=11)
+    prompt = _prompt(StepGraphs.WINDOW - 5, seed=11)
     ctx = None if ctx_extra is None else len(prompt) + ctx_extra
     m = Model.load(tiny_models[(arch, "f16")], device="cuda", progress=False, ctx_size=ctx)
     expected, length = _stepped(m, prompt, n_predict)

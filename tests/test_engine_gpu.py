@@ -48,13 +48,29 @@ def test_cuda_incremental_decode_matches_one_pass(tiny_models, arch: str) -> Non
 
 @pytest.mark.parametrize("arch", ["qwen2moe", "tiny-deepseek2", "tiny-phimoe"])
 def test_cuda_speculative_greedy_equals_target_only(tiny_models, arch: str) -> None:
-    """Speculative decoding on the GPU with a Q4_K_M draft: the target's own greedy tokens (its plain decoding
-    replays CUDA graphs, the speculative one runs eagerly)."""
-    from specter_gguf.speculative import SpeculativeModel
+    """Speculative decoding on the GPU with a Q4_K_M draft gives the target's own greedy tokens, both replaying
+    CUDA graphs (drafting, verification and plain decoding alike), with the whole model on the GPU and with its
+    experts offloaded to a cache that must evict (the residency path: misses read from host memory)."""
+    from specter_gguf.gguf_file import GGUFFile
+    from specter_gguf.runtime import plan_memory
 
     target, draft = tiny_models[(arch, "f16")], tiny_models[(arch, "q4_k_m")]
     prompt = [5, 17, 300, 42, 7, 99]
     greedy = SamplingParams(temperature=0)
-    expected = Model.load(target, device="cuda", progress=False).generate(prompt, 32, greedy).wait().tokens
-    gen = SpeculativeModel.load(target, draft=draft, device="cuda", progress=False).generate(prompt, 32, greedy).wait()
+    expected = Model.load(target, device="cuda", progress=False, ctx_size=256).generate(prompt, 32, greedy).wait()
+    expected = expected.tokens  # (the context decides Phi-3's RoPE factors: the same one everywhere)
+    spec = Model.load(target, draft=draft, device="cuda", progress=False, ctx_size=256)
+    assert spec.cuda_graphs
+    gen = spec.generate(prompt, 32, greedy).wait()
     assert gen.tokens == expected and gen.stats.draft_accepted > 0
+    plan = plan_memory(GGUFFile(target), 1 << 40, 256, "cuda", draft=GGUFFile(draft))
+    budget = plan.minimum + plan.n_moe_layers * plan.slot_bytes
+    for d in (None, draft):
+        m = Model.load(target, draft=d, device="cuda", progress=False, ctx_size=256, gpu_budget=budget,
+                       offload="lru")
+        assert m.offload is not None and m.cuda_graphs
+        g = m.generate(prompt, 32, greedy).wait()
+        print(f"{arch} draft {d is not None}: {g.stats.summary()}")
+        assert g.tokens == expected, f"draft {d}"
+        assert g.stats.cache_misses > 0 and g.stats.zero_copy_bytes > 0
+        m.offload.close()

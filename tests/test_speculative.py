@@ -23,7 +23,7 @@ from specter_gguf.errors import SpecterError
 from specter_gguf.gguf_file import GGUFFile
 from specter_gguf.runtime.budget import plan_memory
 from specter_gguf.sampling import Sampler, SamplingParams
-from specter_gguf.speculative import SpeculativeModel, accept_drafts
+from specter_gguf.speculation import accept_drafts, synthetic_acceptance
 
 MODELS = ["qwen2moe", "qwen3moe", "llama", "olmoe", "tiny-deepseek2", "tiny-deepseek2-lite", "tiny-phimoe"]
 GREEDY = SamplingParams(temperature=0)
@@ -39,7 +39,7 @@ def _target_tokens(path: Path, n: int = N, sampling: SamplingParams = GREEDY, **
 @pytest.mark.parametrize("arch", MODELS)
 def test_greedy_speculative_equals_target_only(tiny_models, arch: str, draft_kind: str) -> None:
     target = tiny_models[(arch, "f16")]
-    sm = SpeculativeModel.load(target, draft=tiny_models[(arch, draft_kind)], device="cpu", progress=False)
+    sm = Model.load(target, draft=tiny_models[(arch, draft_kind)], device="cpu", progress=False)
     gen = sm.generate(PROMPT, N, GREEDY).wait()
     assert gen.tokens == _target_tokens(target)
     s = gen.stats
@@ -51,7 +51,7 @@ def test_greedy_speculative_equals_target_only(tiny_models, arch: str, draft_kin
 @pytest.mark.parametrize("arch", ["qwen2moe", "tiny-deepseek2"])
 def test_the_target_as_its_own_draft_is_always_accepted(tiny_models, arch: str) -> None:
     target = tiny_models[(arch, "f16")]
-    sm = SpeculativeModel.load(target, draft=target, device="cpu", progress=False, n_draft=3)
+    sm = Model.load(target, draft=target, device="cpu", progress=False, n_draft=3)
     gen = sm.generate(PROMPT, N, GREEDY).wait()
     assert gen.tokens == _target_tokens(target)
     assert gen.stats.draft_accepted == gen.stats.draft_tokens and gen.stats.mean_accepted_len == 4.0
@@ -60,15 +60,17 @@ def test_the_target_as_its_own_draft_is_always_accepted(tiny_models, arch: str) 
 def test_greedy_with_penalties_and_offloaded_target_with_lookahead(tiny_models) -> None:
     target, draft = tiny_models[("qwen2moe", "f16")], tiny_models[("qwen2moe", "q4_k_m")]
     penalized = SamplingParams(temperature=0, repeat_penalty=1.3, presence_penalty=0.2)
-    sm = SpeculativeModel.load(target, draft=draft, device="cpu", progress=False)
+    sm = Model.load(target, draft=draft, device="cpu", progress=False)
     assert sm.generate(PROMPT, N, penalized).wait().tokens == _target_tokens(target, sampling=penalized)
     plan = plan_memory(GGUFFile(target), 1 << 40, 256, "cpu", draft=GGUFFile(draft))
     budget = plan.minimum + plan.n_moe_layers * plan.slot_bytes  # top_k + 1 slots per layer: it evicts
     stats = {}
     for lookahead in (False, True):
-        sm = SpeculativeModel.load(target, draft=draft, device="cpu", progress=False, ctx_size=256,
-                                   gpu_budget=budget, offload="lru", lookahead=lookahead)
+        sm = Model.load(target, draft=draft, device="cpu", progress=False, ctx_size=256, gpu_budget=budget,
+                        offload="lru")
         assert sm.offload is not None and sm.memory_plan.draft_experts > 0
+        if not lookahead:
+            sm.decoder.lookahead = None
         gen = sm.generate(PROMPT, N, GREEDY).wait()
         assert gen.tokens == _target_tokens(target) and gen.stats.cache_evictions > 0
         stats[lookahead] = gen.stats
@@ -80,7 +82,7 @@ def test_greedy_with_penalties_and_offloaded_target_with_lookahead(tiny_models) 
 def test_full_context_ends_the_generation(tiny_models) -> None:
     target = tiny_models[("olmoe", "f16")]
     ctx = len(PROMPT) + 13  # rounds near the end have less room than n_draft
-    sm = SpeculativeModel.load(target, draft=tiny_models[("olmoe", "q4_k_m")], device="cpu", progress=False,
+    sm = Model.load(target, draft=tiny_models[("olmoe", "q4_k_m")], device="cpu", progress=False,
                                ctx_size=ctx, n_draft=5)
     gen = sm.generate(PROMPT, -1, GREEDY).wait()
     assert gen.finish_reason == "length" and len(gen.tokens) == ctx - len(PROMPT) + 1
@@ -89,11 +91,12 @@ def test_full_context_ends_the_generation(tiny_models) -> None:
 
 def test_synthetic_acceptance_has_the_asked_mean_length(tiny_models) -> None:
     target = tiny_models[("qwen2moe", "f16")]
-    sm = SpeculativeModel.load(target, draft=tiny_models[("qwen2moe", "q2_k")], device="cpu", progress=False,
-                               synth_len=2.5)
+    sm = Model.load(target, draft=tiny_models[("qwen2moe", "q2_k")], device="cpu", progress=False)
+    synthetic_acceptance(sm, 2.5)
     s = sm.generate(PROMPT, 64, SamplingParams(temperature=0, seed=3)).wait().stats
     assert 2.2 <= s.mean_accepted_len <= 2.8, s.mean_accepted_len
-    sm = SpeculativeModel.load(target, draft=target, device="cpu", progress=False, synth_len=1)
+    sm = Model.load(target, draft=target, device="cpu", progress=False)
+    synthetic_acceptance(sm, 1)
     assert sm.generate(PROMPT, 16, GREEDY).wait().stats.draft_accepted == 0
 
 
@@ -122,10 +125,10 @@ def test_speculative_sampling_outputs_the_target_distribution() -> None:
 
 def test_a_draft_of_another_model_is_refused(tiny_models) -> None:
     with pytest.raises(SpecterError, match="not a draft of"):
-        SpeculativeModel.load(tiny_models[("qwen2moe", "f16")], draft=tiny_models[("olmoe", "f16")], device="cpu",
+        Model.load(tiny_models[("qwen2moe", "f16")], draft=tiny_models[("olmoe", "f16")], device="cpu",
                               progress=False)
     with pytest.raises(SpecterError, match="needs a draft"):
-        SpeculativeModel.load(tiny_models[("qwen2moe", "f16")], device="cpu", progress=False)
+        Model.load(tiny_models[("qwen2moe", "f16")], device="cpu", progress=False, n_draft=3)
 
 
 def test_cli_run_with_draft(tiny_models) -> None:
@@ -140,21 +143,77 @@ def test_cli_run_with_draft(tiny_models) -> None:
     assert wrong.exit_code == 1 and "Error:" in wrong.output and "Traceback" not in wrong.output
 
 
-def test_lookahead_requests_the_draft_experts_earliest_layer_first() -> None:
-    """The ELB hands the cache each pass's experts once, layer by layer in the order verification meets them,
-    each layer's experts in the draft's order; a flush with nothing routed requests nothing."""
-    from specter_gguf.runtime.elb import ExpertLookahead
+def test_lookahead_prefetches_what_the_draft_counted_most_used_first(shipped_model) -> None:
+    """The ELB counts the draft's routing on the device; each snapshot it reads asks the cache for the counted
+    experts not resident yet, most used first, then earlier layers; slots it requested in this iteration are not
+    evicted by its later requests, and an expert is requested once per iteration."""
+    from specter_gguf.runtime.budget import moe_layers, record_layout
+    from specter_gguf.runtime.cache import ExpertCache
+    from specter_gguf.runtime.store import ExpertStore
+    from specter_gguf.config import ModelConfig
+    from specter_gguf.speculation.lookahead import ExpertLookahead, chunk_ends
 
-    class RecordingCache:
-        requests: list[list[tuple[int, int]]] = []
+    f = GGUFFile(shipped_model)
+    cfg = ModelConfig.from_gguf(f)
+    layers = moe_layers(f, cfg)
+    layouts = {i: record_layout(f, cfg, i) for i in layers}
+    store = ExpertStore(f, layouts, cfg.n_expert, torch.device("cpu"))
+    cache = ExpertCache(store, 6, max(r.nbytes for r in layouts.values()), layers, torch.device("cpu"))  # 3/layer
+    elb = ExpertLookahead(cache, cfg.n_layer, cfg.n_expert, torch.device("cpu"))
+    elb.start()
+    elb(1, torch.tensor([[7, 2]]), torch.ones(1, 2))
+    elb(0, torch.tensor([[5, 2], [5, 3]]), torch.ones(2, 2))
+    elb.snapshot()
+    assert elb.plan() == 5
+    assert list(cache.where) == [(0, 5), (0, 2), (0, 3), (1, 2), (1, 7)]  # (0, 5) twice, then layer by layer
+    assert elb.prefetched == set(cache.where) and cache.counters.prefetches == 5
+    elb(0, torch.tensor([[6, 1]]), torch.ones(1, 2))  # layer 0's three slots are all this iteration's
+    elb.snapshot()
+    assert elb.plan() == 0 and (0, 6) not in cache.where and (0, 5) in cache.where
+    elb.start()  # a new iteration may evict them
+    elb(0, torch.tensor([[6, 1]]), torch.ones(1, 2))
+    elb.snapshot()
+    assert elb.plan() == 2 and (0, 6) in cache.where and (0, 1) in cache.where
+    assert chunk_ends(8, 0.003, 0.0065) == [2, 4, 6, 8] and chunk_ends(4, 0.003, 0.0) == [1, 2, 3, 4]
+    assert chunk_ends(1, 0.003, 0.01) == [1]
 
-        def request(self, keys):
-            self.requests.append(list(keys))
-            return len(keys)
 
-    cache = RecordingCache()
-    elb = ExpertLookahead(cache)  # type: ignore[arg-type]
-    for layer, ids in ((3, [[5, 2]]), (1, [[7, 7]]), (3, [[2, 9]])):
-        elb(layer, torch.tensor(ids), torch.ones(1, 2))
-    assert elb.flush() == 4 and cache.requests == [[(1, 7), (3, 5), (3, 2), (3, 9)]]
-    assert elb.flush() == 0 and len(cache.requests) == 1
+def test_drafting_never_waits_for_the_host(tiny_models, monkeypatch) -> None:
+    """Greedy drafting chains on the device: while an iteration's k draft steps are launched (the lookahead buffer
+    counting and snapshotting their routing), nothing reads a tensor back or waits for the device; the one host
+    read of an iteration is the verification's verdict."""
+    from specter_gguf.speculation import decoder as spec
+
+    target, draft = tiny_models[("qwen2moe", "f16")], tiny_models[("qwen2moe", "q4_k_m")]
+    plan = plan_memory(GGUFFile(target), 1 << 40, 256, "cpu", draft=GGUFFile(draft))
+    m = Model.load(target, draft=draft, device="cpu", progress=False, ctx_size=256,
+                   gpu_budget=plan.minimum + plan.n_moe_layers * plan.slot_bytes, offload="lru")
+    assert m.decoder.lookahead is not None
+    reads: list[str] = []
+    drafting = [0]
+
+    def counted(name: str, fn):
+        def wrapper(*args, **kwargs):
+            if drafting[0]:
+                reads.append(name)
+            return fn(*args, **kwargs)
+        return wrapper
+
+    for name in ("tolist", "item", "cpu", "numpy", "__int__", "__float__", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
+    monkeypatch.setattr(torch.cuda, "synchronize", counted("synchronize", torch.cuda.synchronize))
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", counted("Event.synchronize", torch.cuda.Event.synchronize))
+    draft_steps = spec.SpeculativeDecoder._draft_on_device
+
+    def watched(self, *args, **kwargs):
+        drafting[0] += 1
+        try:
+            return draft_steps(self, *args, **kwargs)
+        finally:
+            drafting[0] -= 1
+
+    monkeypatch.setattr(spec.SpeculativeDecoder, "_draft_on_device", watched)
+    gen = m.generate(PROMPT, N, GREEDY).wait()
+    assert gen.tokens == _target_tokens(target) and gen.stats.draft_rounds > 3
+    assert gen.stats.prefetched > 0
+    assert reads == [], f"host reads while drafting: {sorted(set(reads))}"

@@ -1,6 +1,6 @@
 """The GPU memory plan: how one `--gpu-budget` figure is split before anything is loaded.
 
-    budget = non-expert weights + KV cache (whole context) + workspace + libraries + draft experts
+    budget = non-expert weights + KV cache (whole context) + workspace + CUDA runtime + draft experts
              + expert-cache slots
 
 - **non-expert weights**: every tensor except the routed experts, at the size it takes on the device
@@ -11,13 +11,15 @@
 - **workspace**: the transient memory of one forward over `prefill_chunk` tokens (the engine prefills long
   prompts in chunks of that size when offloading) at the full context, as `workspace_bytes` follows the code:
   attention reads the KV cache in place, so only its [chunk, context] mask grows with the context.
-- **libraries**: cuBLAS's workspace, made on the first matrix product and kept (CUDA only).
+- **CUDA runtime**: what the process holds on the device beyond torch's allocations: the CUDA context, cuBLAS's
+  workspace and the caching allocator's reserve (CUDA only; nvidia-smi showed 0.8 GiB more than torch's peak
+  allocation on the H200, 2026-12-01).
 - **draft experts**: the routed experts of a `--draft` GGUF (its file bytes: the draft stays quantized on
   the GPU).
 - **slots**: what is left, in whole slots. A slot holds one routed expert's gate|up|down record in the
   target's GGUF type (the largest record over the layers: Q4_K_M files mix types between layers).
 
-**Minimum budget** = non-expert weights + KV + workspace + libraries + draft experts + `top_k` slots for every MoE layer:
+**Minimum budget** = non-expert weights + KV + workspace + CUDA runtime + draft experts + `top_k` slots for every MoE layer:
 one decoding token needs `top_k` experts per layer at once, and the per-layer LRU of Mixtral-offloading keeps
 each layer's slots apart. (A batch of tokens — prefill, verification — that needs more distinct experts than a
 layer has slots runs in waves; correctness never needs more than `top_k` per layer.) A smaller budget is
@@ -41,8 +43,8 @@ from specter_gguf.layers import ResidentExperts
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SLOT_ALIGN = 256          # bytes: slot and part offsets (vector loads, any element type)
-WORKSPACE_SLACK = 1.15    # small tensors the estimate leaves out
-CUBLAS_WORKSPACE = 32 * MiB
+WORKSPACE_SLACK = 1.1     # small tensors the estimate leaves out (measured on the H200: tests/test_memory_gpu.py)
+CUDA_RUNTIME = 1 * GiB
 VERIFY_ROWS = 17          # logits rows a forward returns at most: a verification of 16 drafted tokens
 FIT_MARGIN = 1 * GiB      # left free when the budget is the device's free memory (llama.cpp's --fit leaves 1 GiB)
 DEFAULT_PREFILL_CHUNK = 256
@@ -150,10 +152,11 @@ def workspace_bytes(cfg: ModelConfig, ctx: int, chunk: int, device_type: str, qu
     """Peak transient memory of one forward over `chunk` tokens at a context of `ctx`, following what the code
     allocates (float32 activations, the cache's dtype in attention): what lives through the forward (the residual
     stream; the [chunk, ctx] attention mask and its additive form; the RoPE tables), plus the larger of a block's
-    attention phase (attention reads the KV cache in place, `layers.attend`; a layer's storage grows by doubling,
-    the old beside the new) and its FFN phase (router, routed experts by the kernel or the dense path, shared
-    expert; `quantized_experts`: the dense path dequantizes an expert), plus the logits of a verification pass
-    and the sampler's copies of them."""
+    attention phase (attention reads the KV cache in place, `layers.attend`; the cache grows by doubling, never
+    past the whole context's that the KV line counts) and its FFN phase (router; routed experts by the grouped
+    kernel, whose scratch a prompt's shorter last chunk may need, or by the dense path, which dequantizes one
+    expert when `quantized_experts`; shared expert), plus the logits of a verification pass and the sampler's
+    copies of them."""
     T, d, f32 = chunk, cfg.n_embd, 4
     kvb = 2 if device_type == "cuda" else 4
     mla = cfg.n_lora_kv > 0
@@ -161,20 +164,21 @@ def workspace_bytes(cfg: ModelConfig, ctx: int, chunk: int, device_type: str, qu
     kv_row = cfg.n_lora_kv + cfg.rope_dim if mla else cfg.n_head_kv * cfg.head_dim  # keys of a token and layer
     n_qkv = n_q + (kv_row if mla else 2 * kv_row)
     n_out = cfg.n_head * (kv_row if mla else cfg.head_dim)  # the attended heads' width
-    lives = 6 * T * d * f32 + T * ctx * (1 + kvb) + 4 * ctx * cfg.rope_dim
-    grow = kv_row * (ctx // 2) * kvb
+    lives = 5 * T * d * f32 + T * -(-ctx // 16) * 16 * (1 + kvb) + 4 * ctx * cfg.rope_dim
     heads = T * n_q * kvb + 2 * T * n_out * kvb + T * d * (kvb + f32)
     if mla:  # absorbed queries and the per-head value products, in float32
         heads += 2 * T * n_out * f32 + 2 * T * cfg.n_head * cfg.head_dim_v_mla * f32
-    attention = T * n_qkv * f32 + max(T * d * kvb + T * n_qkv * kvb, grow, heads)
-    pairs = T * cfg.n_expert_used
-    if pairs >= ResidentExperts.DENSE_MIN_TOKENS_PER_EXPERT * cfg.n_expert:  # one GEMM per expert; results summed
-        routed = pairs * d * f32 + T * 3 * cfg.n_ff_exp * (kvb + f32) + 3 * cfg.n_ff_exp * d * f32 * quantized_experts
-    else:
-        routed = moe_workspace_size(T, cfg.n_expert_used, cfg.n_expert, d, cfg.n_ff_exp)
+    attention = T * n_qkv * f32 + max(T * d * kvb + T * n_qkv * kvb, heads)
+    k, E = cfg.n_expert_used, cfg.n_expert
+    dense_from = ResidentExperts.DENSE_MIN_TOKENS_PER_EXPERT * E  # routed pairs from which one GEMM per expert
+    kernel_T = min(T, -(-dense_from // k) - 1)  # the most tokens the grouped kernel takes (a chunk's tail)
+    routed = moe_workspace_size(kernel_T, k, E, d, cfg.n_ff_exp) + kernel_T * d * f32 if kernel_T > 0 else 0
+    if T * k >= dense_from:  # every result kept to the sum, one expert's products, dequantized
+        routed = max(routed, T * k * d * f32 + T * 3 * cfg.n_ff_exp * (kvb + f32)
+                     + 3 * cfg.n_ff_exp * d * f32 * quantized_experts)
     dense_ff = max(cfg.n_ff_shexp if cfg.n_expert_shared else 0, cfg.n_ff if cfg.n_leading_dense else 0)
-    swiglu = T * 2 * dense_ff * (kvb + f32) + 2 * T * dense_ff * f32
-    ffn = T * (cfg.n_expert + 1) * (kvb + f32) + T * d * f32 + max(routed, swiglu)
+    swiglu = 4 * T * dense_ff * f32  # gate|up in float32, then silu(gate) and the product
+    ffn = T * (E + 1) * (kvb + f32) + 2 * T * d * f32 + max(routed, swiglu)
     logits = VERIFY_ROWS * cfg.n_vocab * 2 * f32 + 4 * cfg.n_vocab * 8
     return int(WORKSPACE_SLACK * (lives + max(attention, ffn) + logits))
 
@@ -191,7 +195,7 @@ class MemoryPlan:
     non_expert: int
     kv_cache: int
     workspace: int
-    libraries: int
+    cuda_runtime: int
     draft_experts: int
     slot_bytes: int
     slot_types: tuple[str, ...]
@@ -206,7 +210,7 @@ class MemoryPlan:
 
     @property
     def fixed(self) -> int:
-        return self.non_expert + self.kv_cache + self.workspace + self.libraries + self.draft_experts
+        return self.non_expert + self.kv_cache + self.workspace + self.cuda_runtime + self.draft_experts
 
     @property
     def slots_bytes(self) -> int:
@@ -223,14 +227,14 @@ class MemoryPlan:
                 f"GPU budget {format_size(self.budget)} is too small: the minimum for this model at a context of "
                 f"{self.ctx_size} tokens is {format_size(self.minimum)} ({self.minimum} bytes: non-expert weights "
                 f"{format_size(self.non_expert)} + KV cache {format_size(self.kv_cache)} + workspace "
-                f"{format_size(self.workspace)} + libraries {format_size(self.libraries)}"
+                f"{format_size(self.workspace)} + CUDA runtime {format_size(self.cuda_runtime)}"
                 + (f" + draft experts {format_size(self.draft_experts)}" if self.draft_experts else "")
                 + f" + {self.top_k} expert slots per MoE layer × {self.n_moe_layers} layers of "
                 f"{format_size(self.slot_bytes)}); raise --gpu-budget or lower -c/--ctx-size")
 
     def describe(self) -> str:
         rows = [("non-expert weights", self.non_expert), ("KV cache", self.kv_cache),
-                ("workspace", self.workspace), ("cuBLAS workspace", self.libraries)]
+                ("workspace", self.workspace), ("CUDA context, cuBLAS, allocator reserve", self.cuda_runtime)]
         if self.draft_experts:
             rows.append(("draft experts", self.draft_experts))
         rows.append((f"expert cache ({self.n_slots} slots × {format_size(self.slot_bytes)})", self.slots_bytes))
@@ -279,14 +283,14 @@ def plan_memory(f: GGUFFile, budget: int | str, ctx_size: int | None = None, dev
     kv = kv_bytes(cfg, ctx, device_type)
     quantized = any(T[t] not in FLOAT_TYPES for t in types)
     ws = workspace_bytes(cfg, ctx, min(prefill_chunk, ctx), device_type, quantized)
-    libraries = CUBLAS_WORKSPACE if device_type == "cuda" else 0
-    fixed = non_expert + kv + ws + libraries + draft_bytes
+    runtime = CUDA_RUNTIME if device_type == "cuda" else 0
+    fixed = non_expert + kv + ws + runtime + draft_bytes
     total = len(layers) * cfg.n_expert
     n_slots = max(0, min(total, (budget - fixed) // slot)) if slot else 0
     return MemoryPlan(
         budget=budget, device=device_type, ctx_size=ctx, n_ctx_train=cfg.n_ctx_train,
         prefill_chunk=min(prefill_chunk, ctx),
-        non_expert=non_expert, kv_cache=kv, workspace=ws, libraries=libraries, draft_experts=draft_bytes, slot_bytes=slot,
+        non_expert=non_expert, kv_cache=kv, workspace=ws, cuda_runtime=runtime, draft_experts=draft_bytes, slot_bytes=slot,
         slot_types=types, n_moe_layers=len(layers), n_expert=cfg.n_expert, top_k=cfg.n_expert_used,
         n_experts_total=total, resident_expert_bytes=resident, n_slots=int(n_slots),
         minimum=fixed + len(layers) * cfg.n_expert_used * slot,

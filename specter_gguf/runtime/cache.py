@@ -11,13 +11,20 @@ all (`"global"`: hot layers may take more slots). Inside a partition the policy 
   experts are loaded up front (`warm`) and a cold expert brought in for a miss is the next to go, so the hot
   set stays resident.
 
+The **residency table** `table` [layers, n_expert] (int64, on the compute device: the slot of each expert, -1
+when none) is what kernels read to find an expert without asking the host (`OffloadRuntime.expert_table`): an
+expert whose slot is not published there is read from the store in host memory instead. An entry is published
+(`publish`) only once its copy has completed, and cleared on the compute stream before its slot is refilled.
+
 CUDA ordering, without host waits:
 - copies run on a dedicated copy stream (`non_blocking` from pinned memory);
 - each slot has a **ready** event recorded after its copy; compute waits on it with `stream.wait_event` (a
   GPU-side wait) — only when the copy is not already known complete;
-- each slot has a **last-use** event recorded on the compute stream after the kernels that read it were
-  enqueued; the copy stream waits on it before overwriting the slot, so a slot is never overwritten while a
-  kernel may still read it;
+- work that reads slots (a forward of the target, a wave of the host-managed path) is followed by a **reads**
+  event on the compute stream (`mark_reads`); before a slot is refilled, its old table entry is cleared on the
+  compute stream and the copy waits for the last reads event, so the slot is overwritten only after every
+  kernel that could read it, and no kernel enqueued after finds it in the table (work in between that reads no
+  slot, such as drafting, does not hold the copy back);
 - slots in use by the current wave are *pinned* (not evictable) until `release`.
 Timing: an event pair around every copy on the copy stream (copy time) and around every compute-side wait
 (exposed time: how long compute stalled on copies). They are read back lazily (`collect`), never forcing a
@@ -33,6 +40,7 @@ import time
 from collections import OrderedDict
 from typing import Iterable, Sequence
 
+import numpy as np
 import torch
 
 from specter_gguf.errors import SpecterError
@@ -47,7 +55,9 @@ POLICIES = ("lru", "lfu", "static-hot")
 class ExpertCache:
     def __init__(self, store: ExpertStore, n_slots: int, slot_bytes: int, layers: Sequence[int],
                  device: torch.device, policy: str = "lru", partition: str = "layer",
-                 profile: RoutingProfile | None = None, counters: OffloadCounters | None = None) -> None:
+                 profile: RoutingProfile | None = None, counters: OffloadCounters | None = None,
+                 n_layer: int | None = None) -> None:
+        """`n_layer`: rows of the residency table (default: the last MoE layer + 1)."""
         if policy not in POLICIES:
             raise SpecterError(f"unknown cache policy '{policy}'; choose one of {', '.join(POLICIES)}")
         if policy == "static-hot" and profile is None:
@@ -81,10 +91,14 @@ class ExpertCache:
             self._part_of_layer = {layer: 0 for layer in layers}
             self._parts = [OrderedDict((j, None) for j in range(n_slots))]
         self._free = [[j for j in part] for part in self._parts]
+        rows = max(layers) + 1 if n_layer is None else n_layer
+        self.table = torch.full((rows, store.n_expert), -1, dtype=torch.int64, device=device)
+        self.published = np.zeros((rows, store.n_expert), dtype=bool)  # the host's copy of `table >= 0`
+        self._unpublished: dict[int, Key] = {}  # slots loaded, copy possibly in flight, not yet in the table
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device)
             self._ready = [torch.cuda.Event() for _ in range(n_slots)]
-            self._last_use: list[torch.cuda.Event | None] = [None] * n_slots
+            self._reads: torch.cuda.Event | None = None
         self._ordered = [True] * n_slots  # compute is already ordered after the slot's last copy
         self._copy_timers: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._wait_timers: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
@@ -101,21 +115,29 @@ class ExpertCache:
     def slot_address(self, slot: int) -> int:
         return self.pool.data_ptr() + slot * self.slot_bytes
 
-    def layer_table(self, layer: int, n_expert: int) -> list[int]:
-        """Device address of each expert's slot in `layer` (0: not resident) — the per-expert pointer table
-        of the grouped MoE kernel. Only meaningful for slots whose copy the compute stream waited for."""
-        return [self.slot_address(self.where[(layer, e)]) if (layer, e) in self.where else 0
-                for e in range(n_expert)]
+    def publish(self) -> int:
+        """Enter into `table` the slots whose copies have completed (queried, never waited for), on the compute
+        stream; returns how many. Kernels enqueued after this find them there."""
+        done = [slot for slot in self._unpublished if not self.cuda or self._ready[slot].query()]
+        for slot in done:
+            key = self._unpublished.pop(slot)
+            self.table[key].fill_(slot)
+            self.published[key] = True
+            self._ordered[slot] = True  # a kernel reading it through the table runs after the copy
+        return len(done)
 
     # -- the public API of the planner (prefetch) ----------------------------------------------------------
-    def request(self, keys: Sequence[Key], priority: Sequence[float] | None = None) -> int:
+    def request(self, keys: Sequence[Key], priority: Sequence[float] | None = None, prefetch: bool = True,
+                protect: set[int] | None = None) -> int:
         """Make `keys` resident, most important first (`priority`, higher first; default: the order given).
         Returns at once: copies are queued on the copy stream. A key already resident is refreshed (it
         becomes most recently used); a key that finds no evictable slot in its partition (all pinned or
-        taken by higher-priority keys of this request) is skipped. Returns the number of copies issued."""
+        taken by higher-priority keys of this request, or in `protect`, which gains this request's slots) is
+        skipped. Returns the number of copies issued, counted as prefetches unless `prefetch` is False (experts
+        brought in because they were just used)."""
         order = list(keys) if priority is None else \
             [k for _, k in sorted(zip(priority, keys), key=lambda pk: -pk[0])]
-        protect: set[int] = set()
+        protect = set() if protect is None else protect
         issued = 0
         for key in order:
             slot = self.where.get(key)
@@ -124,7 +146,7 @@ class ExpertCache:
                 if slot is None:
                     continue
                 self._load(slot, key)
-                self.counters.prefetches += 1
+                self.counters.prefetches += prefetch
                 issued += 1
             self._touch(slot)
             protect.add(slot)
@@ -187,13 +209,15 @@ class ExpertCache:
         end.record(stream)
         self._wait_timers.append((start, end))
 
-    def release(self, slots: Sequence[int]) -> None:
-        """The kernels reading `slots` are enqueued: record their last use and unpin them."""
+    def mark_reads(self) -> None:
+        """Kernels that may read slots are enqueued: a refill waits for them (an event on the compute stream)."""
         if self.cuda:
-            stream = torch.cuda.current_stream(self.device)
-            for slot in slots:
-                ev = self._last_use[slot] = torch.cuda.Event()
-                ev.record(stream)
+            self._reads = torch.cuda.Event()
+            self._reads.record(torch.cuda.current_stream(self.device))
+
+    def release(self, slots: Sequence[int]) -> None:
+        """The kernels reading `slots` are enqueued: unpin them (a refill of the slot is ordered after them)."""
+        self.mark_reads()
         for slot in slots:
             self._pins[slot] -= 1
         if len(self._copy_timers) + len(self._wait_timers) > 4096:
@@ -239,10 +263,16 @@ class ExpertCache:
     def _load(self, slot: int, key: Key) -> None:
         """Copy `key`'s record into `slot` (evicting what it held)."""
         old = self.key[slot]
-        if old is not None and old != key:
-            del self.where[old]
-            self.counters.cache_evictions += 1
+        if old is not None:
+            if old != key:
+                del self.where[old]
+                self.counters.cache_evictions += 1
+            self._unpublished.pop(slot, None)
+            if self.published[old]:  # no kernel enqueued from now on reads the slot through the table
+                self.table[old].fill_(-1)
+                self.published[old] = False
         self.key[slot], self.where[key] = key, slot
+        self._unpublished[slot] = key
         chunks = self.store.chunks(*key)
         base = slot * self.slot_bytes
         nbytes = sum(c.shape[0] for _, c in chunks)
@@ -258,8 +288,8 @@ class ExpertCache:
             return
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.copy_stream):
-            if self._last_use[slot] is not None:  # never overwrite a slot a kernel may still read
-                self.copy_stream.wait_event(self._last_use[slot])
+            if self._reads is not None:  # never overwrite a slot a kernel may still read
+                self.copy_stream.wait_event(self._reads)
             start.record(self.copy_stream)
             for offset, src in chunks:
                 self.pool[base + offset:base + offset + src.shape[0]].copy_(src, non_blocking=True)

@@ -22,6 +22,7 @@ class OffloadCounters:
     copies: int = 0
     copy_s: float = 0.0
     copy_exposed_s: float = 0.0
+    zero_copy_bytes: int = 0     # missed experts read in place from host memory (once per forward each)
 
     def snapshot(self) -> OffloadCounters:
         return OffloadCounters(**asdict(self))

@@ -24,6 +24,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
@@ -63,6 +64,8 @@ class OffloadedExperts:
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         rt = self.runtime
+        if rt.mode != "gate-prefetch" and ids.numel() < DENSE_MIN_TOKENS_PER_EXPERT * rt.cfg.n_expert:
+            return rt.from_residency(self.layer, x, ids, weights)
         cache = rt.cache
         flat = ids.reshape(-1)
         n = flat.shape[0]
@@ -156,7 +159,18 @@ class OffloadOptions:
 
 
 class OffloadRuntime:
-    """Everything the offloaded model shares: plan, store, cache, counters."""
+    """Everything the offloaded model shares: plan, store, cache, counters.
+
+    Small batches (decoding, verification) run from the residency table without the host (`from_residency`): a
+    layer's pointer table is computed on the device from the table — a published expert from its slot, any other
+    read in place from the store in host memory (zero-copy over PCIe: no copy, no slot, no wait). The layer adds
+    its routing into `routed`; a forward is bracketed by `begin` (publishes finished copies, zeroes `routed`) and
+    `end` (an asynchronous copy of `routed` to the host), and `settle` reads those copies once they have landed:
+    it counts lookups, hits and misses against the table the forward saw and, in lru mode, brings the experts
+    it used into the cache (least recently used out), so the next forwards find them in slots. Big batches
+    (prefill) and gate-prefetch take `OffloadedExperts`' host-managed waves instead."""
+
+    HOST_BUFFERS = 8  # forwards whose routing may be in flight to the host at once
 
     def __init__(self, f: GGUFFile, cfg: ModelConfig, plan: MemoryPlan, device: torch.device,
                  options: OffloadOptions, progress: bool) -> None:
@@ -168,6 +182,7 @@ class OffloadRuntime:
         self.store = ExpertStore(f, self.layouts, cfg.n_expert, device, options.pin, progress)
         self.cache: ExpertCache = None  # type: ignore[assignment]  # made by `start`, after the weights
         self.experts: dict[int, OffloadedExperts] = {}
+        self._pointers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def make_experts(self, cfg: ModelConfig, layer: int, w: Any) -> OffloadedExperts:
         """The `ExpertsFactory` given to `load_transformer`: nothing of the experts goes to the device."""
@@ -179,7 +194,14 @@ class OffloadRuntime:
         opts = self.options
         partition = "layer" if opts.policy == "lru" else "global"
         self.cache = ExpertCache(self.store, n_slots, self.plan.slot_bytes, self.layers, self.device,
-                                 opts.policy, partition, opts.profile, self.counters)
+                                 opts.policy, partition, opts.profile, self.counters, n_layer=self.cfg.n_layer)
+        cuda = self.device.type == "cuda"
+        self.routed = torch.zeros((self.cfg.n_layer, self.cfg.n_expert), dtype=torch.int32, device=self.device)
+        self._free_hosts = [torch.empty_like(self.routed, device="cpu", pin_memory=cuda)
+                            for _ in range(self.HOST_BUFFERS)]
+        self._in_flight: list[tuple[torch.cuda.Event | None, torch.Tensor, np.ndarray]] = []
+        self._seen = self.cache.published
+        self.last_used = np.zeros_like(self._seen)  # the experts the last settled forward used (residency path)
         if self.mode == "gate-prefetch":
             moes = [b.ffn for b in transformer.blocks if isinstance(b.ffn, MoE)]
             for cur, nxt in zip(moes, moes[1:]):
@@ -188,8 +210,82 @@ class OffloadRuntime:
         if opts.policy == "static-hot":
             self.cache.warm()
 
+    # -- the residency path (no host synchronisation) ---------------------------------------------------
+    def from_residency(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Layer `layer`'s routed experts for a small batch, each from its slot or from host memory."""
+        flat = ids.reshape(-1)
+        self.routed[layer].index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        return moe_ffn(x, ids, weights, self.expert_table(layer))
+
+    def expert_table(self, layer: int) -> ExpertTable:
+        """The grouped kernel's pointer table of `layer`, computed on the device from the residency table."""
+        host, offsets = self._pointers[layer] if layer in self._pointers else self._layer_pointers(layer)
+        slots = self.cache.table[layer]
+        ptrs = torch.where(slots >= 0, offsets + slots * self.plan.slot_bytes, host)  # [3, n_expert]
+        return ExpertTable(ptrs, self.experts[layer].types, self.cfg.n_embd, self.cfg.n_ff_exp, (self.cache.pool,))
+
+    def _layer_pointers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(host addresses [3, n_expert], slot-pool address of each part [3, 1]) of `layer`, made once (before
+        a CUDA graph reads them: `prepare_graphs`)."""
+        base = self.cache.pool.data_ptr()
+        host = torch.tensor(self.store.addresses(layer), dtype=torch.int64)
+        offsets = torch.tensor([[base + p.offset] for p in self.layouts[layer].parts], dtype=torch.int64)
+        self._pointers[layer] = (host.to(self.device), offsets.to(self.device))
+        return self._pointers[layer]
+
+    def prepare_graphs(self) -> None:
+        """Everything a captured forward reads, made now: every layer pinned and its pointers on the device."""
+        for layer in self.layers:
+            if layer not in self._pointers:
+                self._layer_pointers(layer)
+
+    def begin(self) -> None:
+        """Before a forward: publish the copies that have landed; `routed` counts this forward's routing."""
+        self.settle()
+        self.cache.publish()
+        self._seen = self.cache.published
+        self.last_used = np.zeros_like(self._seen)  # the experts the last settled forward used (residency path).copy()
+        self.routed.zero_()
+
+    def end(self) -> None:
+        """After a forward was enqueued: its routing goes to the host without waiting (read by `settle`), and
+        refills of slots wait for its kernels."""
+        self.cache.mark_reads()
+        if not self._free_hosts:
+            self.settle(wait=True, keep=self.HOST_BUFFERS - 1)
+        host = self._free_hosts.pop()
+        host.copy_(self.routed, non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        self._in_flight.append((event, host, self._seen))
+
+    def settle(self, wait: bool = False, keep: int = 0) -> None:
+        """Account for the forwards whose routing has reached the host (with `wait`: all but `keep`)."""
+        cache, c = self.cache, self.counters
+        while len(self._in_flight) > keep:
+            event, host, seen = self._in_flight[0]
+            if event is not None and not wait and not event.query():
+                return
+            if event is not None:
+                event.synchronize()
+            self._in_flight.pop(0)
+            used = self.last_used = host.numpy() > 0
+            self._free_hosts.append(host)
+            hits = used & seen
+            c.cache_lookups += int(used.sum())
+            c.cache_hits += int(hits.sum())
+            c.cache_misses += int((used & ~seen).sum())
+            for layer in map(int, np.flatnonzero(used.any(1))):
+                keys = [(layer, int(e)) for e in np.flatnonzero(used[layer])]
+                c.zero_copy_bytes += self.layouts[layer].nbytes * int((used[layer] & ~seen[layer]).sum())
+                if self.mode == "lru":
+                    cache.request(keys, prefetch=False)  # hits refreshed, misses brought in for next time
+
     def stats(self, start: OffloadCounters) -> OffloadCounters:
         """Counters since `start`. Waits for the device once to read the copy timings (end of a generation)."""
+        self.settle(wait=True)
         self.cache.collect(sync=True)
         return self.counters.since(start)
 

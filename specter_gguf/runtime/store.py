@@ -87,10 +87,6 @@ class ExpertStore:
                 self._bar.update(part.nbytes * self.n_expert)
             self._buffers[layer] = buf
 
-    @property
-    def fully_pinned(self) -> bool:
-        return not self.pinned or len(self._buffers) == len(self.layouts)
-
     def wait(self) -> None:
         """Block until every layer is pinned (tests, benchmarks that exclude start-up)."""
         for layer in self.layouts:
@@ -114,5 +110,17 @@ class ExpertStore:
             out.append((part.offset, _bytes_of(t.data[expert])))  # a view of the mapping: no copy
         return out
 
-    def record_bytes(self, layer: int) -> int:
-        return sum(p.nbytes for p in self.layouts[layer].parts)
+    def addresses(self, layer: int) -> list[list[int]]:
+        """Host addresses of every expert's gate, up and down matrices of `layer`, `[part][expert]`: pinned memory
+        that a CUDA kernel reads in place (host allocations are mapped into the device's address space under
+        unified addressing, at the same address), or the memory-mapped file on the CPU."""
+        layout = self.layouts[layer]
+        if self.pinned:
+            self.ensure(layer)
+            base = self._buffers[layer].data_ptr()
+            return [[base + e * layout.nbytes + p.offset for e in range(self.n_expert)] for p in layout.parts]
+        out = []
+        for p in layout.parts:
+            base = self.f.tensor(expert_tensor_name(layer, p.name)).data.ctypes.data
+            out.append([base + e * p.nbytes for e in range(self.n_expert)])
+        return out

@@ -1,176 +1,222 @@
-"""Speculative decoding with a quantized draft of the experts (Specter, arXiv 2511.14102).
+"""The speculative decoder: draft, lookahead, verify, accept (see the package docstring), one iteration at a time.
 
-The draft is not a second model: it is a quantized copy of the target's routed experts (read from a draft GGUF,
-e.g. `specter-gguf quantize MODEL.gguf --type q4_k_m`), resident on the device. Drafting runs the target's own
-transformer with the draft experts swapped into its MoE layers, so attention, norms, routers, shared experts
-and the KV cache are the target's. A round, after the last committed token t (not yet in the cache):
-
-1. draft: k single-token passes with the draft experts, from t, propose d_1 .. d_k;
-2. verify: one target pass over [t, d_1 .. d_k] writes the target's keys/values over the draft's and gives
-   the target's logits after each of them;
-3. accept: greedy keeps d_i while it is the target's own choice; sampled decoding keeps d_i with probability
-   min(1, p(d_i) / q(d_i)) and otherwise draws from max(0, p - q) normalized (speculative sampling), where p
-   and q are the target's and the draft's distributions after the sampling chain. Either way the output is
-   distributed exactly as the target's alone (greedy: the same tokens). The target's logits after the last
-   accepted token give one more token; the cache is cut back to the accepted tokens.
-
-Synthetic acceptance (`synth_len` L, for benchmarks only): each round accepts floor(L-1) or ceil(L-1) drafted
-tokens whatever the target says, with the mean L - 1, so that the mean accepted length per verification
-(the target's token included) is L. The compute and data movement are real, the text is not.
-
-With an offloaded target the draft's routing drives prefetching (`runtime.elb`): after each draft pass the
-experts it chose are requested from the target's expert cache, so their copies run during the rest of the
-drafting. Drafting and verification run eagerly (no CUDA graphs yet).
+Greedy decoding without penalties runs on the device: the draft's one-token steps feed each other their argmax,
+the verification's inputs are assembled from the drafted tokens on the device, it judges them itself
+(`steps.judge`) and its verdict feeds the next iteration's first draft step; the host reads one small tensor
+per iteration (how many were accepted and the target's choices). Sampled decoding, and greedy decoding with
+penalties, choose each drafted token on the host and accept with `accept.accept_drafts`. The steps are CUDA
+graphs on the model's reusable cache when the model replays graphs, eager otherwise (the CPU: the same
+algorithm, which CI tests).
 """
 
 from __future__ import annotations
 
-import math
-import os
-from collections.abc import Iterator
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
-from specter_gguf.config import ModelConfig
-from specter_gguf.engine import GenerationStats, Model
 from specter_gguf.errors import SpecterError
 from specter_gguf.gguf_file import GGUFFile
-from specter_gguf.layers import Experts, KVCache, MoE, ResidentExperts
-from specter_gguf.runtime.elb import ExpertLookahead
+from specter_gguf.layers import Experts, KVCache
 from specter_gguf.sampling import Sampler
-from specter_gguf.weights import load_tensor
+from specter_gguf.speculation.accept import accept_drafts, synthetic_count
+from specter_gguf.speculation.draft import load_draft_experts
+from specter_gguf.speculation.lookahead import ExpertLookahead, chunk_ends
+from specter_gguf.steps import Steps, make_steps
+
+if TYPE_CHECKING:
+    from specter_gguf.engine import GenerationStats, Model
 
 DEFAULT_N_DRAFT = 4
+PCIE_BYTES_PER_S = 25e9  # the copy rate assumed before one is measured (PCIe 4.0 x16)
 
 
-class SpeculativeModel(Model):
-    """A `Model` that decodes speculatively with the experts of a draft GGUF. `generate` and everything built
-    on it (chat, the OpenAI-style API, the server) work as for `Model`; `stats` adds the draft figures."""
+class SpeculativeDecoder:
+    """Decodes with `n_draft` drafted tokens per verification from the draft's `experts`; with an offloaded target,
+    `lookahead` prefetches what the draft routes to."""
 
-    draft_experts: list[Experts | None]
-    n_draft: int = DEFAULT_N_DRAFT
-    synth_len: float | None = None
-    lookahead: ExpertLookahead | None = None  # with an offloaded target: the draft's routing prefetches
-
-    @classmethod
-    def load(cls, path: str | os.PathLike[str] | None = None, draft: str | os.PathLike[str] | None = None,
-             n_draft: int = DEFAULT_N_DRAFT, synth_len: float | None = None, lookahead: bool = True,
-             **options: Any) -> SpeculativeModel:
-        """`Model.load(path, **options)` plus the routed experts of `draft` (a quantized copy of `path`) on the
-        same device; `n_draft` tokens are drafted per round; `synth_len`: synthetic acceptance (see the
-        module docstring); `lookahead`: with offloaded experts, prefetch what the draft routes to (the ELB)."""
-        if draft is None:
-            raise SpecterError("speculative decoding needs a draft GGUF (--draft), e.g. one made by "
-                               "`specter-gguf quantize MODEL.gguf --type q4_k_m`")
+    def __init__(self, experts: list[Experts | None], n_draft: int, lookahead: ExpertLookahead | None) -> None:
         if n_draft < 1:
             raise SpecterError(f"--n-draft must be at least 1, got {n_draft}")
-        if synth_len is not None and not synth_len >= 1:
-            raise SpecterError(f"a synthetic accepted length must be at least 1, got {synth_len}")
-        draft_file = GGUFFile(draft)
-        model = super().load(path, draft=draft_file, **options)
-        assert isinstance(model, SpeculativeModel)
-        model.draft_experts = load_draft_experts(draft_file, model)
-        model.n_draft = n_draft if synth_len is None else max(n_draft, math.ceil(synth_len - 1))
-        model.synth_len = synth_len
-        if lookahead and model.offload is not None:
-            model.lookahead = ExpertLookahead(model.offload.cache)
-        model.cuda_graphs = False
-        return model
+        self.experts, self.n_draft, self.lookahead = experts, n_draft, lookahead
+        self.synth_len: float | None = None  # benchmarks only (`accept.synthetic_acceptance`)
+        self._steps: dict[tuple[int, bool], Steps] = {}  # (tokens, draft) -> steps over the reusable cache
+        self._cache: KVCache | None = None
+        self._step_s = 0.0  # one draft step, measured
 
-    def _tokens(self, logits: torch.Tensor, cache: KVCache, graphs: Any, sampler: Sampler, history: list[int],
-                stats: GenerationStats) -> Iterator[int]:
+    @classmethod
+    def load(cls, model: Model, draft: GGUFFile, n_draft: int) -> SpeculativeDecoder:
+        """The decoder of `model` with the routed experts of `draft` (a quantized copy of the model's file)."""
+        experts = load_draft_experts(draft, model)
+        lookahead = None
+        if model.offload is not None:
+            cfg = model.config
+            lookahead = ExpertLookahead(model.offload.cache, cfg.n_layer, cfg.n_expert, model.device)
+        return cls(experts, n_draft, lookahead)
+
+    # -- steps --------------------------------------------------------------------------------------------
+    def steps(self, model: Model, cache: KVCache, n_tokens: int, draft: bool) -> Steps:
+        """Draft steps (one token, the draft's experts, observed by the lookahead buffer) or verification steps
+        (`n_tokens`, the target's experts): CUDA graphs over the model's reusable cache, eager otherwise."""
+        experts, observe = (self.experts, self.lookahead) if draft else (None, None)
+        offload = not draft  # the draft's experts are all resident: its steps skip the runtime's bookkeeping
+        if cache is not model.reusable_cache or not model.cuda_graphs:
+            return make_steps(model, cache, n_tokens, experts, observe, offload=offload)
+        if self._cache is not cache:
+            self._steps, self._cache = {}, cache
+        key = (n_tokens, draft)
+        if key not in self._steps:
+            self._steps[key] = make_steps(model, cache, n_tokens, experts, observe, offload=offload, graphs=True)
+        return self._steps[key]
+
+    # -- the iterations -----------------------------------------------------------------------------------
+    def tokens(self, model: Model, logits: torch.Tensor, cache: KVCache, sampler: Sampler, history: list[int],
+               stats: GenerationStats) -> Iterator[int]:
         stats.draft_tokens = stats.draft_accepted = stats.draft_rounds = 0
+        stats.prefetched = stats.prefetched_used = stats.verify_experts = 0
+        clock = PhaseClock(model.device)
+        p = sampler.params
+        on_device = p.greedy and not p.penalties_active
         token = sampler.sample(logits, history)
-        while True:
-            yield token
-            room = self.ctx_size - cache.length - 1  # positions left after `token`'s
-            if room < 0:
-                return
-            if room == 0:  # no room to draft: one plain step
-                logits = self.transformer.forward(torch.tensor([token], device=self.device), cache)[-1]
-                token = sampler.sample(logits, history)
-                continue
-            k = min(self.n_draft, room)
-            start = cache.length
-            drafted, draft_probs = self._draft(k, cache, sampler, history)
-            cache.truncate(start)
-            verified = self.transformer.forward(torch.tensor([token, *drafted], device=self.device), cache)
-            accepted, token = accept_drafts(verified, drafted, draft_probs, sampler, history, self.synth_len)
-            cache.truncate(start + 1 + len(accepted))
-            stats.draft_tokens += k
-            stats.draft_accepted += len(accepted)
-            stats.draft_rounds += 1
-            for t in accepted:
-                yield t
+        start: torch.Tensor | None = None  # the last verification's verdict [token, position], on the device
+        try:
+            while True:
+                yield token
+                room = model.ctx_size - cache.length - 1  # positions left after `token`'s
+                if room < 0:
+                    return
+                if room == 0:  # no room to draft: one plain step
+                    logits = model.forward(torch.tensor([token], device=model.device), cache)[-1]
+                    token, start = sampler.sample(logits, history), None
+                    continue
+                k = min(self.n_draft, room)
+                pos = cache.length
+                clock.mark()
+                if on_device:
+                    drafted = self._draft_on_device(model, cache, token if start is None else start, k)
+                else:
+                    drafted_ids, draft_probs = self._draft_on_host(model, cache, token, k, sampler, history)
+                clock.mark("draft")
+                if self.lookahead is not None:
+                    self.lookahead.plan()
+                cache.truncate(pos)
+                verify = self.steps(model, cache, k + 1, draft=False)
+                if on_device:
+                    verify.step(torch.cat([drafted, torch.full((1,), pos, device=drafted.device)]))
+                    clock.mark("verify")
+                    n, *choices = verify.read_choice()()  # the one host read of the iteration
+                    if self.synth_len is not None:
+                        n = synthetic_count(sampler, k, self.synth_len)
+                        accepted = drafted[1:n + 1].tolist()
+                        token, start = choices[n], None
+                    else:
+                        accepted, token, start = choices[:n], choices[n], verify.next
+                else:
+                    verified = verify.step([token, *drafted_ids])
+                    clock.mark("verify")
+                    accepted, token = accept_drafts(verified, drafted_ids, draft_probs, sampler, history,
+                                                    self.synth_len)
+                cache.truncate(pos + 1 + len(accepted))
+                self._account(model, stats, k, len(accepted))
+                for t in accepted:
+                    yield t
+        finally:
+            stats.draft_s, stats.verify_s = clock.total("draft"), clock.total("verify")
+            if stats.draft_tokens:
+                self._step_s = stats.draft_s / stats.draft_tokens
 
-    def _draft(self, k: int, cache: KVCache, sampler: Sampler,
-               history: list[int]) -> tuple[list[int], list[torch.Tensor] | None]:
-        """k drafted tokens after the last of `history` and, when sampling, the draft distributions they were
-        drawn from."""
+    def _draft_on_device(self, model: Model, cache: KVCache, first: int | torch.Tensor, k: int) -> torch.Tensor:
+        """k greedy draft steps from `first` (a host token, or the last verification's device verdict), each fed
+        the previous one's argmax on the device; no host synchronisation. Returns [first token, d_1 .. d_k] on
+        the device."""
+        steps = self.steps(model, cache, 1, draft=True)
+        ends = self._chunk_ends(model, k)
+        if self.lookahead is not None:
+            self.lookahead.start()
+        out = []
+        steps.step([first] if isinstance(first, int) else first)
+        out.append(steps.inputs[:1].clone())
+        for j in range(k):
+            if j:
+                steps.step(None)
+            out.append(steps.next[:1].clone())
+            if self.lookahead is not None and j + 1 in ends:
+                self.lookahead.snapshot()
+        return torch.cat(out)
+
+    def _draft_on_host(self, model: Model, cache: KVCache, token: int, k: int, sampler: Sampler,
+                       history: list[int]) -> tuple[list[int], list[torch.Tensor] | None]:
+        """k drafted tokens chosen on the host (sampling, or greedy with penalties) and, when sampling, the draft
+        distributions they were drawn from."""
+        steps = self.steps(model, cache, 1, draft=True)
+        ends = self._chunk_ends(model, k)
+        if self.lookahead is not None:
+            self.lookahead.start()
         seen = [*history]
         drafted: list[int] = []
         probs: list[torch.Tensor] | None = None if sampler.params.greedy else []
-        for _ in range(k):
-            logits = self.transformer.forward(torch.tensor(seen[-1:], device=self.device), cache,
-                                              experts=self.draft_experts, observe=self.lookahead)[-1]
+        for j in range(k):
+            logits = steps.step(seen[-1:])[0]
             if probs is None:
                 drafted.append(sampler.sample(logits, seen))
             else:
                 probs.append(sampler.probabilities(logits, seen))
                 drafted.append(sampler.draw(probs[-1]))
             seen.append(drafted[-1])
-            if self.lookahead is not None:
-                self.lookahead.flush()
+            if self.lookahead is not None and j + 1 in ends:
+                self.lookahead.snapshot()
         return drafted, probs
 
+    def _chunk_ends(self, model: Model, k: int) -> list[int]:
+        """When the lookahead buffer is read during k drafted tokens (`lookahead.chunk_ends`), from the measured
+        draft step and the copy rate the cache has seen."""
+        if self.lookahead is None:
+            return []
+        c = model.offload.counters
+        rate = c.bytes_copied / c.copy_s if c.copy_s > 0 else PCIE_BYTES_PER_S
+        per_token = model.config.n_expert_used * len(model.offload.layers) * model.offload.plan.slot_bytes
+        return chunk_ends(k, self._step_s, 0.25 * per_token / rate)  # about a quarter of them new per token
 
-def accept_drafts(verified: torch.Tensor, drafted: list[int], draft_probs: list[torch.Tensor] | None,
-                  sampler: Sampler, history: list[int], synth_len: float | None = None) -> tuple[list[int], int]:
-    """The accepted prefix of `drafted` and the target's token after it, from the target's logits `verified`
-    [k+1, n_vocab] after the last token of `history` and after each drafted one. `draft_probs`: the draft
-    distributions the tokens were drawn from (None: greedy drafting)."""
-    seen = [*history]
-    if synth_len is not None:
-        extra = synth_len - 1
-        n = min(len(drafted), math.floor(extra) + (sampler.random() < extra - math.floor(extra)))
-        return drafted[:n], sampler.sample(verified[n], [*seen, *drafted[:n]])
-    for i, d in enumerate(drafted):
-        if draft_probs is None:
-            target = sampler.sample(verified[i], seen)
-            if target != d:
-                return drafted[:i], target
+    def _account(self, model: Model, stats: GenerationStats, k: int, n_accepted: int) -> None:
+        stats.draft_tokens += k
+        stats.draft_accepted += n_accepted
+        stats.draft_rounds += 1
+        if self.lookahead is None:
+            return
+        model.offload.settle(wait=True)  # the verification is done (its verdict was read): nothing waits
+        used = model.offload.last_used
+        stats.prefetched += len(self.lookahead.prefetched)
+        stats.prefetched_used += sum(bool(used[key]) for key in self.lookahead.prefetched)
+        stats.verify_experts += int(used.sum())
+
+
+class PhaseClock:
+    """Time per phase of the iterations: CUDA events on the compute stream (GPU time, read once at the end),
+    wall time on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._marks: list[tuple[str | None, object]] = []
+
+    def mark(self, phase: str | None = None) -> None:
+        """The end of `phase` (None: the start of the next one)."""
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks.append((phase, event))
         else:
-            p, q = sampler.probabilities(verified[i], seen), draft_probs[i]
-            if sampler.random() * q[d] >= p[d]:  # rejected: accept with probability min(1, p/q)
-                return drafted[:i], draw_residual(sampler, p, q)
-        seen.append(d)
-    return drafted, sampler.sample(verified[len(drafted)], seen)
+            self._marks.append((phase, time.perf_counter()))
 
-
-def draw_residual(sampler: Sampler, p: torch.Tensor, q: torch.Tensor) -> int:
-    """The token after a rejected draft: drawn from max(0, p - q) normalized (from p when that is all zero,
-    which only rounding can cause: a rejection means p < q somewhere, hence p > q elsewhere)."""
-    residual = (p - q).clamp(min=0)
-    return sampler.draw(residual if float(residual.sum()) > 0 else p)
-
-
-def load_draft_experts(draft: GGUFFile, target: Model) -> list[Experts | None]:
-    """The routed experts of every MoE layer of `target`, from `draft` (a quantized copy of the target file),
-    resident on the target's device; None for layers without routed experts."""
-    cfg, dcfg = target.config, ModelConfig.from_gguf(draft)
-    same = (dcfg.arch, dcfg.n_layer, dcfg.n_expert, dcfg.n_embd, dcfg.n_ff_exp)
-    want = (cfg.arch, cfg.n_layer, cfg.n_expert, cfg.n_embd, cfg.n_ff_exp)
-    if same != want:
-        raise SpecterError(f"{draft.path}: not a draft of {target.path}: (architecture, layers, experts, hidden, "
-                           f"expert width) {same} against {want}; make one with `specter-gguf quantize`")
-    e, f, d = cfg.n_expert, cfg.n_ff_exp, cfg.n_embd
-    experts: list[Experts | None] = []
-    for i, block in enumerate(target.transformer.blocks):
-        if not isinstance(block.ffn, MoE):
-            experts.append(None)
-            continue
-        w = {name: load_tensor(draft.tensor(f"blk.{i}.ffn_{name}_exps.weight", shape), target.device)
-             for name, shape in (("gate", (e, f, d)), ("up", (e, f, d)), ("down", (e, d, f)))}
-        experts.append(ResidentExperts(**w))
-    return experts
+    def total(self, phase: str) -> float:
+        """Seconds spent in `phase` (waits for the device on CUDA: call it at the end)."""
+        total = 0.0
+        for (_, begin), (name, end) in zip(self._marks, self._marks[1:]):
+            if name != phase:
+                continue
+            if self.cuda:
+                end.synchronize()
+                total += begin.elapsed_time(end) / 1000
+            else:
+                total += end - begin
+        return total

@@ -1,40 +1,93 @@
 """The expert lookahead buffer (Specter's ELB): while the draft speculates, the experts its routers choose are
-handed to the target's expert cache, so the copies the verification pass needs run during drafting.
+brought into the target's expert cache, so that the verification finds them in slots.
 
-Register an `ExpertLookahead` as a routing observer for the draft passes; after each draft pass `flush()` reads
-that pass's expert ids back (one deliberate host synchronisation per drafted token: the host decides what to
-copy) and asks the cache to make them resident, earliest layer first (verification runs the layers in order),
-each layer's experts in the order the draft chose them. The copies are queued on the copy stream and return
-at once; the verification pass waits only for the ones it reaches before they land.
+The buffer is a routing observer of the draft's forwards: every drafted token adds its (layer, expert) choices into
+a [layers, experts] counter on the device (inside the draft's CUDA graph: no host read per token). At chunk
+boundaries of the drafting (`chunk_ends`: a cold start after the first ~20% of the drafted tokens, then chunks
+sized so that their copies take about as long as drafting them, then the rest) the counter is copied to the
+host without waiting; `plan` then reads each copy as it lands and asks the cache for the experts counted so far
+that are not resident, most used first (ties: earlier layer first, the order verification meets them). Slots
+requested during an iteration are not evicted by later requests of the same iteration: the coming verification
+needs them.
 """
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from specter_gguf.runtime.cache import ExpertCache
 
 
-class ExpertLookahead:
-    """A routing observer collecting the draft's (layer, expert) choices for `cache`."""
+def chunk_ends(k: int, step_s: float, copy_s: float) -> list[int]:
+    """Drafted-token counts after which the counter is read: ceil(0.2 k) first, then every
+    max(1, round(copy_s / step_s)) tokens (`copy_s`: the copy time of one drafted token's new experts, `step_s`:
+    one draft step), and k."""
+    ends = [max(1, math.ceil(0.2 * k))]
+    size = max(1, round(copy_s / step_s)) if step_s > 0 else 1
+    while ends[-1] < k:
+        ends.append(min(k, ends[-1] + size))
+    return ends
 
-    def __init__(self, cache: ExpertCache) -> None:
+
+class ExpertLookahead:
+    """Counts the draft's routing on the device (a `RoutingObserver`) and prefetches what it counted."""
+
+    def __init__(self, cache: ExpertCache, n_layer: int, n_expert: int, device: torch.device) -> None:
         self.cache = cache
-        self._routed: list[tuple[int, torch.Tensor]] = []
+        self.counts = torch.zeros((n_layer, n_expert), dtype=torch.int32, device=device)
+        cuda = device.type == "cuda"
+        self._hosts: list[torch.Tensor] = []
+        self._pinned = cuda
+        self._events: list[torch.cuda.Event | None] = []
+        self._protect: set[int] = set()
+        self._pending = 0
+        self._seen: set[tuple[int, int]] = set()
+        self.prefetched: set[tuple[int, int]] = set()  # this iteration's copies
 
     def __call__(self, layer: int, ids: torch.Tensor, weights: torch.Tensor) -> None:
-        self._routed.append((layer, ids.reshape(-1)))
+        flat = ids.reshape(-1)
+        self.counts[layer].index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
 
-    def flush(self) -> int:
-        """Request the experts routed since the last flush; returns the number of copies issued."""
-        if not self._routed:
-            return 0
-        flat = torch.cat([ids for _, ids in self._routed]).tolist()  # HOST SYNC (deliberate), once per pass
-        per_layer: dict[int, list[int]] = {}
-        start = 0
-        for layer, ids in self._routed:
-            per_layer.setdefault(layer, []).extend(flat[start:start + ids.numel()])
-            start += ids.numel()
-        self._routed.clear()
-        keys = [(layer, e) for layer in sorted(per_layer) for e in dict.fromkeys(per_layer[layer])]
-        return self.cache.request(keys)
+    def start(self) -> None:
+        """A new iteration: nothing counted, nothing requested yet."""
+        self.counts.zero_()
+        self._protect.clear()
+        self._seen.clear()
+        self.prefetched.clear()
+        self._pending = 0
+
+    def snapshot(self) -> None:
+        """Enqueue a copy of the counts so far to the host (after the draft steps enqueued before it)."""
+        if self._pending == len(self._hosts):
+            self._hosts.append(torch.empty(self.counts.shape, dtype=torch.int32, pin_memory=self._pinned))
+            self._events.append(torch.cuda.Event() if self._pinned else None)
+        self._hosts[self._pending].copy_(self.counts, non_blocking=True)
+        if self._events[self._pending] is not None:
+            self._events[self._pending].record()
+        self._pending += 1
+
+    def plan(self) -> int:
+        """Read each snapshot as it lands (waiting for it: the GPU drafts on meanwhile) and request the counted
+        experts not yet resident; returns the copies issued."""
+        issued = 0
+        for i in range(self._pending):
+            if self._events[i] is not None:
+                self._events[i].synchronize()
+            issued += self._request(self._hosts[i].numpy())
+        self._pending = 0
+        return issued
+
+    def _request(self, counts: np.ndarray) -> int:
+        layers, experts = np.nonzero(counts)
+        order = np.lexsort((layers, -counts[layers, experts]))  # most used first, then earlier layers
+        keys = [key for key in ((int(layers[i]), int(experts[i])) for i in order) if key not in self._seen]
+        self._seen.update(keys)
+        where = self.cache.where
+        self._protect.update(where[key] for key in keys if key in where)
+        fresh = [key for key in keys if key not in where]
+        issued = self.cache.request(fresh, protect=self._protect)
+        self.prefetched.update(key for key in fresh if key in where)
+        return issued

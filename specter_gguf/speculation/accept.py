@@ -1,0 +1,74 @@
+"""Acceptance: which drafted tokens the target keeps, and the target's own token after them.
+
+Greedy: d_i is kept while it is the target's own choice (on the device: `steps.judge`, one read per iteration;
+here `accept_drafts` for decoding with penalties). Sampled: d_i is kept with probability min(1, p(d_i) / q(d_i)),
+otherwise the token is drawn from max(0, p - q) normalized (speculative sampling), where p and q are the
+target's and the draft's distributions after the sampling chain. Either way the output is distributed exactly
+as the target's alone (greedy: the same tokens).
+
+Synthetic acceptance (benchmarks only, `synthetic_acceptance`): each iteration keeps floor(L - 1) or
+ceil(L - 1) drafted tokens whatever the target says, with mean L - 1, so that the mean accepted length per
+verification (the target's token included) is L. The compute and data movement are real, the text is not.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from specter_gguf.errors import SpecterError
+from specter_gguf.sampling import Sampler
+
+if TYPE_CHECKING:
+    from specter_gguf.engine import Model
+
+
+def accept_drafts(verified: torch.Tensor, drafted: list[int], draft_probs: list[torch.Tensor] | None,
+                  sampler: Sampler, history: list[int], synth_len: float | None = None) -> tuple[list[int], int]:
+    """The accepted prefix of `drafted` and the target's token after it, from the target's logits `verified`
+    [k+1, n_vocab] after the last token of `history` and after each drafted one. `draft_probs`: the draft
+    distributions the tokens were drawn from (None: greedy drafting)."""
+    seen = [*history]
+    if synth_len is not None:
+        n = synthetic_count(sampler, len(drafted), synth_len)
+        return drafted[:n], sampler.sample(verified[n], [*seen, *drafted[:n]])
+    for i, d in enumerate(drafted):
+        if draft_probs is None:
+            target = sampler.sample(verified[i], seen)
+            if target != d:
+                return drafted[:i], target
+        else:
+            p, q = sampler.probabilities(verified[i], seen), draft_probs[i]
+            if sampler.random() * q[d] >= p[d]:  # rejected: accept with probability min(1, p/q)
+                return drafted[:i], draw_residual(sampler, p, q)
+        seen.append(d)
+    return drafted, sampler.sample(verified[len(drafted)], seen)
+
+
+def draw_residual(sampler: Sampler, p: torch.Tensor, q: torch.Tensor) -> int:
+    """The token after a rejected draft: drawn from max(0, p - q) normalized (from p when that is all zero,
+    which only rounding can cause: a rejection means p < q somewhere, hence p > q elsewhere)."""
+    residual = (p - q).clamp(min=0)
+    return sampler.draw(residual if float(residual.sum()) > 0 else p)
+
+
+def synthetic_count(sampler: Sampler, k: int, synth_len: float) -> int:
+    """Drafted tokens a synthetic iteration keeps: floor or ceil of L - 1 (mean L - 1), at most k."""
+    extra = synth_len - 1
+    return min(k, math.floor(extra) + (sampler.random() < extra - math.floor(extra)))
+
+
+def synthetic_acceptance(model: Model, synth_len: float) -> None:
+    """Benchmarks only: make `model`'s speculative decoder accept a mean of `synth_len` tokens per verification
+    (module docstring), drafting at least ceil(L - 1) tokens."""
+    from specter_gguf.speculation.decoder import SpeculativeDecoder
+
+    decoder = model.decoder
+    if not isinstance(decoder, SpeculativeDecoder):
+        raise SpecterError("synthetic acceptance needs a speculative model (a draft)")
+    if not synth_len >= 1:
+        raise SpecterError(f"a synthetic accepted length must be at least 1, got {synth_len}")
+    decoder.synth_len = synth_len
+    decoder.n_draft = max(decoder.n_draft, math.ceil(synth_len - 1))
