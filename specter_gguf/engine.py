@@ -145,7 +145,11 @@ class GenerationStats:
         if self.draft_rounds:
             text += (f"; speculative: {self.draft_accepted} of {self.draft_tokens} drafted tokens accepted "
                      f"({100 * (self.acceptance_rate or 0):.1f}%), {self.mean_accepted_len:.2f} tokens per "
-                     f"verification")
+                     f"verification, per iteration {1000 * (self.draft_s or 0) / self.draft_rounds:.2f} ms drafting "
+                     f"and {1000 * (self.verify_s or 0) / self.draft_rounds:.2f} ms verifying")
+            if self.prefetch_precision is not None:
+                text += (f", prefetch precision {100 * self.prefetch_precision:.0f}% recall "
+                         f"{100 * (self.prefetch_recall or 0):.0f}%")
         if self.peak_gpu_bytes is not None:
             text += f"; peak GPU memory {format_size(self.peak_gpu_bytes)}"
         return text

@@ -1,5 +1,5 @@
-"""The offload runtime: a memory plan for a GPU budget, the host expert store, the device expert cache, routing
-hooks and the baseline offloading modes. See DESIGN.md ("A memory budget that is honoured") and issue 5.
+"""The offload runtime: a memory plan for a GPU budget, the host expert store, the device expert cache and its
+residency table, routing hooks and the offloading modes.
 
     from specter_gguf.engine import Model
     m = Model.load("model.gguf", device="cuda", gpu_budget="16GiB", offload="lru")

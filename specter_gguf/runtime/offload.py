@@ -1,21 +1,24 @@
 """Offloaded experts: the `Experts` of a MoE layer served from the ExpertStore through the ExpertCache,
 and the baseline decoding modes built on them (no speculation):
 
-- `on-demand`: copy the experts a layer needs, every time (no reuse across tokens);
-- `lru`: Mixtral-offloading's per-layer LRU cache (a hit costs nothing, a miss one copy);
-- `gate-prefetch`: lru, plus Mixtral-offloading's speculative loading: the *next* MoE layer's router is
-  applied to this layer's input and its predicted experts are prefetched on the copy stream while this layer
-  computes.
+- `on-demand`: no cache for small batches: each expert is read in place from host memory, every time;
+- `lru`: Mixtral-offloading's per-layer LRU cache (a hit reads a slot; a miss reads host memory once and brings
+  the expert into a slot for the next steps);
+- `gate-prefetch`: the host-managed path: each layer's experts are copied in before it computes, and the *next*
+  MoE layer's router is applied to this layer's input to prefetch its predicted experts (Mixtral-offloading's
+  speculative loading).
 
-Host synchronisation in the decode path (deliberate, one per MoE layer): the layer's expert ids are read back
-to the host (`tolist`) because the host decides which records to copy; gate-prefetch reads the next layer's
-predicted ids in the same transfer. Nothing else waits: compute waits for copies with `stream.wait_event`.
-(The speculative engine replaces this per-layer read by the draft's ELB counts, read once per chunk.)
+Small batches (decoding, verification) of on-demand and lru run from the cache's residency table with no host
+synchronisation (`OffloadRuntime.from_residency`), so their forwards replay as CUDA graphs. Big batches
+(prefill chunks) and gate-prefetch take the host-managed waves of `OffloadedExperts`, with one deliberate host
+synchronisation per MoE layer: the layer's expert ids are read back (`tolist`) because the host decides which
+records to copy (gate-prefetch reads the next layer's predicted ids in the same transfer); compute waits for
+copies with `stream.wait_event`.
 
 Computing from slots: slots keep the GGUF type of the file; the grouped kernel `kernels.moe_ffn` reads them
-through a per-layer pointer table of slot addresses (`OffloadedExperts.table`), exactly as the resident engine
-runs its experts; the dense path (big batches) views float slots as torch tensors and dequantizes quantized
-ones, again as the resident engine does.
+through a per-layer pointer table (from the residency table on the device, or of the slots a wave acquired),
+exactly as the resident engine runs its experts; the dense path (big batches) views float slots as torch
+tensors and dequantizes quantized ones, again as the resident engine does.
 """
 
 from __future__ import annotations
@@ -49,12 +52,12 @@ DENSE_MIN_TOKENS_PER_EXPERT = ResidentExperts.DENSE_MIN_TOKENS_PER_EXPERT
 
 class OffloadedExperts:
     """One MoE layer's routed experts, served through the cache (see the module docstring). Computes exactly
-    as `layers.ResidentExperts` does, from slots instead of whole tensors: the native grouped kernel
-    (`kernels.moe_ffn`, experts given by a pointer table of slot addresses) for small batches, one GEMM per
-    expert (ascending, `index_add_`) for batches of `DENSE_MIN_TOKENS_PER_EXPERT` tokens per expert or more —
-    so the output is bitwise the resident engine's whenever a layer's experts fit its slots at once (always
-    in decoding). A batch needing more distinct experts than the layer has slots runs in waves; in the kernel
-    path each wave accumulates into the output, which may change the rounding of a token's k-term sum."""
+    as `layers.ResidentExperts` does, from slots or host memory instead of whole tensors: the native grouped
+    kernel (`kernels.moe_ffn`) for small batches, from the residency table (or, for gate-prefetch, from the slots
+    of its waves), one GEMM per expert (ascending, `index_add_`) for batches of `DENSE_MIN_TOKENS_PER_EXPERT`
+    tokens per expert or more — so the output is bitwise the resident engine's, except where gate-prefetch's
+    kernel path needs more distinct experts than the layer has slots: it runs in waves, each accumulating into
+    the output, which may change the rounding of a token's k-term sum."""
 
     def __init__(self, runtime: OffloadRuntime, layer: int, layout: RecordLayout) -> None:
         self.runtime, self.layer, self.layout = runtime, layer, layout

@@ -74,7 +74,8 @@ class SpeculativeDecoder:
     def tokens(self, model: Model, logits: torch.Tensor, cache: KVCache, sampler: Sampler, history: list[int],
                stats: GenerationStats) -> Iterator[int]:
         stats.draft_tokens = stats.draft_accepted = stats.draft_rounds = 0
-        stats.prefetched = stats.prefetched_used = stats.verify_experts = 0
+        if self.lookahead is not None:
+            stats.prefetched = stats.prefetched_used = stats.verify_experts = 0
         clock = PhaseClock(model.device)
         p = sampler.params
         on_device = p.greedy and not p.penalties_active
