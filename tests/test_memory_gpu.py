@@ -12,10 +12,10 @@ cuBLAS's workspace is made before measuring (the plan counts it apart from the w
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
+
+from cuda_support import free_device, require_native_cuda, warm_up
 
 from specter_gguf.engine import Model
 from specter_gguf.gguf_file import GGUFFile
@@ -32,25 +32,6 @@ TINY = [("qwen2moe", "f16"), ("qwen3moe", "f16"), ("llama", "f16"), ("olmoe", "f
         ("tiny-phimoe", "f16")]
 
 
-def _native_cuda() -> None:
-    from specter_gguf import native
-
-    if not native.has_cuda():
-        pytest.skip("the native library was built without CUDA (cmake -DSPECTER_CUDA=ON)")
-
-
-def _settle() -> None:
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-
-
-def _cublas_ready() -> None:
-    a = torch.randn(64, 64, device="cuda", dtype=torch.float16)
-    (a @ a).sum().item()
-    _settle()
-
-
 @pytest.fixture(scope="module")
 def qwen3_shaped(tmp_path_factory) -> str:
     """Two layers of Qwen3-30B-A3B (128 experts of 2048x768, top-8, grouped-query attention 32/4), F16."""
@@ -62,12 +43,12 @@ def qwen3_shaped(tmp_path_factory) -> str:
 
 
 def _measure(path, ctx: int) -> None:
-    _native_cuda()
+    require_native_cuda()
     f = GGUFFile(path)
     full = plan_memory(f, 1 << 40, ctx, "cuda")
     budget = full.minimum + full.n_moe_layers * full.slot_bytes
     plan = plan_memory(f, budget, ctx, "cuda")
-    _cublas_ready()
+    warm_up()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     m = Model.load(path, device="cuda", ctx_size=ctx, progress=False, gpu_budget=budget, offload="lru")
@@ -94,7 +75,7 @@ def _measure(path, ctx: int) -> None:
     finally:
         m.offload.close()
         del m
-        _settle()
+        free_device()
 
 
 @pytest.mark.parametrize("ctx", CONTEXTS)
@@ -118,7 +99,7 @@ def test_a_model_larger_than_the_free_memory_runs_without_flags(tiny_models, mon
     from specter_gguf.errors import SpecterError
     from specter_gguf.runtime import budget
 
-    _native_cuda()
+    require_native_cuda()
     path = tiny_models[("qwen2moe", "f16")]
     whole = plan_memory(GGUFFile(path), 1 << 40, 256, "cuda")
     free = budget.FIT_MARGIN + whole.minimum + whole.n_moe_layers * whole.slot_bytes  # fits, offloaded
@@ -126,7 +107,7 @@ def test_a_model_larger_than_the_free_memory_runs_without_flags(tiny_models, mon
     plain = Model.load(path, device="cuda", ctx_size=256, progress=False, cuda_graphs=False)
     expected = plain.generate([5, 17, 300, 42], n_predict=12, sampling=SamplingParams(temperature=0)).wait().tokens
     del plain
-    _settle()
+    free_device()
     monkeypatch.setattr(budget, "free_device_memory", lambda device: free)
     with caplog.at_level("WARNING", logger="specter_gguf"):
         m = Model.load(path, device="cuda", ctx_size=256, progress=False)
@@ -135,7 +116,7 @@ def test_a_model_larger_than_the_free_memory_runs_without_flags(tiny_models, mon
     assert m.generate([5, 17, 300, 42], n_predict=12, sampling=SamplingParams(temperature=0)).wait().tokens == expected
     m.offload.close()
     del m
-    _settle()
+    free_device()
     with pytest.raises(SpecterError, match=r"needs .* is free; drop --offload none"):
         Model.load(path, device="cuda", ctx_size=256, progress=False, offload="none")
     r = CliRunner().invoke(cli, ["run", str(path), "-p", "Hi", "-n", "4", "--device", "cuda", "-c", "256"])

@@ -10,10 +10,10 @@ Skipped without CUDA (CI): the CPU path of the same runtime is tested by tests/t
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
+
+from cuda_support import free_device, require_native_cuda, warm_up
 
 from specter_gguf.engine import Model
 from specter_gguf.gguf_file import GGUFFile
@@ -32,26 +32,6 @@ N_TOKENS = 32
 PROMPT = [11, 23, 5, 42, 7, 19]  # token ids: the test needs no tokenizer
 
 
-def _native_cuda() -> None:
-    from specter_gguf import native
-
-    if not native.has_cuda():
-        pytest.skip("the native library was built without CUDA (cmake -DSPECTER_CUDA=ON)")
-
-
-def _free_device() -> None:
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-
-
-def _warm_up() -> None:
-    """Create the CUDA context, cuBLAS handle and workspace before measuring (not part of any budget)."""
-    a = torch.randn(64, 64, device="cuda", dtype=torch.float16)
-    (a @ a).sum().item()
-    _free_device()
-
-
 def _plain_tokens(path, graphs: bool = True) -> list[int]:
     """Greedy tokens of the model all on the GPU, decoded on the execution path of the offloaded run compared with
     (CUDA graphs, or eager for gate-prefetch): graphs attend with another kernel (a masked window), whose f16
@@ -60,14 +40,14 @@ def _plain_tokens(path, graphs: bool = True) -> list[int]:
     m = Model.load(path, device="cuda", ctx_size=CTX, progress=False, cuda_graphs=graphs)
     tokens = m.generate(PROMPT, n_predict=N_TOKENS, sampling=GREEDY).wait().tokens
     del m
-    _free_device()
+    free_device()
     return tokens
 
 
 def _run_within_budget(path, budget: int, **load) -> tuple[list[int], object, int, int]:
     """Load with offloading and generate; returns tokens, stats, torch's peak allocation and the device
     free-memory drop (both above the level before loading)."""
-    _warm_up()
+    warm_up()
     base_alloc = torch.cuda.memory_allocated()
     free_before, _ = torch.cuda.mem_get_info()
     torch.cuda.reset_peak_memory_stats()
@@ -79,7 +59,7 @@ def _run_within_budget(path, budget: int, **load) -> tuple[list[int], object, in
     free_after, _ = torch.cuda.mem_get_info()  # the caching allocator keeps what it reserved: a peak too
     m.offload.close()
     del m
-    _free_device()
+    free_device()
     return g.tokens, g.stats, peak, free_before - free_after
 
 
@@ -96,7 +76,7 @@ def qwen_shaped(tmp_path_factory) -> str:
 @pytest.mark.parametrize("arch,kind", [("qwen2moe", "f16"), ("llama", "f16"), ("qwen2moe", "q4_k_m"),
                                        ("tiny-deepseek2", "f16"), ("tiny-phimoe", "q4_k_m")])
 def test_tiny_models_every_mode_matches(tiny_models, arch: str, kind: str) -> None:
-    _native_cuda()
+    require_native_cuda()
     path = tiny_models[(arch, kind)]
     expected = {graphs: _plain_tokens(path, graphs) for graphs in (True, False)}
     p = plan_memory(GGUFFile(path), 1 << 40, CTX, "cuda")
@@ -110,7 +90,7 @@ def test_tiny_models_every_mode_matches(tiny_models, arch: str, kind: str) -> No
 
 
 def test_budget_is_honoured_and_every_mode_matches(qwen_shaped) -> None:
-    _native_cuda()
+    require_native_cuda()
     f = GGUFFile(qwen_shaped)
     full = plan_memory(f, 1 << 40, CTX, "cuda")
     # about half of the experts cached
@@ -134,7 +114,7 @@ def test_budget_is_honoured_and_every_mode_matches(qwen_shaped) -> None:
 def test_minimum_budget_global_partition_never_reads_an_overwritten_slot(qwen_shaped) -> None:
     """The smallest legal cache shared by all layers (lfu: one global partition): every layer evicts the slots
     the previous layer's kernels just read, so the last-use events are what keeps the output right."""
-    _native_cuda()
+    require_native_cuda()
     plan = plan_memory(GGUFFile(qwen_shaped), 1 << 40, CTX, "cuda")
     expected = _plain_tokens(qwen_shaped)
     tokens, s, peak, _ = _run_within_budget(qwen_shaped, plan.minimum, offload="lru", cache_policy="lfu")

@@ -41,7 +41,7 @@ class SpeculativeDecoder:
             raise SpecterError(f"--n-draft must be at least 1, got {n_draft}")
         self.experts, self.n_draft, self.lookahead = experts, n_draft, lookahead
         self.synth_len: float | None = None  # benchmarks only (`accept.synthetic_acceptance`)
-        self._steps: dict[tuple[int, bool], Steps] = {}  # (tokens, draft) -> steps over the reusable cache
+        self._steps: dict[tuple[int, bool, int], Steps] = {}  # (tokens, draft, observer) -> steps over the cache
         self._cache: KVCache | None = None
         self._step_s = 0.0  # one draft step, measured
 
@@ -58,14 +58,15 @@ class SpeculativeDecoder:
     # -- steps --------------------------------------------------------------------------------------------
     def steps(self, model: Model, cache: KVCache, n_tokens: int, draft: bool) -> Steps:
         """Draft steps (one token, the draft's experts, observed by the lookahead buffer) or verification steps
-        (`n_tokens`, the target's experts): CUDA graphs over the model's reusable cache, eager otherwise."""
-        experts, observe = (self.experts, self.lookahead) if draft else (None, None)
+        (`n_tokens`, the target's experts, observed by the model's routing observer): CUDA graphs over the model's
+        reusable cache, eager otherwise."""
+        experts, observe = (self.experts, self.lookahead) if draft else (None, model.routing_observer)
         offload = not draft  # the draft's experts are all resident: its steps skip the runtime's bookkeeping
         if cache is not model.reusable_cache or not model.cuda_graphs:
             return make_steps(model, cache, n_tokens, experts, observe, offload=offload)
         if self._cache is not cache:
             self._steps, self._cache = {}, cache
-        key = (n_tokens, draft)
+        key = (n_tokens, draft, id(observe))
         if key not in self._steps:
             self._steps[key] = make_steps(model, cache, n_tokens, experts, observe, offload=offload, graphs=True)
         return self._steps[key]
