@@ -1,9 +1,10 @@
-"""Speculative decoding (specter_gguf.speculative) on the CPU, against target-only decoding.
+"""Speculative decoding (specter_gguf.speculation) on the CPU, against target-only decoding.
 
 Greedy: the tokens must equal the target's alone, token by token, for every architecture (DeepSeek-V2 with
 MLA and Phi-3.5-MoE included), with drafts made by llama.cpp's quantizer (Q4_K_M, Q2_K) from the F16 target,
-with penalties, with an offloaded target, up to a full context. The F16 file as its own draft must be accepted
-every time (the acceptance path), a Q4_K_M draft at least sometimes (mixed rounds). Sampled: the rule that
+with penalties, with an offloaded target, up to a full context; and 20 prompts × 64 tokens for every
+architecture (offloaded, evicting) and every draft type (Q8_0, Q4_K_M, Q2_K). The F16 file as its own draft
+must be accepted every time (the acceptance path), a Q4_K_M draft at least sometimes (mixed rounds). Sampled: the rule that
 accepts or replaces a drafted token must output the target's distribution exactly; checked by drawing many
 rounds through `accept_drafts` (chi-square against the target's probabilities).
 """
@@ -217,3 +218,40 @@ def test_drafting_never_waits_for_the_host(tiny_models, monkeypatch) -> None:
     assert gen.tokens == _target_tokens(target) and gen.stats.draft_rounds > 3
     assert gen.stats.prefetched > 0
     assert reads == [], f"host reads while drafting: {sorted(set(reads))}"
+
+
+PROMPTS = [[int(t) for t in torch.randint(3, 900, (4 + 3 * i,), generator=torch.Generator().manual_seed(i))]
+           for i in range(20)]
+
+
+@pytest.mark.parametrize("arch", MODELS)
+def test_many_prompts_lossless(tiny_models, arch: str) -> None:
+    """20 prompts × 64 tokens: greedy speculative output equals target-only output token for token, the target
+    offloaded to a cache that must evict (the residency path, misses read in place, the lookahead prefetching)."""
+    target, draft = tiny_models[(arch, "f16")], tiny_models[(arch, "q4_k_m")]
+    plan = plan_memory(GGUFFile(target), 1 << 40, 256, "cpu", draft=GGUFFile(draft))
+    budget = plan.minimum + plan.n_moe_layers * plan.slot_bytes
+    plain = Model.load(target, device="cpu", progress=False, ctx_size=256)
+    spec = Model.load(target, draft=draft, device="cpu", progress=False, ctx_size=256, gpu_budget=budget,
+                      offload="lru")
+    evictions = 0
+    for prompt in PROMPTS:
+        want = plain.generate(prompt, 64, GREEDY).wait().tokens
+        got = spec.generate(prompt, 64, GREEDY).wait()
+        assert got.tokens == want, prompt
+        evictions += got.stats.cache_evictions
+    assert evictions > 0
+
+
+@pytest.mark.parametrize("draft_kind", ["q8_0", "q4_k_m", "q2_k"])
+def test_many_prompts_lossless_every_draft_type(tiny_models, draft_kind: str) -> None:
+    target = tiny_models[("qwen3moe", "f16")]
+    plain = Model.load(target, device="cpu", progress=False, ctx_size=256)
+    spec = Model.load(target, draft=tiny_models[("qwen3moe", draft_kind)], device="cpu", progress=False,
+                      ctx_size=256, n_draft=6)
+    accepted = 0
+    for prompt in PROMPTS:
+        got = spec.generate(prompt, 64, GREEDY).wait()
+        assert got.tokens == plain.generate(prompt, 64, GREEDY).wait().tokens, prompt
+        accepted += got.stats.draft_accepted
+    assert accepted > 0
