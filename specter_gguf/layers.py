@@ -661,7 +661,8 @@ class Block:
     ffn: MoE | FeedForward
 
     def __call__(self, x: torch.Tensor, delta: torch.Tensor | None, at: Positions, cache: KVCache,
-                 experts: Experts | None = None, observe: RoutingObserver | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 experts: Experts | None = None,
+                 observe: RoutingObserver | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream enters as x + delta and leaves as (h, ffn output): each residual add is left to
         the norm that reads the sum next, which computes it in the same kernel. `experts`, `observe`: see
         `MoE.__call__` (ignored by a dense layer)."""

@@ -4,8 +4,8 @@ Greedy: the tokens must equal the target's alone, token by token, for every arch
 MLA and Phi-3.5-MoE included), with drafts made by llama.cpp's quantizer (Q4_K_M, Q2_K) from the F16 target,
 with penalties, with an offloaded target, up to a full context; and 20 prompts × 64 tokens for every
 architecture (offloaded, evicting) and every draft type (Q8_0, Q4_K_M, Q2_K). The F16 file as its own draft
-must be accepted every time (the acceptance path), a Q4_K_M draft at least sometimes (mixed rounds). Sampled: the rule that
-accepts or replaces a drafted token must output the target's distribution exactly; checked by drawing many
+must be accepted every time (the acceptance path), a Q4_K_M draft at least sometimes (mixed rounds). Sampled:
+the rule that accepts or replaces a drafted token must output the target's distribution exactly; checked by drawing many
 rounds through `accept_drafts` (chi-square against the target's probabilities).
 """
 

@@ -19,10 +19,11 @@
 - **slots**: what is left, in whole slots. A slot holds one routed expert's gate|up|down record in the
   target's GGUF type (the largest record over the layers: Q4_K_M files mix types between layers).
 
-**Minimum budget** = non-expert weights + KV + workspace + CUDA runtime + draft experts + `top_k` slots for every MoE layer:
-one decoding token needs `top_k` experts per layer at once, and the per-layer LRU of Mixtral-offloading keeps
-each layer's slots apart. (A batch of tokens — prefill, verification — that needs more distinct experts than a
-layer has slots runs in waves; correctness never needs more than `top_k` per layer.) A smaller budget is
+**Minimum budget** = non-expert weights + KV + workspace + CUDA runtime + draft experts + `top_k` slots for every
+MoE layer: a prompt's chunk goes through the slots `top_k` experts at a time or more, and the per-layer LRU of
+Mixtral-offloading keeps each layer's slots apart. (A chunk that needs more distinct experts than a layer has
+slots runs in waves; small batches read the experts the cache lacks from host memory; correctness never needs
+more than `top_k` slots per layer.) A smaller budget is
 refused before loading, naming this minimum.
 """
 
@@ -290,7 +291,8 @@ def plan_memory(f: GGUFFile, budget: int | str, ctx_size: int | None = None, dev
     return MemoryPlan(
         budget=budget, device=device_type, ctx_size=ctx, n_ctx_train=cfg.n_ctx_train,
         prefill_chunk=min(prefill_chunk, ctx),
-        non_expert=non_expert, kv_cache=kv, workspace=ws, cuda_runtime=runtime, draft_experts=draft_bytes, slot_bytes=slot,
+        non_expert=non_expert, kv_cache=kv, workspace=ws, cuda_runtime=runtime, draft_experts=draft_bytes,
+        slot_bytes=slot,
         slot_types=types, n_moe_layers=len(layers), n_expert=cfg.n_expert, top_k=cfg.n_expert_used,
         n_experts_total=total, resident_expert_bytes=resident, n_slots=int(n_slots),
         minimum=fixed + len(layers) * cfg.n_expert_used * slot,
@@ -317,5 +319,5 @@ def slots_after_load(plan: MemoryPlan, measured_non_expert: int) -> int:
     return max(0, min(plan.n_experts_total, free // plan.slot_bytes)) if plan.slot_bytes else 0
 
 
-__all__ = ["parse_size", "format_size", "MemoryPlan", "plan_memory", "fitted_budget", "free_device_memory", "record_layout", "RecordLayout",
-           "PartLayout", "moe_layers", "slots_after_load"]
+__all__ = ["parse_size", "format_size", "MemoryPlan", "plan_memory", "fitted_budget", "free_device_memory",
+           "record_layout", "RecordLayout", "PartLayout", "moe_layers", "slots_after_load"]

@@ -1,10 +1,8 @@
 """Routing hooks: what the MoE layers chose, gathered without host synchronisation.
 
-`DeviceRoutingCounts` is a `RoutingObserver` (pass it to a forward, or set it as `Model.routing_observer`): it adds each layer's
-selected expert ids into a `[n_layer, n_expert]` counts tensor on the compute device with `index_add_` — no
-host sync per layer, nothing read back until someone asks (`snapshot`, `profile`). It is the seed of the ELB
-(expert lookahead buffer): the draft path registers one, `reset()`s it at the start of a draft, and the planner
-reads a `snapshot()` at chunk boundaries.
+`DeviceRoutingCounts` is a `RoutingObserver` (pass it to a forward, or set it as `Model.routing_observer`): it
+adds each layer's selected expert ids into a `[n_layer, n_expert]` counts tensor on the compute device with
+`index_add_` — no host sync per layer, nothing read back until someone asks (`profile`: a routing profile).
 
 `RoutingProfile` is the host-side result of a profiling run: counts per (layer, expert), saved and loaded as
 JSON, used by the static-hot cache policy.
