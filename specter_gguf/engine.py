@@ -213,8 +213,9 @@ class Model:
         CUDA device runs offloaded within that free memory less a margin (`runtime.offload.load_offloaded`).
         `offload`: "on-demand", "lru", "gate-prefetch" (routed experts in host memory, a device expert cache),
         "none"; default: lru when the model does not fit the budget, none otherwise. `cache_policy`: lru (default),
-        lfu, static-hot (needs `routing_profile`, a `RoutingProfile` or its JSON file). `cuda_graphs`: replay each decode step as a
-        CUDA graph (on CUDA; not with gate-prefetch, whose planning reads every layer's routing on the host).
+        lfu, static-hot (needs `routing_profile`, a `RoutingProfile` or its JSON file). `cuda_graphs`: replay each
+        decode step as a CUDA graph (on CUDA; not with gate-prefetch, whose planning reads every layer's routing on
+        the host).
         `draft`: a quantized copy of the model (e.g. `specter-gguf quantize MODEL --type q4_k_m`) whose routed
         experts share the device and draft `n_draft` tokens per verification (`speculation`); the budget counts
         them."""

@@ -248,6 +248,28 @@ def _budget_for(path, extra_slots_per_layer: int = 1) -> int:
     return p.minimum + extra_slots_per_layer * p.n_moe_layers * p.slot_bytes
 
 
+def test_residency_counts_hits_against_the_table_the_forward_read(shipped_model) -> None:
+    """A forward's hits and misses are those of the residency table when it was enqueued: an expert published
+    only after it (its copy landed meanwhile) is still a miss of that forward, and an expert evicted after it a
+    hit; lru then brings the forward's experts in."""
+    m = Model.load(shipped_model, device="cpu", ctx_size=CTX, progress=False, gpu_budget=_budget_for(shipped_model),
+                   offload="lru")
+    rt, cache = m.offload, m.offload.cache
+    cache.request([(0, 1)])
+    rt.begin()  # publishes (0, 1)
+    assert cache.published[0, 1] and not cache.published[0, 2]
+    rt.routed[0, 1] = rt.routed[0, 2] = 1  # the forward used (0, 1), resident, and (0, 2), read from host memory
+    rt.end()
+    before = rt.counters.snapshot()
+    cache.request([(0, 2)])  # lands and is published before the forward's routing is read
+    cache.publish()
+    rt.settle(wait=True)
+    c = rt.counters.since(before)
+    assert (c.cache_lookups, c.cache_hits, c.cache_misses) == (2, 1, 1)
+    assert c.zero_copy_bytes == rt.layouts[0].nbytes
+    assert rt.last_used[0, 1] and rt.last_used[0, 2] and rt.last_used.sum() == 2
+
+
 _reference: dict = {}
 
 

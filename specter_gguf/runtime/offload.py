@@ -203,7 +203,7 @@ class OffloadRuntime:
         self._free_hosts = [torch.empty_like(self.routed, device="cpu", pin_memory=cuda)
                             for _ in range(self.HOST_BUFFERS)]
         self._in_flight: list[tuple[torch.cuda.Event | None, torch.Tensor, np.ndarray]] = []
-        self._seen = self.cache.published
+        self._seen = self.cache.published.copy()
         self.last_used = np.zeros_like(self._seen)  # the experts the last settled forward used (residency path)
         if self.mode == "gate-prefetch":
             moes = [b.ffn for b in transformer.blocks if isinstance(b.ffn, MoE)]
@@ -246,8 +246,7 @@ class OffloadRuntime:
         """Before a forward: publish the copies that have landed; `routed` counts this forward's routing."""
         self.settle()
         self.cache.publish()
-        self._seen = self.cache.published
-        self.last_used = np.zeros_like(self._seen)  # the experts the last settled forward used (residency path).copy()
+        self._seen = self.cache.published.copy()  # the table this forward reads, for its hits and misses
         self.routed.zero_()
 
     def end(self) -> None:

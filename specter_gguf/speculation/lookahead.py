@@ -38,9 +38,8 @@ class ExpertLookahead:
     def __init__(self, cache: ExpertCache, n_layer: int, n_expert: int, device: torch.device) -> None:
         self.cache = cache
         self.counts = torch.zeros((n_layer, n_expert), dtype=torch.int32, device=device)
-        cuda = device.type == "cuda"
-        self._hosts: list[torch.Tensor] = []
-        self._pinned = cuda
+        self._hosts: list[torch.Tensor] = []  # snapshot buffers, reused iteration after iteration
+        self._pinned = device.type == "cuda"
         self._events: list[torch.cuda.Event | None] = []
         self._protect: set[int] = set()
         self._pending = 0
