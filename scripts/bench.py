@@ -7,7 +7,8 @@ On the GPU machine (carry .gpu; see ../shared/gpu/prepare.sh), from the reposito
   python3 scripts/bench.py --model-preset qwen1.5-moe-a2.7b --budgets 16GiB,20GiB --out $OUT/bench \\
       --n-predict 128 --prompts 20 --deadline 560
 It builds llama.cpp's tools unless /tmp/llama/build/bin has them (or --llama-bin), writes the random-weight
-F16 target and its drafts into --work-dir unless they are there, then runs the systems one at a time and
+target (F16; --target-type q8_0 writes Q8_0 directly, for disks that cannot hold an F16 copy) and its drafts
+(requantized from a Q8_0 target) into --work-dir unless they are there, then runs the systems one at a time and
 writes into --out: results.json (raw, rewritten after every system), section.md (the report section), PNG
 plots and logs/. Render again or merge parts (e.g. after --part 1/2 and 2/2) without running anything:
   python scripts/bench.py --from-results a/results.json,b/results.json --out merged \\
@@ -29,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from specter_gguf import benchmark as B  # noqa: E402
 from specter_gguf.errors import SpecterError  # noqa: E402
+from specter_gguf.synthetic import DTYPES  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -38,6 +40,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--layers", type=int, default=None, help="shrink the preset to N layers (quick runs)")
     g.add_argument("--model", type=Path, help="use this GGUF as the target instead of making one")
     g.add_argument("--draft", type=Path, help="use this GGUF as the draft instead of making one")
+    g.add_argument("--target-type", default="f16", choices=DTYPES,
+                   help="type of the synthetic target's matrices (q8_0: quantized as written, e.g. "
+                        "--model-preset qwen3-30b-a3b --target-type q8_0 --draft-types q2_k)")
     g.add_argument("--draft-types", default="q4_k_m",
                    help="drafts to make from the target (comma list; the first is used by speculative systems)")
     g.add_argument("--vocab-from", type=Path, help="vocab GGUF for real-shape presets (default: found in llama.cpp's tree)")
@@ -159,7 +164,7 @@ def run(args: argparse.Namespace, t_start: float, deadline: float | None) -> int
             if vocab is None and args.model_preset in SUGGESTED_VOCAB:
                 vocab = B.find_vocab(SUGGESTED_VOCAB[args.model_preset], args.work_dir)
             target = B.make_target(args.model_preset, args.layers, args.work_dir, args.make_device or args.device,
-                                   vocab, log)
+                                   vocab, log, target_type=args.target_type)
         if build is not None:
             log("waiting for the llama.cpp build")
             llama_bin = B.wait_llama_build(build, timeout=1200)
@@ -264,7 +269,8 @@ def _model_label(args: argparse.Namespace, sizes: B.ModelSizes) -> str:
         from specter_gguf.synthetic import get_preset
 
         name = get_preset(args.model_preset).name or args.model_preset
-        return f"{name}, {sizes.n_layer} layers, F16" + (" (shrunk with --layers)" if args.layers else "")
+        return (f"{name}, {sizes.n_layer} layers, {args.target_type.upper()}"
+                + (" (shrunk with --layers)" if args.layers else ""))
     return f"{Path(sizes.path).name} ({sizes.arch}, {sizes.n_layer} layers)"
 
 

@@ -6,6 +6,9 @@ Examples:
   python scripts/make_synthetic.py --preset qwen1.5-moe-a2.7b --device cuda \\
       --vocab-from vendor/llama.cpp/models/ggml-vocab-qwen2.gguf -o /data/qwen2moe-f16.gguf \\
       --quantize q8_0,q4_k_m,q2_k
+  # Q8_0 written directly (no F16 copy on disk), and a Q2_K draft requantized from it:
+  python scripts/make_synthetic.py --preset qwen3-30b-a3b --dtype q8_0 --device cuda \\
+      --vocab-from vendor/llama.cpp/models/ggml-vocab-qwen2.gguf -o /data/qwen3moe-q8_0.gguf --quantize q2_k
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ def _size(n: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", required=True, choices=list(PRESETS), help="model shape")
-    ap.add_argument("--dtype", default="f16", choices=DTYPES, help="type of the weight matrices")
+    ap.add_argument("--dtype", default="f16", choices=DTYPES,
+                    help="type of the weight matrices (q8_0: quantized as generated; routers and 1-D tensors "
+                         "stay F32, rows not a multiple of 32 F16)")
     ap.add_argument("--layers", type=int, default=None, help="override the layer count (quick runs)")
     ap.add_argument("--vocab-from", type=Path, default=None,
                     help="copy tokenizer.* keys (and n_vocab) from this GGUF; default: tiny BPE")
@@ -67,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         for q in qtypes:
             dst = quantized_path(args.output, q)
             t0 = time.perf_counter()
-            quantize_gguf(args.output, dst, q, n_threads=args.threads)
+            quantize_gguf(args.output, dst, q, n_threads=args.threads, allow_requantize=args.dtype == "q8_0")
             print(f"wrote {dst}: {q}, {_size(dst.stat().st_size)} in {time.perf_counter() - t0:.1f} s")
     except SpecterError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -15,11 +15,18 @@ What is measured, per system (one configuration of llama.cpp or of our engine) o
   ours also ``torch.cuda.max_memory_allocated``;
 - where the system reports them: draft acceptance (llama-server ``timings.draft_n`` /
   ``draft_n_accepted``; ours: see :data:`STAT_COUNTS`), expert-cache hit rate, bytes copied per token and
-  the share of copy time hidden behind compute.
+  the share of copy time hidden behind compute;
+- for ours, where the stats carry them (a second report table, see :data:`SPEC_COLUMNS`): tokens per
+  verification pass, prefetch precision (prefetched experts the verification used / prefetched) and recall
+  (used and prefetched / experts the verifications used), expert bytes moved over PCIe per processed token
+  (copied plus read in place, prompt and generated tokens), the draft step time (drafting time / drafted
+  tokens) and the speculative iteration in ms per verification pass: drafting, verification, the exposed
+  copy time (compute waiting for copies) and the other decode time (outside drafting and verification).
 
 Our engine's statistics contract: a ``Generation.stats`` object may carry, besides the timings, any of the
-count fields of :data:`STAT_COUNTS` (summed over prompts, then divided) or the rate fields of
-:data:`STAT_RATES` (median over prompts). Missing fields simply leave the column empty.
+count fields of :data:`STAT_COUNTS`, :data:`STAT_MS` and :data:`STAT_BYTES` (summed over prompts, then
+divided) or the rate fields of :data:`STAT_RATES` (median over prompts, used where the counts are missing).
+Missing fields simply leave the column empty.
 
 Systems run one after another; each llama.cpp process is started, waited for (``/health``) and killed in a
 ``finally``; ours run in a worker subprocess (``python -m specter_gguf.benchmark worker JOB.json``) so that a
@@ -72,6 +79,19 @@ STAT_COUNTS = {
     "acceptance": ("draft_accepted", "draft_tokens"),
     "cache_hit_rate": ("cache_hits", "cache_lookups"),
     "hidden_copy_share": ("copy_hidden_s", "copy_s"),
+    "prefetch_precision": ("prefetched_used", "prefetched"),
+    "prefetch_recall": ("prefetched_used", "verify_experts"),
+}
+# ... (seconds, count) pairs -> milliseconds per count: a drafted token's step, and the speculative iteration
+# broken down per verification pass (`other_s`: decode time outside drafting and verification; see
+# _with_other_s). `copy_exposed_s` covers the whole generation, prefill included, and mostly lies inside
+# verification: it is a part of `verify_s`, not a fourth addend.
+STAT_MS = {
+    "draft_step_ms": ("draft_s", "draft_tokens"),
+    "iter_draft_ms": ("draft_s", "draft_rounds"),
+    "iter_verify_ms": ("verify_s", "draft_rounds"),
+    "iter_copy_exposed_ms": ("copy_exposed_s", "draft_rounds"),
+    "iter_other_ms": ("other_s", "draft_rounds"),
 }
 # ... or ready-made per-generation rates (median over prompts).
 STAT_RATES = {
@@ -79,10 +99,19 @@ STAT_RATES = {
     "cache_hit_rate": "cache_hit_rate",
     "hidden_copy_share": "hidden_copy_share",
     "bytes_per_token": "bytes_copied_per_token",
+    "bytes_moved_per_token": "bytes_moved_per_token",
     "mean_accepted_len": "mean_accepted_len",
+    "prefetch_precision": "prefetch_precision",
+    "prefetch_recall": "prefetch_recall",
+    "draft_step_ms": "draft_step_ms",
 }
-# bytes copied host->GPU during a generation, prefill included (divided by prompt + generated tokens)
-STAT_BYTES = "bytes_copied"
+# bytes over PCIe during a generation, prefill included, summed and divided by prompt + generated tokens:
+# copied host->GPU (`bytes_copied_per_token`), and moved = copied + read in place by the kernels
+# (`bytes_moved_per_token`). The first field must be present; the others count as 0 when missing.
+STAT_BYTES = {
+    "bytes_per_token": ("bytes_copied",),
+    "bytes_moved_per_token": ("bytes_copied", "zero_copy_bytes"),
+}
 
 
 # =========================================================================================== sizes
@@ -146,6 +175,21 @@ def _ratio(num: float, den: float) -> float | None:
     return num / den if den else None
 
 
+def _total(extra: Sequence[dict[str, Any]], key: str) -> float:
+    return sum(float(e.get(key) or 0) for e in extra)
+
+
+def _with_other_s(run: dict[str, Any]) -> dict[str, Any]:
+    """A run's `extra` stats, with `other_s` (decode time outside drafting and verification, as
+    GenerationStats.other_s) derived from the run's decode time where the stats give drafting and
+    verification times but not it."""
+    e = run.get("extra") or {}
+    if "other_s" in e or "draft_s" not in e or "verify_s" not in e or run.get("decode_ms") is None:
+        return e
+    other = float(run["decode_ms"]) / 1000.0 - float(e["draft_s"] or 0) - float(e["verify_s"] or 0)
+    return {**e, "other_s": max(0.0, other)}
+
+
 def summarize_runs(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Per-decoding summary of measured runs (warm-up excluded): median TPOT, tokens/s = 1000 / median
     TPOT, and the optional metrics (ratios of summed counts where the system gives counts, else medians)."""
@@ -162,18 +206,21 @@ def summarize_runs(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "prefill_ms": median(r.get("prefill_ms") for r in rs),
             "generated_tokens": sum(int(r.get("generated_tokens") or 0) for r in rs),
         }
-        extra = [r.get("extra") or {} for r in rs]
+        extra = [_with_other_s(r) for r in rs]
         for metric, (num, den) in STAT_COUNTS.items():
             if any(num in e and den in e for e in extra):
-                s[metric] = _ratio(sum(float(e.get(num) or 0) for e in extra),
-                                   sum(float(e.get(den) or 0) for e in extra))
+                s[metric] = _ratio(_total(extra, num), _total(extra, den))
+        for metric, (secs, den) in STAT_MS.items():
+            if any(secs in e and den in e for e in extra):
+                per = _ratio(_total(extra, secs), _total(extra, den))
+                s[metric] = 1000.0 * per if per is not None else None
+        processed = sum(int(r.get("prompt_tokens") or 0) + int(r.get("generated_tokens") or 0) for r in rs)
+        for metric, keys in STAT_BYTES.items():  # per processed token, as GenerationStats.bytes_*_per_token
+            if any(keys[0] in e for e in extra):
+                s[metric] = _ratio(sum(_total(extra, k) for k in keys), processed)
         for metric, key in STAT_RATES.items():
             if metric not in s and any(key in e for e in extra):
                 s[metric] = median(e.get(key) for e in extra)
-        if any(STAT_BYTES in e for e in extra):  # per processed token, as GenerationStats.bytes_copied_per_token
-            s["bytes_per_token"] = _ratio(sum(float(e.get(STAT_BYTES) or 0) for e in extra),
-                                          sum(int(r.get("prompt_tokens") or 0) + int(r.get("generated_tokens") or 0)
-                                              for r in rs))
         out[dec] = s
     return out
 
@@ -1137,9 +1184,12 @@ def merge_docs(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "results": list(results.values())}
 
 
-def _fmt(v: float | None, spec: str = ".2f", pct: bool = False) -> str:
+def _fmt(v: float | None, spec: str = ".2f", pct: bool = False, size: bool = False) -> str:
     if v is None:
         return "—"
+    if size:  # three significant digits in the largest unit under the value (per-token sizes are small)
+        div, unit = next(((b, u) for b, u in ((GiB, "GiB"), (MiB, "MiB"), (1024, "KiB")) if abs(v) >= b), (1, "B"))
+        return f"{v / div:.3g} {unit}"
     return f"{100 * v:.1f}%" if pct else format(v, spec)
 
 
@@ -1157,8 +1207,51 @@ def best_llama_setting(results: Sequence[dict[str, Any]], budget: str, decoding:
     return min(cands, key=lambda r: r["summary"][decoding]["tpot_ms"], default=None)
 
 
+# The second table's columns: (header, summary key, _fmt options); `ITER_KEYS` make up the iteration breakdown.
+SPEC_COLUMNS = (
+    ("Tokens/iter", "mean_accepted_len", {}),
+    ("Draft step ms", "draft_step_ms", {}),
+    ("Prefetch precision", "prefetch_precision", {"pct": True}),
+    ("Prefetch recall", "prefetch_recall", {"pct": True}),
+    ("Moved/token", "bytes_moved_per_token", {"size": True}),
+    ("Draft ms/iter", "iter_draft_ms", {}),
+    ("Verify ms/iter", "iter_verify_ms", {}),
+    ("Copy wait ms/iter", "iter_copy_exposed_ms", {}),
+    ("Other ms/iter", "iter_other_ms", {}),
+)
+SPEC_KEYS = tuple(key for _, key, _ in SPEC_COLUMNS if key != "mean_accepted_len")
+
+
+def _speculation_table(res: Sequence[dict[str, Any]], decs: Sequence[str]) -> list[str]:
+    """Lines of the report's second table: the speculative systems (llama.cpp's with empty cells where it
+    reports nothing) and any system with one of our engine's prefetch, data-movement or iteration figures."""
+    rows = [r for r in res if r["status"] == "ok" and ("spec" in r["family"] or any(
+        ((r.get("summary") or {}).get(d) or {}).get(k) is not None for d in decs for k in SPEC_KEYS))]
+    if not rows:
+        return []
+    lines = [
+        (f"Speculation and data movement (values `{' / '.join(decs)}`; our engine's counts summed over prompts, "
+         "then divided; llama.cpp reports none of these). Tokens/iter: tokens committed per verification pass, the "
+         "target's own included. Draft step: one drafted token's forward. Prefetch precision: prefetched experts "
+         "the verification used / experts prefetched; recall: the same / experts the verifications used. "
+         "Moved/token: expert bytes over PCIe (copied plus read in place) per prompt or generated token. Per "
+         "iteration (verification pass): drafting, verification, other decode time (host work between them, plain "
+         "steps); copy wait: compute waiting for expert copies (whole generation, prefill included), mostly inside "
+         "verification."),
+        "",
+        "| System | Setting | Budget | " + " | ".join(h for h, _, _ in SPEC_COLUMNS) + " |",
+        "|---|---|---|" + "---|" * len(SPEC_COLUMNS),
+    ]
+    for r in rows:
+        s = r.get("summary") or {}
+        lines.append("| " + " | ".join([r["family"], r["setting"].replace("|", "\\|"), r.get("budget") or "no limit",
+                                         *(_pair(s, key, decs, **kw) for _, key, kw in SPEC_COLUMNS)]) + " |")
+    return [*lines, ""]
+
+
 def render_markdown(doc: dict[str, Any], images: Sequence[str] = ()) -> str:
-    """One report section: a header (date, GPU, model, budgets, command), the table, notes and plots."""
+    """One report section: a header (date, GPU, model, budgets, command), the main table, the speculation and
+    data-movement table, notes and plots."""
     m = doc["meta"]
     res = doc["results"]
     decs = m.get("decodings", ["greedy", "sampled"])
@@ -1208,6 +1301,7 @@ def render_markdown(doc: dict[str, Any], images: Sequence[str] = ()) -> str:
             _pair(s, "hidden_copy_share", decs, pct=True), nprompts, note.replace("|", "\\|").replace("\n", " "),
         ]) + " |")
     lines.append("")
+    lines += _speculation_table(res, decs)
     real = [r for r in res if r["family"] == "llama-spec" and r["status"] == "ok"]
     synth = [r for r in res if r["family"].endswith("spec-synth")]
     if synth:
@@ -1422,22 +1516,31 @@ def _mark_done(path: Path, recipe: dict[str, Any]) -> None:
     _ok_marker(path).write_text(json.dumps(recipe))
 
 
-def estimate_f16_bytes(preset: str, layers: int | None, n_vocab: int) -> int:
-    from .synthetic import get_preset, tensor_specs
+def estimate_bytes(preset: str, layers: int | None, n_vocab: int, target_type: str = "f16") -> int:
+    """Tensor bytes of the synthetic `target_type` file of `preset` (specter_gguf.synthetic.DTYPES)."""
+    from .synthetic import data_bytes, get_preset
 
     shape = get_preset(preset)
     if layers:
         shape = shape.with_layers(layers)
-    return sum(s.n_elements * (4 if s.f32 else 2) for s in tensor_specs(shape, n_vocab))
+    return data_bytes(shape, n_vocab, target_type)
 
 
 def make_target(preset: str, layers: int | None, work_dir: Path, device: str, vocab: Path | None,
-                log: Callable[[str], None] = print, timeout: float = 1800) -> Path:
-    """The F16 target of `preset` (random weights) in `work_dir`, written by scripts/make_synthetic.py
-    unless an identical one is there already."""
-    name = f"{preset}{f'-l{layers}' if layers else ''}-f16.gguf"
+                log: Callable[[str], None] = print, timeout: float = 1800, target_type: str = "f16") -> Path:
+    """The target of `preset` (random weights) in `work_dir`, written by scripts/make_synthetic.py unless an
+    identical one is there already. `target_type`: f16 (default), bf16, f32, or q8_0 (written in Q8_0 directly,
+    slab by slab: no F16 copy is ever on disk)."""
+    from .synthetic import DTYPES
+
+    target_type = target_type.lower()
+    if target_type not in DTYPES:
+        raise SpecterError(f"unknown target type {target_type!r}; choose one of: {', '.join(DTYPES)}")
+    name = f"{preset}{f'-l{layers}' if layers else ''}-{target_type}.gguf"
     path = work_dir / name
-    recipe = {"preset": preset, "layers": layers, "vocab": vocab.name if vocab else None, "seed": 0}
+    recipe: dict[str, Any] = {"preset": preset, "layers": layers, "vocab": vocab.name if vocab else None, "seed": 0}
+    if target_type != "f16":  # (F16 recipes have no "type": their existing .ok markers stay valid)
+        recipe["type"] = target_type
     if _is_done(path, recipe):
         log(f"reusing {path}")
         return path
@@ -1447,14 +1550,14 @@ def make_target(preset: str, layers: int | None, work_dir: Path, device: str, vo
             import gguf
 
             n_vocab = len(gguf.GGUFReader(str(vocab), "r").fields["tokenizer.ggml.tokens"].data)
-    need = estimate_f16_bytes(preset, layers, n_vocab)
+    need = estimate_bytes(preset, layers, n_vocab, target_type)
     work_dir.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(work_dir).free + (path.stat().st_size if path.exists() else 0)
     if need * 1.02 > free:
         raise SpecterError(f"{path}: needs {format_size(need)} but {work_dir} has {format_size(free)} free; "
                            "use --layers or another --work-dir")
-    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "make_synthetic.py"), "--preset", preset, "--dtype", "f16",
-           "--device", device, "-o", str(path), "--no-progress"]
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "make_synthetic.py"), "--preset", preset,
+           "--dtype", target_type, "--device", device, "-o", str(path), "--no-progress"]
     if layers:
         cmd += ["--layers", str(layers)]
     if vocab is not None:
@@ -1470,7 +1573,8 @@ def make_target(preset: str, layers: int | None, work_dir: Path, device: str, vo
 def make_draft(target: Path, qtype: str, llama_bin: Path | None, log: Callable[[str], None] = print,
                timeout: float = 1200) -> Path:
     """A quantized copy of `target` by llama.cpp's quantizer: the llama-quantize tool where built, else
-    llama-cpp-python (specter_gguf.quantize)."""
+    llama-cpp-python (specter_gguf.quantize). An already quantized target (e.g. Q8_0) is requantized
+    (llama-quantize --allow-requantize)."""
     from .quantize import quantized_path
 
     qtype = qtype.lower()
@@ -1479,7 +1583,8 @@ def make_draft(target: Path, qtype: str, llama_bin: Path | None, log: Callable[[
     if _is_done(dst, recipe):
         log(f"reusing {dst}")
         return dst
-    need = target.stat().st_size * QTYPE_SHARE.get(qtype, 0.6)
+    source_type, requantize = gguf_weight_type(target)
+    need = target.stat().st_size * QTYPE_SHARE.get(qtype, 0.6) / _SOURCE_SHARE.get(source_type, 1.0)
     free = shutil.disk_usage(target.parent).free + (dst.stat().st_size if dst.exists() else 0)
     if need * 1.05 > free:
         raise SpecterError(f"{dst}: needs about {format_size(need)} but only {format_size(free)} is free")
@@ -1488,17 +1593,37 @@ def make_draft(target: Path, qtype: str, llama_bin: Path | None, log: Callable[[
     if tool is not None and tool.exists():
         if qtype not in QTYPE_LLAMA:
             raise SpecterError(f"unknown draft type {qtype}; choose from {', '.join(QTYPE_LLAMA)}")
-        cmd = [str(tool), str(target), str(dst), QTYPE_LLAMA[qtype], str(os.cpu_count() or 1)]
+        cmd = [str(tool), *(["--allow-requantize"] if requantize else []), str(target), str(dst),
+               QTYPE_LLAMA[qtype], str(os.cpu_count() or 1)]
         log("$ " + shlex.join(cmd))
         _check_call(cmd, timeout)
     else:
         from .quantize import quantize_gguf
 
-        log(f"quantizing {target.name} to {qtype} with llama-cpp-python")
-        quantize_gguf(target, dst, qtype)
+        log(f"{'requantizing' if requantize else 'quantizing'} {target.name} to {qtype} with llama-cpp-python")
+        quantize_gguf(target, dst, qtype, allow_requantize=requantize)
     _mark_done(dst, recipe)
     log(f"wrote {dst} ({format_size(dst.stat().st_size)}) in {time.monotonic() - t0:.0f} s")
     return dst
+
+
+# bytes of a file of that type per F16 byte, for sources other than F16 (QTYPE_SHARE holds the quantized ones)
+_SOURCE_SHARE = {"f32": 2.0, "f16": 1.0, "bf16": 1.0, **QTYPE_SHARE}
+
+
+def gguf_weight_type(path: Path) -> tuple[str, bool]:
+    """(the llama ftype name of `path`'s general.file_type, e.g. "f16" or "q8_0", "" when absent or unknown;
+    whether any tensor is stored in a quantized type, i.e. llama.cpp's quantizer needs --allow-requantize)."""
+    import gguf
+
+    from .quantize import FTYPES
+
+    r = gguf.GGUFReader(str(path), "r")
+    f = r.fields.get("general.file_type")
+    names = {v: k for k, v in FTYPES.items()}
+    name = names.get(int(f.contents()), "") if f is not None else ""
+    T = gguf.GGMLQuantizationType
+    return name, any(t.tensor_type not in (T.F32, T.F16, T.BF16) for t in r.tensors)
 
 
 def _check_call(cmd: Sequence[str], timeout: float) -> None:

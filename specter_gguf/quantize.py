@@ -56,11 +56,14 @@ def quantized_path(src: str | Path, qtype: str) -> Path:
     return src.with_name(f"{stem}-{qtype.strip().lower()}.gguf")
 
 
-def quantize_gguf(src: str | Path, dst: str | Path, qtype: str, n_threads: int = 0) -> None:
+def quantize_gguf(src: str | Path, dst: str | Path, qtype: str, n_threads: int = 0,
+                  allow_requantize: bool = False) -> None:
     """Quantize GGUF `src` to `dst` as `qtype` (e.g. 'q8_0', 'q4_k_m', 'q2_k') with llama.cpp.
 
-    `n_threads` <= 0 lets llama.cpp use all hardware threads. Raises SpecterError for an unknown type,
-    a missing source, or a failed quantization (llama.cpp's reason is on stderr).
+    `n_threads` <= 0 lets llama.cpp use all hardware threads. `allow_requantize` (llama-quantize's
+    --allow-requantize) lets the source be already quantized (e.g. a Q8_0 target made into a Q2_K draft).
+    Raises SpecterError for an unknown type, a missing source, or a failed quantization (llama.cpp's reason
+    is on stderr).
     """
     ftype = ftype_for(qtype)
     src, dst = Path(src), Path(dst)
@@ -78,6 +81,7 @@ def quantize_gguf(src: str | Path, dst: str | Path, qtype: str, n_threads: int =
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
     params.nthread = int(n_threads) if n_threads and n_threads > 0 else (os.cpu_count() or 1)
+    params.allow_requantize = bool(allow_requantize)
     rc = llama_cpp.llama_model_quantize(os.fsencode(src), os.fsencode(dst), params)
     if rc != 0:
         try:
@@ -86,4 +90,4 @@ def quantize_gguf(src: str | Path, dst: str | Path, qtype: str, n_threads: int =
             pass
         raise SpecterError(
             f"llama.cpp failed to quantize {src} to {qtype} (code {rc}); see its message above "
-            "(an already-quantized source cannot be requantized; start from an F32/F16/BF16 file)")
+            "(an already-quantized source needs allow_requantize; or start from an F32/F16/BF16 file)")

@@ -8,6 +8,7 @@ model. None of the numbers they produce or read says anything about speed.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import stat
@@ -95,6 +96,38 @@ def test_summarize_runs_medians_counts_and_rates():
     assert m["tpot_ms"] == 45.0
     assert m["cache_hit_rate"] == pytest.approx(0.6) and m["hidden_copy_share"] == pytest.approx(0.8)
     assert "acceptance" not in m
+
+
+def test_summarize_runs_speculation_and_data_movement():
+    """Prefetch precision / recall, bytes moved, draft step and the per-iteration breakdown: counts summed over
+    prompts, then divided; ready-made rates (medians) only where counts are missing."""
+    spec = [  # two prompts of a speculative system: 32 prompt + 128 generated tokens each
+        _run("greedy", 10.0, draft_tokens=100, draft_rounds=25, draft_s=0.5, verify_s=1.0, other_s=0.25,
+             copy_exposed_s=0.1, prefetched=40, prefetched_used=30, verify_experts=60, bytes_copied=1000,
+             zero_copy_bytes=600, prefetch_precision=0.75, draft_step_ms=5.0),
+        _run("greedy", 20.0, draft_tokens=60, draft_rounds=15, draft_s=0.3, verify_s=0.6, other_s=0.15,
+             copy_exposed_s=0.3, prefetched=10, prefetched_used=2, verify_experts=40, bytes_copied=2000,
+             prefetch_precision=0.2, draft_step_ms=5.0),
+    ]
+    g = B.summarize_runs(spec)["greedy"]
+    assert g["prefetch_precision"] == pytest.approx(32 / 50)  # not the median 0.475 of the per-prompt ratios
+    assert g["prefetch_recall"] == pytest.approx(32 / 100)
+    assert g["bytes_moved_per_token"] == pytest.approx((3000 + 600) / 320)  # zero-copy missing on one prompt: 0
+    assert g["bytes_per_token"] == pytest.approx(3000 / 320)
+    assert g["draft_step_ms"] == pytest.approx(1000 * 0.8 / 160)
+    assert g["iter_draft_ms"] == pytest.approx(20.0) and g["iter_verify_ms"] == pytest.approx(40.0)
+    assert g["iter_other_ms"] == pytest.approx(10.0) and g["iter_copy_exposed_ms"] == pytest.approx(10.0)
+    # rates only (no counts): medians; other_s derived from the decode time when the stats lack it
+    rates = [dict(_run("sampled", 10.0, prefetch_precision=p, prefetch_recall=0.5, draft_step_ms=d,
+                       bytes_moved_per_token=b, draft_rounds=10, draft_s=0.2, verify_s=0.5), decode_ms=900.0)
+             for p, d, b in ((0.6, 4.0, 100.0), (0.8, 6.0, 300.0), (0.9, 8.0, 200.0))]
+    m = B.summarize_runs(rates)["sampled"]
+    assert m["prefetch_precision"] == pytest.approx(0.8) and m["prefetch_recall"] == pytest.approx(0.5)
+    assert m["draft_step_ms"] == pytest.approx(6.0) and m["bytes_moved_per_token"] == pytest.approx(200.0)
+    assert m["iter_other_ms"] == pytest.approx(1000 * 3 * 0.2 / 30)  # (0.9 - 0.2 - 0.5) s per prompt, 10 rounds
+    assert "iter_copy_exposed_ms" not in m and "bytes_per_token" not in m
+    # a system without any of it (llama.cpp): no such keys at all
+    assert not set(B.SPEC_KEYS) & set(B.summarize_runs([_run("greedy", 5.0)])["greedy"])
 
 
 # ----------------------------------------------------------------------------------------- prompts
@@ -376,6 +409,12 @@ def _fake_doc():
         res("llama-spec-synth", "draft Q4_K_M, -ncmoe 16, L=2", "16GiB", 70.0, 15.5 * G),
         res("llama-spec-synth", "draft Q4_K_M, -ncmoe 16, L=4", "16GiB", 30.0, 15.5 * G),
         res("ours", "whole model", None, 0, None, status="error", error="SpecterError: CUDA out of memory | oops"),
+        res("ours-spec", "speculative decoding with the draft's experts", "16GiB", 20.0, 15 * G, draft_tokens=64,
+            draft_accepted=32, draft_rounds=16, draft_s=0.08, verify_s=0.24, other_s=0.04, copy_exposed_s=0.016,
+            prefetched=50, prefetched_used=40, verify_experts=80, bytes_copied=3 * 2**20, zero_copy_bytes=2**20,
+            mean_accepted_len=3.0),
+        res("ours-lru", "experts in host memory, LRU expert cache", "16GiB", 40.0, 14 * G, cache_hits=1,
+            cache_lookups=4, bytes_copied=2**20),
     ]
     meta = {"date": "2026-01-01 00:00 UTC", "stamp": "test", "gpu": {"gpu": "FAKE GPU", "cpu": "fake"},
             "model": "/w/m-f16.gguf", "model_label": "fake model", "model_bytes": 28 * G, "draft": "/w/m-q4_k_m.gguf",
@@ -390,7 +429,7 @@ def test_report_formatting_from_fake_results():
     md = B.render_markdown(doc, ["img/x.png"])
     lines = md.splitlines()
     header = next(i for i, ln in enumerate(lines) if ln.startswith("| System"))
-    rows = [ln for ln in lines[header + 2:] if ln.startswith("| ")]
+    rows = list(itertools.takewhile(lambda ln: ln.startswith("| "), lines[header + 2:]))  # the main table
     assert len(rows) == len(doc["results"])
     ncols = lines[header].count("|")
     assert all(r.count("|") - r.count("\\|") == ncols for r in rows)  # pipes inside cells are escaped
@@ -402,6 +441,44 @@ def test_report_formatting_from_fake_results():
     assert "synthetic acceptance" in md and "![x](img/x.png)" in md
     assert "Best llama.cpp setting within 16GiB (greedy): llama-ncmoe -ncmoe 12" in md
     assert "Not run: ours-lru" in md
+
+
+def test_report_speculation_table_from_fake_results():
+    """The second table: speculative systems (llama.cpp's with empty cells) and offload rows, with the figures of
+    the fake counts (3 prompts per decoding, 64 generated tokens each, no prompt tokens recorded)."""
+    doc = _fake_doc()
+    lines = B.render_markdown(doc).splitlines()
+    header = next(i for i, ln in enumerate(lines) if ln.startswith("| System | Setting | Budget | Tokens/iter"))
+    assert header > next(i for i, ln in enumerate(lines) if ln.startswith("| System | Setting | Budget | TPOT"))
+    cols = [c.strip() for c in lines[header].strip("|").split("|")]
+    assert cols[3:] == [h for h, _, _ in B.SPEC_COLUMNS]
+    assert "Prefetch precision" in cols and "Verify ms/iter" in cols and "Other ms/iter" in cols
+    rows = {}
+    for ln in lines[header + 2:]:
+        if not ln.startswith("| "):
+            break
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        assert len(cells) == len(cols)
+        rows[(cells[0], cells[1])] = dict(zip(cols, cells))
+    assert [k[0] for k in rows] == ["llama-spec", "llama-spec-synth", "llama-spec-synth", "ours-spec", "ours-lru"]
+    ours = rows[("ours-spec", "speculative decoding with the draft's experts")]
+    assert ours["Budget"] == "16GiB" and ours["Tokens/iter"] == "3.00 / 3.00"
+    assert ours["Draft step ms"] == "1.25 / 1.25"  # 3 × 0.08 s over 3 × 64 drafted tokens
+    assert ours["Prefetch precision"] == "80.0% / 80.0%" and ours["Prefetch recall"] == "50.0% / 50.0%"
+    assert ours["Moved/token"] == "64 KiB / 64 KiB"  # 3 × (3 + 1) MiB over 3 × 64 tokens
+    assert ours["Draft ms/iter"] == "5.00 / 5.00" and ours["Verify ms/iter"] == "15.00 / 15.00"
+    assert ours["Copy wait ms/iter"] == "1.00 / 1.00" and ours["Other ms/iter"] == "2.50 / 2.50"
+    llama = rows[("llama-spec", "draft Q4_K_M, -ncmoe 16")]
+    assert all(llama[h] == "—" for h, _, _ in B.SPEC_COLUMNS)  # llama.cpp reports none of it
+    lru = rows[("ours-lru", "experts in host memory, LRU expert cache")]
+    assert lru["Moved/token"] == "16 KiB / 16 KiB"  # 3 × 1 MiB over 3 × 64 tokens
+    assert lru["Prefetch precision"] == "—" and lru["Draft ms/iter"] == "—"
+    assert "llama-gpu" not in {k[0] for k in rows} and "llama-ncmoe" not in {k[0] for k in rows}
+    # the JSON document carries the same figures
+    again = json.loads(json.dumps(doc))
+    (spec,) = [r for r in again["results"] if r["family"] == "ours-spec"]
+    assert spec["summary"]["greedy"]["prefetch_recall"] == pytest.approx(0.5)
+    assert spec["summary"]["sampled"]["iter_verify_ms"] == pytest.approx(15.0)
 
 
 def test_plots_from_fake_results(tmp_path):
@@ -477,7 +554,11 @@ def test_bench_end_to_end_ours_speculative_on_cpu(tmp_path):
     assert real["status"] == synth["status"] == "ok", (real["error"], synth["error"])
     assert real["summary"]["greedy"]["acceptance"] is not None
     assert 2.0 <= synth["summary"]["greedy"]["mean_accepted_len"] <= 4.0
-    assert "L=3" in (out / "section.md").read_text()
+    g = real["summary"]["greedy"]  # the worker carries the engine's drafting and verification times through
+    assert g["draft_step_ms"] > 0 and g["iter_draft_ms"] > 0 and g["iter_verify_ms"] > 0
+    assert g["iter_other_ms"] >= 0
+    md = (out / "section.md").read_text()
+    assert "L=3" in md and "| Verify ms/iter |" in md
 
 
 def test_ours_worker_without_llama_cpp_tokenizer(tmp_path, shipped_model):
