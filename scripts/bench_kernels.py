@@ -172,7 +172,7 @@ def bench_moe(dev: torch.device, iters: int) -> list[dict]:
                 routings.append((ids.to(dev), torch.rand(T, top_k, device=dev), len(set(ids.flatten().tolist()))))
             ws = torch.empty(kernels.moe_workspace_size(T, top_k, E, d, f), dtype=torch.uint8, device=dev)
             out = torch.empty(T, d, device=dev)
-            fns = [lambda r=r: kernels.moe_ffn(x, r[0], r[1], table, out=out, workspace=ws) for r in routings]
+            fns = [lambda r=r, tab=table: kernels.moe_ffn(x, r[0], r[1], tab, out=out, workspace=ws) for r in routings]
             t = graph_time(fns, iters)
             distinct = sum(r[2] for r in routings) / len(routings)
             rows.append(dict(kind="moe", config=cname, tokens=T, top_k=top_k, n_expert=E, us=t * 1e6,

@@ -41,7 +41,6 @@ import dataclasses
 import datetime as _dt
 import fnmatch
 import hashlib
-import importlib.util
 import json
 import math
 import os
@@ -696,10 +695,13 @@ def _load_spec(job: dict[str, Any]) -> Any:
     from . import speculation
     from .engine import Model
 
+    # real acceptance: our default depth ("auto", at most speculation.MAX_DEPTH); synthetic: llama.cpp's fixed
+    # --spec-draft-n-max of the same matrix
+    synthetic = job.get("synth_len") is not None
     model = Model.load(job["model"], draft=job["draft"], device=job["device"], ctx_size=job["ctx_size"],
                        gpu_budget=job["budget_bytes"], progress=False,
-                       n_draft=job.get("draft_n_max") or speculation.DEFAULT_N_DRAFT)
-    if job.get("synth_len") is not None:
+                       n_draft=(job.get("draft_n_max") or speculation.DEFAULT_N_DRAFT) if synthetic else "auto")
+    if synthetic:
         speculation.synthetic_acceptance(model, job["synth_len"])
     return model
 
@@ -713,7 +715,7 @@ OURS_MODES: dict[str, OursMode] = {m.name: m for m in [
              _load_offload("lru"), budget_bound=True),
     OursMode("ours-gate-prefetch", "LRU expert cache + next-layer gate prefetch",
              _load_offload("gate-prefetch"), budget_bound=True),
-    OursMode("ours-spec", "speculative decoding with the draft's experts", _load_spec, budget_bound=True,
+    OursMode("ours-spec", "speculative decoding with the draft's experts, depth auto", _load_spec, budget_bound=True,
              needs_draft=True),
     OursMode("ours-spec-synth", "speculative decoding, synthetic acceptance", _load_spec, budget_bound=True,
              synthetic=True, needs_draft=True),

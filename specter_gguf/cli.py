@@ -14,7 +14,7 @@ import numpy as np
 
 from specter_gguf.errors import SpecterError
 from specter_gguf.quantize import FTYPES
-from specter_gguf.speculation import DEFAULT_N_DRAFT
+from specter_gguf.speculation.depth import MAX_DEPTH
 
 
 class Cli(click.Group):
@@ -67,6 +67,20 @@ device_option = click.option("--device", type=click.Choice(["cpu", "cuda"]), def
                              help="Where to run (default: cuda when a GPU is present, else cpu).")
 
 
+class DraftDepth(click.ParamType):
+    """`--n-draft`: a whole number of at least 1, or auto."""
+
+    name = "K|auto"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        from specter_gguf.speculation.depth import parse_depth
+
+        try:
+            return parse_depth(value)
+        except SpecterError as e:
+            self.fail(str(e), param, ctx)
+
+
 def _with_options(f: Any, options: list[Any]) -> Any:
     for option in reversed(options):
         f = option(f)
@@ -103,7 +117,7 @@ def load_options(f: Any) -> Any:
     @functools.wraps(f)
     def command(*args: Any, device: str | None, ctx_size: int | None, gpu_budget: str | None, offload: str | None,
                 cache_policy: str | None, routing_profile: Path | None, cuda_graphs: bool, draft: Path | None,
-                n_draft: int, **kwargs: Any) -> Any:
+                n_draft: int | str | None, **kwargs: Any) -> Any:
         def load(model: Path | None, progress: bool) -> Any:
             from specter_gguf.engine import Model
             from specter_gguf.runtime import parse_size
@@ -111,7 +125,7 @@ def load_options(f: Any) -> Any:
             options = dict(device=device, ctx_size=ctx_size, progress=progress,
                            gpu_budget=parse_size(gpu_budget) if gpu_budget is not None else None,
                            offload=offload, cache_policy=cache_policy, routing_profile=routing_profile,
-                           cuda_graphs=cuda_graphs, draft=draft, n_draft=n_draft if draft is not None else None)
+                           cuda_graphs=cuda_graphs, draft=draft, n_draft=n_draft)
             return Model.load(model, **options)
 
         return f(*args, load=load, **kwargs)
@@ -134,8 +148,9 @@ def load_options(f: Any) -> Any:
         click.option("--draft", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
                      help="Decode speculatively with the experts of this quantized copy of the model (e.g. made by "
                      "`specter-gguf quantize MODEL --type q4_k_m`); the output is the model's own."),
-        click.option("--n-draft", type=click.IntRange(min=1), default=DEFAULT_N_DRAFT, show_default=True,
-                     help="Tokens drafted per verification (with --draft)."),
+        click.option("--n-draft", type=DraftDepth(), default=None, show_default=False,
+                     help="Tokens drafted per verification (with --draft). Default auto: chosen each iteration, from "
+                     f"1 to {MAX_DEPTH}, from the measured acceptance and costs of drafting and verifying."),
     ])
 
 
@@ -194,6 +209,54 @@ def _save_profile(counts: Any, m: Any, path: Path | None) -> None:
         profile = counts.profile()
         profile.model = str(m.path)
         profile.save(path)
+
+
+DEPTH_PROMPT = ("The history of the printing press begins long before Gutenberg: in China, carved wooden blocks "
+                "were used to print whole pages of text and images, and")
+
+
+@cli.command("profile-depth")
+@model_argument(required=True)
+@click.option("-p", "--prompt", default=DEPTH_PROMPT, show_default=False,
+              help="Prompt text (default: a sentence about the printing press).")
+@click.option("-f", "--file", "prompt_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Read the prompt from a file.")
+@click.option("-n", "--n-predict", default=64, help="Tokens generated per run.")
+@click.option("--depths", default=f"1-{MAX_DEPTH}", help="Fixed depths to measure, e.g. 1-8 or 1,2,4,8 (auto is "
+              "always measured too).")
+@click.option("--repeats", default=2, help="Measured runs per depth (after one run that is not counted).")
+@click.option("-o", "--out", type=click.Path(file_okay=False, path_type=Path), default=Path("profile-depth"),
+              help="Folder for depth.md, depth.json and depth.png.")
+@sampling_options
+@load_options
+def profile_depth(model: Path, prompt: str, prompt_file: Path | None, n_predict: int, depths: str, repeats: int,
+                  out: Path, sampling: Any, load: Any) -> None:
+    """Measure speculative decoding of MODEL with --draft at each draft depth k and at auto: time per token,
+    acceptance, tokens per verification, draft step and verification times; print the table and write it with
+    a plot of time per token against k."""
+    from tqdm import tqdm
+
+    from specter_gguf.speculation.profile import best_fixed, markdown_table, parse_depths, profile_depths, write_profile
+
+    ks = parse_depths(depths, MAX_DEPTH)
+    if prompt_file is not None:
+        prompt = prompt_file.read_text(encoding="utf-8")
+    if n_predict < 2:
+        raise SpecterError(f"-n/--n-predict must be at least 2 to measure decoding, got {n_predict}")
+    m = load(model, progress=True)
+    ids = m.tokenize(prompt)
+    with tqdm(total=len(ks) + 1, desc="depths", unit="depth", leave=False) as bar:
+        rows = profile_depths(m, ids, n_predict, sampling, ks, repeats, lambda row: bar.update(1))
+    budget = f", budget {m.memory_plan.budget / 2**30:.1f} GiB" if m.memory_plan is not None else ""
+    decoding = "greedy" if sampling.greedy else f"temperature {sampling.temperature:g}"
+    title = (f"{m.path.name}, draft {m.decoder.name}{budget}, {m.device}, {decoding}, "
+             f"{len(ids)}-token prompt, {n_predict} tokens x {repeats}")
+    click.echo(f"{title}\n{markdown_table(rows)}")
+    best, auto = best_fixed(rows), rows[-1]
+    click.echo(f"best fixed depth {best.depth}: {best.tpot_ms:.2f} ms per token; auto: {auto.tpot_ms:.2f} ms "
+               f"(mean depth {auto.mean_depth:.1f})", err=True)
+    files = write_profile(rows, out, title)
+    click.echo("wrote " + ", ".join(str(f) for f in files), err=True)
 
 
 @cli.command()

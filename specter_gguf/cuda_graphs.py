@@ -4,9 +4,9 @@ Eager decoding launches every kernel of every layer from Python (~40 per layer, 
 time each), which costs far more than the GPU work of a small-batch MoE step. A graph replays the whole forward
 with one launch. Shapes must be static, so attention reads a fixed window of the KV cache (a multiple of
 `WINDOW` keys, masked past each token's position) and one graph is captured per window as the sequence grows;
-the tokens and their first position live in the device tensor `inputs`, and the greedy verdict (`steps.judge`)
-is part of the graph. An offloaded model's forward reads its experts through the residency table inside the
-graph, between the runtime's `begin` and `end`.
+the tokens and their first position live in the device tensor `inputs`, and the verdict (`steps.judge`, or
+speculative sampling with its uniforms in a device tensor) is part of the graph. An offloaded model's forward
+reads its experts through the residency table inside the graph, between the runtime's `begin` and `end`.
 
 A graph holds raw addresses of what it reads: the KV cache storage and the RoPE tables. When either moves
 (the cache grew for a longer prompt), the graphs are dropped and captured again.
@@ -20,7 +20,7 @@ import torch
 
 from specter_gguf.errors import SpecterError
 from specter_gguf.layers import ExpertSource, KVCache, Positions, RoutingObserver, Transformer
-from specter_gguf.steps import Steps, judge
+from specter_gguf.steps import Steps, Verdict
 
 
 class StepGraphs(Steps):
@@ -31,10 +31,10 @@ class StepGraphs(Steps):
     WARMUP_STEPS = 2  # eager runs before a capture (lazy allocations, library handles)
 
     def __init__(self, transformer: Transformer, cache: KVCache, n_tokens: int = 1, experts: ExpertSource = None,
-                 observe: RoutingObserver | None = None, offload: Any = None) -> None:
+                 observe: RoutingObserver | None = None, offload: Any = None, verdict: Verdict | None = None) -> None:
         if cache.device.type != "cuda":
             raise SpecterError("CUDA graphs need a CUDA device")
-        super().__init__(cache, n_tokens, experts, observe)
+        super().__init__(cache, n_tokens, experts, observe, verdict)
         self.transformer, self.offload = transformer, offload
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._ropes = list({id(b.attn.rope): b.attn.rope for b in transformer.blocks}.values())
@@ -63,7 +63,7 @@ class StepGraphs(Steps):
         tokens, pos = self.inputs[:T], self.inputs[T:]
         at = Positions.window(pos + torch.arange(T, device=pos.device), window)  # RoPE gathers inside the graph
         logits = self.transformer.run(tokens, at, self.cache, experts=self.experts, observe=self.observe)
-        judge(logits, self.inputs, self.choice, self.next, self.finite)
+        self.verdict(logits, self.inputs, self.choice, self.next, self.finite)
         return logits
 
     def _capture(self, window: int) -> None:

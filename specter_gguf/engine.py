@@ -6,7 +6,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Literal, Sequence
 
 import numpy as np
 import torch
@@ -111,6 +111,19 @@ class GenerationStats:
         return (self.draft_accepted + self.draft_rounds) / self.draft_rounds if self.draft_rounds else None
 
     @property
+    def draft_step_ms(self) -> float | None:
+        """One drafted token's forward (GPU time on CUDA)."""
+        return 1000.0 * self.draft_s / self.draft_tokens if self.draft_tokens and self.draft_s is not None else None
+
+    @property
+    def other_s(self) -> float | None:
+        """Decode time outside drafting and verification: the host's reads and bookkeeping between them, the
+        plain steps at the end of the context."""
+        if self.draft_s is None or self.verify_s is None:
+            return None
+        return max(0.0, self.decode_s - self.draft_s - self.verify_s)
+
+    @property
     def tpot_ms(self) -> float:
         steps = self.generated_tokens - 1
         return 1000.0 * self.decode_s / steps if steps > 0 else 0.0
@@ -126,7 +139,8 @@ class GenerationStats:
                 "bytes_moved_per_token": self.bytes_moved_per_token,
                 "hidden_copy_share": self.hidden_copy_share, "acceptance_rate": self.acceptance_rate,
                 "mean_accepted_len": self.mean_accepted_len, "prefetch_precision": self.prefetch_precision,
-                "prefetch_recall": self.prefetch_recall}
+                "prefetch_recall": self.prefetch_recall, "draft_step_ms": self.draft_step_ms,
+                "other_s": self.other_s}
 
     def summary(self) -> str:
         """One line: tokens, context, prefill, TPOT, tokens/s; with offloading the cache's hit rate, bytes copied per
@@ -144,9 +158,11 @@ class GenerationStats:
                      f"{100 * (self.hidden_copy_share or 0):.0f}% of copy time hidden")
         if self.draft_rounds:
             text += (f"; speculative: {self.draft_accepted} of {self.draft_tokens} drafted tokens accepted "
-                     f"({100 * (self.acceptance_rate or 0):.1f}%), {self.mean_accepted_len:.2f} tokens per "
-                     f"verification, per iteration {1000 * (self.draft_s or 0) / self.draft_rounds:.2f} ms drafting "
-                     f"and {1000 * (self.verify_s or 0) / self.draft_rounds:.2f} ms verifying")
+                     f"({100 * (self.acceptance_rate or 0):.1f}%, {self.draft_tokens / self.draft_rounds:.1f} "
+                     f"drafted per verification), {self.mean_accepted_len:.2f} tokens per verification, per "
+                     f"iteration {1000 * (self.draft_s or 0) / self.draft_rounds:.2f} ms drafting, "
+                     f"{1000 * (self.verify_s or 0) / self.draft_rounds:.2f} ms verifying and "
+                     f"{1000 * (self.other_s or 0) / self.draft_rounds:.2f} ms other")
             if self.prefetch_precision is not None:
                 text += (f", prefetch precision {100 * self.prefetch_precision:.0f}% recall "
                          f"{100 * (self.prefetch_recall or 0):.0f}%")
@@ -203,7 +219,7 @@ class Model:
              ctx_size: int | None = None, progress: bool = True, gpu_budget: int | str | None = None,
              offload: str | None = None, cache_policy: str | None = None,
              routing_profile: str | os.PathLike[str] | Any = None, cuda_graphs: bool = True,
-             draft: str | os.PathLike[str] | None = None, n_draft: int | None = None) -> Model:
+             draft: str | os.PathLike[str] | None = None, n_draft: int | Literal["auto"] | None = None) -> Model:
         """Load `path` (default: the small model shipped in `models/`) onto `device` ("cpu", "cuda";
         default CUDA when present). `ctx_size`: tokens of context; default min(the model's training context,
         4096) as llama.cpp; 0: the model's training context.
@@ -217,8 +233,9 @@ class Model:
         decode step as a CUDA graph (on CUDA; not with gate-prefetch, whose planning reads every layer's routing on
         the host).
         `draft`: a quantized copy of the model (e.g. `specter-gguf quantize MODEL --type q4_k_m`) whose routed
-        experts share the device and draft `n_draft` tokens per verification (`speculation`); the budget counts
-        them."""
+        experts share the device and draft `n_draft` tokens per verification (`speculation`; default "auto":
+        a depth chosen each iteration from the measured acceptance and costs, `speculation.depth`); the budget
+        counts them."""
         path = Path(path) if path is not None else SHIPPED_MODEL
         dev = resolve_device(device)
         f = GGUFFile(path)
@@ -226,6 +243,10 @@ class Model:
         ctx = ModelConfig.from_gguf(f).context_size(ctx_size)
         if draft is None and n_draft is not None:
             raise SpecterError("--n-draft needs a draft (--draft DRAFT.gguf)")
+        if n_draft is not None:
+            from specter_gguf.speculation.depth import parse_depth
+
+            n_draft = parse_depth(n_draft)
         draft_file = GGUFFile(draft) if draft is not None else None
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
@@ -236,9 +257,9 @@ class Model:
         model.cuda_graphs = cuda_graphs and dev.type == "cuda" and (runtime is None or runtime.mode != "gate-prefetch")
         model.prefill_chunk = plan.prefill_chunk if plan is not None else None
         if draft_file is not None:
-            from specter_gguf.speculation import DEFAULT_N_DRAFT, SpeculativeDecoder
+            from specter_gguf.speculation import SpeculativeDecoder
 
-            model.decoder = SpeculativeDecoder.load(model, draft_file, DEFAULT_N_DRAFT if n_draft is None else n_draft)
+            model.decoder = SpeculativeDecoder.load(model, draft_file, "auto" if n_draft is None else n_draft)
         elif model.cuda_graphs:
             model.decoder = GraphDecoder()
         return model

@@ -21,6 +21,10 @@ yields there too; :meth:`Sampler.probabilities` is then the one-hot vector of th
 
 All of the arithmetic runs in float64: with top_k on, penalties and top_k run where the logits are (the GPU in
 generation) and only the top_k candidates cross to the host; otherwise everything runs on the CPU.
+
+`chain_probabilities` and `draw_rows` are stages 2-6 without penalties as fixed-shape tensor ops on the logits'
+device, many rows at once, which a CUDA graph can hold (speculative sampling on the device); their uniforms come
+from the sampler's generator (`Sampler.uniforms`).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import torch
 
 from .errors import SpecterError
 
-__all__ = ["SamplingParams", "Sampler"]
+__all__ = ["SamplingParams", "Sampler", "chain_knobs", "chain_probabilities", "draw_rows"]
 
 
 def _is_int(v) -> bool:
@@ -115,6 +119,45 @@ def _top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     cand = torch.cat([above, at])  # ascending ids within each group, so a stable sort breaks ties by id
     order = torch.sort(x[cand], descending=True, stable=True).indices
     return cand[order], x[cand][order]
+
+
+def chain_knobs(params: SamplingParams) -> torch.Tensor:
+    """The sampled chain's settings as `chain_probabilities` reads them (float64, CPU): temperature, top_p (2
+    when off: never reached), log(min_p) (-inf when off)."""
+    top_p = params.top_p if params.top_p < 1.0 else 2.0
+    log_min_p = math.log(params.min_p) if params.min_p > 0.0 else -math.inf
+    return torch.tensor([params.temperature, top_p, log_min_p], dtype=torch.float64)
+
+
+def chain_candidates(params: SamplingParams, n_vocab: int) -> int:
+    """How many candidates `chain_probabilities` ranks: top_k, or the whole vocabulary when it is off."""
+    return params.top_k if 0 < params.top_k < n_vocab else n_vocab
+
+
+def chain_probabilities(logits: torch.Tensor, n_candidates: int, knobs: torch.Tensor) -> torch.Tensor:
+    """Stages 2-6 (no penalties; temperature > 0) for each row of `logits` [R, n_vocab] with the `knobs` of
+    `chain_knobs` on the logits' device: the final probabilities [R, n_vocab] (float64). The same filters as
+    `Sampler.probabilities`, except that ties at the top_k boundary are broken by `torch.topk`'s order instead
+    of by id."""
+    x = logits.to(torch.float64)
+    vals, ids = torch.topk(x, n_candidates, dim=-1)  # descending
+    rank = torch.arange(n_candidates, device=x.device)
+    cum = torch.softmax(vals, -1).cumsum(-1)  # top_p normalizes over the top_k survivors, before temperature
+    top_p = (cum < knobs[1]).sum(-1, keepdim=True) + 1  # the prefix whose probability reaches top_p
+    min_p = (vals >= vals[:, :1] + knobs[2]).sum(-1, keepdim=True).clamp(min=1)
+    kept = torch.where(rank < torch.minimum(top_p, min_p), vals / knobs[0], -math.inf)
+    return torch.zeros_like(x).scatter_(-1, ids, torch.softmax(kept, -1))
+
+
+def draw_rows(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of `probs` [R, n_vocab] (non-negative, not necessarily normalized, each with a positive
+    entry) from `uniforms` [R] in [0, 1), as `Sampler.draw` draws: the first id whose cumulative probability
+    exceeds u times the total."""
+    cdf = probs.cumsum(-1)
+    at = torch.searchsorted(cdf, (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    ids = torch.arange(probs.shape[-1], device=probs.device)
+    last = torch.where(probs > 0, ids, 0).amax(-1)  # rounding may put u * total past the cdf's last step
+    return torch.minimum(at, last)
 
 
 NAN_LOGITS = "the model produced NaN logits: check the model file, or try another --dtype"
@@ -269,6 +312,10 @@ class Sampler:
     def random(self) -> float:
         """One uniform number in [0, 1) from this sampler's generator (for acceptance tests)."""
         return float(torch.rand((), generator=self._gen, dtype=torch.float64))
+
+    def uniforms(self, n: int) -> torch.Tensor:
+        """`n` uniform numbers in [0, 1) from this sampler's generator (float64, CPU), as `n` calls of `random`."""
+        return torch.rand(n, generator=self._gen, dtype=torch.float64)
 
     def _draw_support(self, ids: torch.Tensor, probs: torch.Tensor) -> int:
         if ids.numel() == 1:

@@ -1,13 +1,14 @@
-"""A forward of a few tokens judged greedily on the device: the unit decoders and speculation are built from.
+"""A forward of a few tokens judged on the device: the unit decoders and speculation are built from.
 
-`Steps` holds the device buffers every step writes: `inputs` [tokens, first position], `choice` [n, argmax of each
-row] (n: the leading tokens after the first that equal the argmax of the row before them, i.e. the drafted
-tokens a verification accepts; 0 for a one-token step), `next` [the argmax after them, its position] (the next
-step's inputs in greedy decoding) and `finite`. A step fed `None` continues from the previous step's `next`, one
-fed a device tensor [tokens, position] takes it as it is (a verification's `next`, drafted tokens): greedy
-decoding and drafting then chain on the device with no host round trip. `read_choice` brings `choice` to the host
-without waiting. `EagerSteps` launches the forward kernel by kernel (the CPU, or CUDA without graphs);
-`cuda_graphs.StepGraphs` replays it as a CUDA graph.
+`Steps` holds the device buffers every step writes: `inputs` [tokens, first position], `choice` [n, the token
+after each row] (n: how many of the tokens after the first the step accepts as drafts; 0 for a one-token step),
+`next` [the token after the accepted ones, its position] (the next step's inputs) and `finite`. The verdict
+writing them is greedy (`judge`: a draft is accepted while it is the argmax of the row before it, each row's
+token is its argmax) or speculative sampling (`speculation.accept.SampledVerdict`). A step fed `None` continues
+from the previous step's `next`, one fed a device tensor [tokens, position] takes it as it is (a verification's
+`next`, drafted tokens): decoding and drafting then chain on the device with no host round trip. `read_choice`
+brings `choice` to the host without waiting. `EagerSteps` launches the forward kernel by kernel (the CPU, or
+CUDA without graphs); `cuda_graphs.StepGraphs` replays it as a CUDA graph.
 """
 
 from __future__ import annotations
@@ -23,15 +24,18 @@ from specter_gguf.sampling import NONFINITE_LOGITS
 if TYPE_CHECKING:
     from specter_gguf.engine import Model
 
+# (logits [T, n_vocab], inputs, choice, next, finite) -> None: writes the step's outputs (module docstring)
+Verdict = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 class Steps:
-    """Forwards of `n_tokens` tokens over `cache`, each judged greedily into the device buffers (module
+    """Forwards of `n_tokens` tokens over `cache`, each judged by `verdict` into the device buffers (module
     docstring). `experts`, `observe`: as `Transformer.forward`."""
 
     def __init__(self, cache: KVCache, n_tokens: int, experts: ExpertSource = None,
-                 observe: RoutingObserver | None = None) -> None:
+                 observe: RoutingObserver | None = None, verdict: Verdict | None = None) -> None:
         self.cache, self.n_tokens, self.experts, self.observe = cache, n_tokens, experts, observe
+        self.verdict = judge if verdict is None else verdict
         dev = cache.device
         self.cuda = dev.type == "cuda"
         self.inputs = torch.zeros(n_tokens + 1, dtype=torch.long, device=dev)
@@ -65,7 +69,7 @@ class Steps:
 
     def read_choice(self) -> Callable[[], list[int]]:
         """Enqueue the copy of `choice` to the host without waiting; returns a function that waits for it and
-        returns [n, argmax of each row]. Call it before the step after next, which reuses its host buffer."""
+        returns [n, the token after each row]. Call it before the step after next, which reuses its host buffer."""
         host, ready = self._choices[self._turn], self._chosen[self._turn]
         self._turn ^= 1
         host[:-1].copy_(self.choice, non_blocking=True)
@@ -96,13 +100,13 @@ class EagerSteps(Steps):
     model's runtime), else straight through the transformer."""
 
     def __init__(self, model: Model, cache: KVCache, n_tokens: int, experts: ExpertSource = None,
-                 observe: RoutingObserver | None = None, offload: bool = True) -> None:
-        super().__init__(cache, n_tokens, experts, observe)
+                 observe: RoutingObserver | None = None, offload: bool = True, verdict: Verdict | None = None) -> None:
+        super().__init__(cache, n_tokens, experts, observe, verdict)
         self.forward = model.forward if offload else model.transformer.forward
 
     def _forward(self) -> torch.Tensor:
         logits = self.forward(self.inputs[:self.n_tokens], self.cache, experts=self.experts, observe=self.observe)
-        judge(logits, self.inputs, self.choice, self.next, self.finite)
+        self.verdict(logits, self.inputs, self.choice, self.next, self.finite)
         return logits
 
 
@@ -120,11 +124,14 @@ def judge(logits: torch.Tensor, inputs: torch.Tensor, choice: torch.Tensor, next
 
 
 def make_steps(model: Model, cache: KVCache, n_tokens: int, experts: ExpertSource = None,
-               observe: RoutingObserver | None = None, offload: bool = True, graphs: bool = False) -> Steps:
+               observe: RoutingObserver | None = None, offload: bool = True, graphs: bool = False,
+               verdict: Verdict | None = None) -> Steps:
     """CUDA-graph steps when `graphs` (CUDA), else eager ones. `offload`: the forwards read the model's offloaded
-    experts (its runtime brackets them); False for forwards whose routed experts are all resident (the draft)."""
+    experts (its runtime brackets them); False for forwards whose routed experts are all resident (the draft).
+    `verdict`: `judge` when None."""
     if graphs:
         from specter_gguf.cuda_graphs import StepGraphs
 
-        return StepGraphs(model.transformer, cache, n_tokens, experts, observe, model.offload if offload else None)
-    return EagerSteps(model, cache, n_tokens, experts, observe, offload)
+        return StepGraphs(model.transformer, cache, n_tokens, experts, observe, model.offload if offload else None,
+                          verdict)
+    return EagerSteps(model, cache, n_tokens, experts, observe, offload, verdict)

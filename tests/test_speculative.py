@@ -6,12 +6,15 @@ with penalties, with an offloaded target, up to a full context; and 20 prompts Ã
 architecture (offloaded, evicting) and every draft type (Q8_0, Q4_K_M, Q2_K). The F16 file as its own draft
 must be accepted every time (the acceptance path), a Q4_K_M draft at least sometimes (mixed rounds). Sampled:
 the rule that accepts or replaces a drafted token must output the target's distribution exactly; checked by drawing many
-rounds through `accept_drafts` (chi-square against the target's probabilities).
+rounds through `accept_drafts`, and through the whole decoder (drafting, the verdict on the device, CUDA graphs on
+the GPU): chi-square of the first tokens' joint counts against the target's probabilities.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -124,6 +127,59 @@ def test_speculative_sampling_outputs_the_target_distribution() -> None:
     assert abs(accepted / rounds - float(torch.minimum(p, q).sum())) < 0.02  # P(accept) = sum min(p, q)
 
 
+CHAINS = {"top-k": SamplingParams(temperature=2.0, top_k=2, top_p=1.0, min_p=0.0),
+          "top-p, min-p": SamplingParams(temperature=2.0, top_k=4, top_p=0.6, min_p=0.4)}  # they keep 2 of 4
+CHAIN_PROMPT = [11, 200, 31, 400]  # where the Q2_K draft's distributions differ from the target's (~80% kept)
+
+
+def _chi2_bound(dof: int) -> float:
+    """The chi-square value exceeded with probability 0.001 (Wilson-Hilferty: 1.4% above the exact one at dof = 4,
+    closer for more)."""
+    z = 3.0902  # the standard normal's 0.999 quantile
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def _joint_probabilities(model: Model, prompt: list[int], params: SamplingParams, n: int) -> dict[tuple, float]:
+    """P(t_1 .. t_n) of target-only sampling, exactly: the reference chain (`Sampler.probabilities`) after every
+    prefix."""
+    sampler = Sampler(params)
+    joint: dict[tuple, float] = {(): 1.0}
+    for _ in range(n):
+        grown = {}
+        for prefix, p in joint.items():
+            probs = sampler.probabilities(torch.from_numpy(model.logits([*prompt, *prefix])[-1]))
+            for t in torch.nonzero(probs).reshape(-1).tolist():
+                grown[(*prefix, t)] = p * float(probs[t])
+        joint = grown
+    return joint
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))])
+@pytest.mark.parametrize("chain", CHAINS)
+def test_sampled_speculative_decoding_outputs_the_target_distribution(tiny_models, chain: str, device: str) -> None:
+    """Three tokens sampled with a Q2_K draft drafting two (the first token is the prefill's, the next two come
+    from one iteration: accepted drafts or the verdict's draw), 600 times with different seeds: the counts of
+    the 8 triples against the target-only joint probabilities. On the GPU the iterations replay
+    CUDA graphs, the verdict included."""
+    params = CHAINS[chain]
+    target, draft = tiny_models[("qwen2moe", "f16")], tiny_models[("qwen2moe", "q2_k")]
+    joint = _joint_probabilities(Model.load(target, device="cpu", progress=False), CHAIN_PROMPT, params, 3)
+    spec = Model.load(target, draft=draft, device=device, progress=False, ctx_size=64, n_draft=2)
+    rounds, counts, drafted, accepted = 600, {t: 0 for t in joint}, 0, 0
+    for seed in range(rounds):
+        gen = spec.generate(CHAIN_PROMPT, 3, dataclasses.replace(params, seed=seed)).wait()
+        counts[tuple(gen.tokens)] += 1  # a triple outside the support fails here
+        drafted, accepted = drafted + gen.stats.draft_tokens, accepted + gen.stats.draft_accepted
+    assert 0 < accepted < drafted, "both verdicts (kept, replaced) must occur"
+    expected = {t: p * rounds for t, p in joint.items()}
+    assert min(expected.values()) >= 5, "the chain's support has cells too rare for a chi-square test"
+    chi2 = sum((counts[t] - e) ** 2 / e for t, e in expected.items())
+    dof = len(joint) - 1
+    bound = _chi2_bound(dof)
+    assert chi2 < bound, f"chi2 {chi2:.1f} ({dof} degrees of freedom, p = 0.001 at {bound:.1f})"
+
+
 def test_a_draft_of_another_model_is_refused(tiny_models) -> None:
     with pytest.raises(SpecterError, match="not a draft of"):
         Model.load(tiny_models[("qwen2moe", "f16")], draft=tiny_models[("olmoe", "f16")], device="cpu",
@@ -179,10 +235,11 @@ def test_lookahead_prefetches_what_the_draft_counted_most_used_first(shipped_mod
     assert chunk_ends(1, 0.003, 0.01) == [1]
 
 
-def test_drafting_never_waits_for_the_host(tiny_models, monkeypatch) -> None:
-    """Greedy drafting chains on the device: while an iteration's k draft steps are launched (the lookahead buffer
-    counting and snapshotting their routing), nothing reads a tensor back or waits for the device; the one host
-    read of an iteration is the verification's verdict."""
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=1.0, seed=3)], ids=["greedy", "sampled"])
+def test_drafting_never_waits_for_the_host(tiny_models, monkeypatch, sampling: SamplingParams) -> None:
+    """Drafting chains on the device, greedy or sampled: while an iteration's k draft steps are launched (the
+    lookahead buffer counting and snapshotting their routing, sampled drafts drawn from uniforms sent ahead),
+    nothing reads a tensor back or waits for the device; the one host read of an iteration is the verdict."""
     from specter_gguf.speculation import decoder as spec
 
     target, draft = tiny_models[("qwen2moe", "f16")], tiny_models[("qwen2moe", "q4_k_m")]
@@ -214,9 +271,10 @@ def test_drafting_never_waits_for_the_host(tiny_models, monkeypatch) -> None:
             drafting[0] -= 1
 
     monkeypatch.setattr(spec.SpeculativeDecoder, "_draft_on_device", watched)
-    gen = m.generate(PROMPT, N, GREEDY).wait()
-    assert gen.tokens == _target_tokens(target) and gen.stats.draft_rounds > 3
-    assert gen.stats.prefetched > 0
+    gen = m.generate(PROMPT, N, sampling).wait()
+    assert gen.stats.draft_rounds > 3 and gen.stats.prefetched > 0
+    if sampling.greedy:
+        assert gen.tokens == _target_tokens(target)
     assert reads == [], f"host reads while drafting: {sorted(set(reads))}"
 
 

@@ -1,10 +1,13 @@
 """Acceptance: which drafted tokens the target keeps, and the target's own token after them.
 
-Greedy: d_i is kept while it is the target's own choice (on the device: `steps.judge`, one read per iteration;
-here `accept_drafts` for decoding with penalties). Sampled: d_i is kept with probability min(1, p(d_i) / q(d_i)),
-otherwise the token is drawn from max(0, p - q) normalized (speculative sampling), where p and q are the
-target's and the draft's distributions after the sampling chain. Either way the output is distributed exactly
-as the target's alone (greedy: the same tokens).
+Greedy: d_i is kept while it is the target's own choice. Sampled: d_i is kept with probability
+min(1, p(d_i) / q(d_i)), otherwise the token is drawn from max(0, p - q) normalized (speculative sampling), where
+p and q are the target's and the draft's distributions after the sampling chain. Either way the output is
+distributed exactly as the target's alone (greedy: the same tokens).
+
+Without penalties both run on the device, as verdicts of the steps (`steps.judge`, `SampledVerdict`): one host
+read per iteration. With penalties (which depend on the tokens drafted so far) `accept_drafts` decides on the
+host.
 
 Synthetic acceptance (benchmarks only, `synthetic_acceptance`): each iteration keeps floor(L - 1) or
 ceil(L - 1) drafted tokens whatever the target says, with mean L - 1, so that the mean accepted length per
@@ -19,7 +22,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from specter_gguf.errors import SpecterError
-from specter_gguf.sampling import Sampler
+from specter_gguf.sampling import (Sampler, SamplingParams, chain_candidates, chain_knobs, chain_probabilities,
+                                   draw_rows)
 
 if TYPE_CHECKING:
     from specter_gguf.engine import Model
@@ -54,6 +58,49 @@ def draw_residual(sampler: Sampler, p: torch.Tensor, q: torch.Tensor) -> int:
     return sampler.draw(residual if float(residual.sum()) > 0 else p)
 
 
+class SampledVerdict:
+    """Speculative sampling on the device, as the verdict of `n_tokens`-token steps (`steps.Steps`; the same
+    outputs as `steps.judge`): the tokens [t, d_1 .. d_k] (k = n_tokens - 1), the draft's distributions
+    `draft_probs` [k, n_vocab] they were drawn from and `uniforms` [n_tokens] (k acceptance tests, one draw)
+    give n accepted and the token after them, drawn from the residual of the first rejected row or from the
+    last row. A one-token step (k = 0) is a plain draw: a drafted token, whose distribution stays in `probs`.
+    The sampling settings are a device tensor (`set`), so one captured graph serves every temperature."""
+
+    def __init__(self, params: SamplingParams, n_tokens: int, n_vocab: int, device: torch.device) -> None:
+        self.n_candidates = chain_candidates(params, n_vocab)
+        self._knobs = chain_knobs(params)
+        self.knobs = self._knobs.to(device)
+        self.uniforms = torch.zeros(n_tokens, dtype=torch.float64, device=device)
+        self.draft_probs = torch.zeros(n_tokens - 1, n_vocab, dtype=torch.float64, device=device)
+        self.probs = torch.zeros(n_tokens, n_vocab, dtype=torch.float64, device=device)
+
+    def set(self, params: SamplingParams) -> None:
+        """Sample with `params` from now on (the same top_k); copies only what changed (a copy from pageable
+        memory waits for the device)."""
+        knobs = chain_knobs(params)
+        if not torch.equal(knobs, self._knobs):
+            self._knobs = knobs
+            self.knobs.copy_(knobs)
+
+    def __call__(self, logits: torch.Tensor, inputs: torch.Tensor, choice: torch.Tensor, next: torch.Tensor,
+                 finite: torch.Tensor) -> None:
+        T = logits.shape[0]
+        k, pos = T - 1, inputs[T:]
+        p = chain_probabilities(logits, self.n_candidates, self.knobs)
+        self.probs.copy_(p)
+        drafted = inputs[1:T, None]
+        q = self.draft_probs
+        kept = self.uniforms[:k] * q.gather(1, drafted).squeeze(1) < p[:k].gather(1, drafted).squeeze(1)
+        n = kept.long().cumprod(0).sum(0, keepdim=True)
+        residual = (p[:k] - q).clamp(min=0)
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[:k])  # all zero: rounding only
+        after = draw_rows(torch.cat([residual, p[k:]]).index_select(0, n), self.uniforms[k:])
+        rows = torch.arange(T, device=logits.device)
+        choice.copy_(torch.cat([n, torch.where(rows < n, torch.cat([inputs[1:T], after]), after)]))
+        next.copy_(torch.cat([after, pos + n + 1]))
+        finite.copy_(torch.isfinite(logits.amax(-1)).all().view(1))
+
+
 def synthetic_count(sampler: Sampler, k: int, synth_len: float) -> int:
     """Drafted tokens a synthetic iteration keeps: floor or ceil of L - 1 (mean L - 1), at most k."""
     extra = synth_len - 1
@@ -62,7 +109,7 @@ def synthetic_count(sampler: Sampler, k: int, synth_len: float) -> int:
 
 def synthetic_acceptance(model: Model, synth_len: float) -> None:
     """Benchmarks only: make `model`'s speculative decoder accept a mean of `synth_len` tokens per verification
-    (module docstring), drafting at least ceil(L - 1) tokens."""
+    (module docstring), drafting a fixed depth of at least ceil(L - 1) tokens."""
     from specter_gguf.speculation.decoder import SpeculativeDecoder
 
     decoder = model.decoder
@@ -71,4 +118,4 @@ def synthetic_acceptance(model: Model, synth_len: float) -> None:
     if not synth_len >= 1:
         raise SpecterError(f"a synthetic accepted length must be at least 1, got {synth_len}")
     decoder.synth_len = synth_len
-    decoder.n_draft = max(decoder.n_draft, math.ceil(synth_len - 1))
+    decoder.set_depth(max(decoder.n_draft, math.ceil(synth_len - 1)))

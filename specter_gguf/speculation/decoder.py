@@ -1,26 +1,28 @@
 """The speculative decoder: draft, lookahead, verify, accept (see the package docstring), one iteration at a time.
 
-Greedy decoding without penalties runs on the device: the draft's one-token steps feed each other their argmax,
-the verification's inputs are assembled from the drafted tokens on the device, it judges them itself
-(`steps.judge`) and its verdict feeds the next iteration's first draft step; the host reads one small tensor
-per iteration (how many were accepted and the target's choices). Sampled decoding, and greedy decoding with
-penalties, choose each drafted token on the host and accept with `accept.accept_drafts`. The steps are CUDA
-graphs on the model's reusable cache when the model replays graphs, eager otherwise (the CPU: the same
-algorithm, which CI tests).
+Decoding without penalties runs on the device: the draft's one-token steps feed each other the token they chose
+(greedy: their argmax; sampled: a draw from the draft's distribution, which stays on the device for the
+acceptance test), the verification's inputs are assembled from the drafted tokens on the device, it judges them
+itself (`steps.judge`, `accept.SampledVerdict`) and its verdict feeds the next iteration's first draft step; the
+host reads one small tensor per iteration (how many were accepted and the tokens). A sampled iteration's uniforms
+are drawn on the host from the sampler's generator and reach the device without a wait. Decoding with penalties
+chooses each drafted token on the host and accepts with `accept.accept_drafts`. The steps are CUDA graphs on the
+model's reusable cache when the model replays graphs, eager otherwise (the CPU: the same algorithm, which CI
+tests).
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, Literal
 
 import torch
 
-from specter_gguf.errors import SpecterError
 from specter_gguf.gguf_file import GGUFFile
 from specter_gguf.layers import Experts, KVCache
-from specter_gguf.sampling import Sampler
-from specter_gguf.speculation.accept import accept_drafts, synthetic_count
+from specter_gguf.sampling import Sampler, SamplingParams, chain_candidates
+from specter_gguf.speculation.accept import SampledVerdict, accept_drafts, synthetic_count
+from specter_gguf.speculation.depth import MAX_DEPTH, DepthChooser, parse_depth
 from specter_gguf.speculation.draft import load_draft_experts
 from specter_gguf.speculation.lookahead import ExpertLookahead, chunk_ends
 from specter_gguf.steps import Steps, make_steps
@@ -33,42 +35,61 @@ PCIE_BYTES_PER_S = 25e9  # the copy rate assumed before one is measured (PCIe 4.
 
 
 class SpeculativeDecoder:
-    """Decodes with `n_draft` drafted tokens per verification from the draft's `experts`; with an offloaded target,
-    `lookahead` prefetches what the draft routes to."""
+    """Decodes with `n_draft` drafted tokens per verification ("auto": chosen each iteration, `depth`) from the
+    draft's `experts`; with an offloaded target, `lookahead` prefetches what the draft routes to. `name`: the
+    draft's, for reports."""
 
-    def __init__(self, experts: list[Experts | None], n_draft: int, lookahead: ExpertLookahead | None) -> None:
-        if n_draft < 1:
-            raise SpecterError(f"--n-draft must be at least 1, got {n_draft}")
-        self.experts, self.n_draft, self.lookahead = experts, n_draft, lookahead
+    def __init__(self, experts: list[Experts | None], n_draft: int | Literal["auto"],
+                 lookahead: ExpertLookahead | None, name: str = "draft") -> None:
+        self.experts, self.lookahead, self.name = experts, lookahead, name
+        self.depth: DepthChooser | None = None
+        self.set_depth(n_draft)
         self.synth_len: float | None = None  # benchmarks only (`accept.synthetic_acceptance`)
-        self._steps: dict[tuple[int, bool, int], Steps] = {}  # (tokens, draft, observer) -> steps over the cache
+        self._steps: dict[tuple, Steps] = {}  # (tokens, draft, observer, top_k or None) -> steps over the cache
         self._cache: KVCache | None = None
         self._step_s = 0.0  # one draft step, measured
 
+    def set_depth(self, n_draft: int | Literal["auto"]) -> None:
+        """Draft `n_draft` tokens per verification from now on, or choose each iteration's depth ("auto")."""
+        n_draft = parse_depth(n_draft)
+        if n_draft == "auto":
+            self.n_draft, self.depth = MAX_DEPTH, DepthChooser(first=DEFAULT_N_DRAFT)
+        else:
+            self.n_draft, self.depth = n_draft, None
+
     @classmethod
-    def load(cls, model: Model, draft: GGUFFile, n_draft: int) -> SpeculativeDecoder:
+    def load(cls, model: Model, draft: GGUFFile, n_draft: int | Literal["auto"]) -> SpeculativeDecoder:
         """The decoder of `model` with the routed experts of `draft` (a quantized copy of the model's file)."""
         experts = load_draft_experts(draft, model)
         lookahead = None
         if model.offload is not None:
             cfg = model.config
             lookahead = ExpertLookahead(model.offload.cache, cfg.n_layer, cfg.n_expert, model.device)
-        return cls(experts, n_draft, lookahead)
+        return cls(experts, n_draft, lookahead, draft.path.name)
 
     # -- steps --------------------------------------------------------------------------------------------
-    def steps(self, model: Model, cache: KVCache, n_tokens: int, draft: bool) -> Steps:
+    def steps(self, model: Model, cache: KVCache, n_tokens: int, draft: bool,
+              sampled: SamplingParams | None = None) -> Steps:
         """Draft steps (one token, the draft's experts, observed by the lookahead buffer) or verification steps
-        (`n_tokens`, the target's experts, observed by the model's routing observer): CUDA graphs over the model's
-        reusable cache, eager otherwise."""
+        (`n_tokens`, the target's experts, observed by the model's routing observer), judged greedily or, with
+        `sampled`, by speculative sampling: CUDA graphs over the model's reusable cache, eager otherwise."""
         experts, observe = (self.experts, self.lookahead) if draft else (None, model.routing_observer)
         offload = not draft  # the draft's experts are all resident: its steps skip the runtime's bookkeeping
+        n_vocab = model.config.n_vocab
+
+        def verdict() -> SampledVerdict | None:
+            return None if sampled is None else SampledVerdict(sampled, n_tokens, n_vocab, model.device)
+
         if cache is not model.reusable_cache or not model.cuda_graphs:
-            return make_steps(model, cache, n_tokens, experts, observe, offload=offload)
+            return make_steps(model, cache, n_tokens, experts, observe, offload=offload, verdict=verdict())
         if self._cache is not cache:
             self._steps, self._cache = {}, cache
-        key = (n_tokens, draft, id(observe))
+        key = (n_tokens, draft, id(observe), None if sampled is None else chain_candidates(sampled, n_vocab))
         if key not in self._steps:
-            self._steps[key] = make_steps(model, cache, n_tokens, experts, observe, offload=offload, graphs=True)
+            self._steps[key] = make_steps(model, cache, n_tokens, experts, observe, offload=offload, graphs=True,
+                                          verdict=verdict())
+        elif sampled is not None:
+            self._steps[key].verdict.set(sampled)
         return self._steps[key]
 
     # -- the iterations -----------------------------------------------------------------------------------
@@ -79,7 +100,7 @@ class SpeculativeDecoder:
             stats.prefetched = stats.prefetched_used = stats.verify_experts = 0
         clock = PhaseClock(model.device)
         p = sampler.params
-        on_device = p.greedy and not p.penalties_active
+        on_device = not p.penalties_active
         token = sampler.sample(logits, history)
         start: torch.Tensor | None = None  # the last verification's verdict [token, position], on the device
         try:
@@ -92,18 +113,21 @@ class SpeculativeDecoder:
                     logits = model.forward(torch.tensor([token], device=model.device), cache)[-1]
                     token, start = sampler.sample(logits, history), None
                     continue
-                k = min(self.n_draft, room)
+                k = min(self.n_draft if self.depth is None else self.depth.choose(), room)
                 pos = cache.length
                 clock.mark()
+                began = time.perf_counter()
                 if on_device:
-                    drafted = self._draft_on_device(model, cache, token if start is None else start, k)
+                    verify = self.steps(model, cache, k + 1, draft=False, sampled=None if p.greedy else p)
+                    drafted = self._draft_on_device(model, cache, token if start is None else start, k, verify,
+                                                    sampler)
                 else:
+                    verify = self.steps(model, cache, k + 1, draft=False)
                     drafted_ids, draft_probs = self._draft_on_host(model, cache, token, k, sampler, history)
                 clock.mark("draft")
                 if self.lookahead is not None:
                     self.lookahead.plan()
                 cache.truncate(pos)
-                verify = self.steps(model, cache, k + 1, draft=False)
                 if on_device:
                     verify.step(torch.cat([drafted, torch.full((1,), pos, device=drafted.device)]))
                     clock.mark("verify")
@@ -120,6 +144,10 @@ class SpeculativeDecoder:
                     accepted, token = accept_drafts(verified, drafted_ids, draft_probs, sampler, history,
                                                     self.synth_len)
                 cache.truncate(pos + 1 + len(accepted))
+                if self.depth is not None:  # the verdict was read: the phases' events have completed
+                    draft_s, verify_s = clock.last("draft"), clock.last("verify")
+                    wall = time.perf_counter() - began
+                    self.depth.record(k, len(accepted), draft_s, verify_s, max(0.0, wall - draft_s - verify_s))
                 self._account(model, stats, k, len(accepted))
                 for t in accepted:
                     yield t
@@ -128,21 +156,31 @@ class SpeculativeDecoder:
             if stats.draft_tokens:
                 self._step_s = stats.draft_s / stats.draft_tokens
 
-    def _draft_on_device(self, model: Model, cache: KVCache, first: int | torch.Tensor, k: int) -> torch.Tensor:
-        """k greedy draft steps from `first` (a host token, or the last verification's device verdict), each fed
-        the previous one's argmax on the device; no host synchronisation. Returns [first token, d_1 .. d_k] on
-        the device."""
-        steps = self.steps(model, cache, 1, draft=True)
+    def _draft_on_device(self, model: Model, cache: KVCache, first: int | torch.Tensor, k: int, verify: Steps,
+                         sampler: Sampler) -> torch.Tensor:
+        """k draft steps from `first` (a host token, or the last verification's device verdict), each fed the
+        previous one's choice on the device; no host synchronisation. Sampled, the steps' uniforms and the
+        `verify` steps' ones are drawn first, and each drafted token's distribution goes to `verify`. Returns
+        [first token, d_1 .. d_k] on the device."""
+        sampled = None if sampler.params.greedy else sampler.params
+        steps = self.steps(model, cache, 1, draft=True, sampled=sampled)
         ends = self._chunk_ends(model, k)
         if self.lookahead is not None:
             self.lookahead.start()
+        if sampled is not None:
+            uniforms = sampler.uniforms(2 * k + 1)  # k draws, then the verification's k tests and one draw
+            uniforms = (uniforms.pin_memory() if steps.cuda else uniforms).to(model.device, non_blocking=True)
+            verify.verdict.uniforms.copy_(uniforms[k:])
         out = []
-        steps.step([first] if isinstance(first, int) else first)
-        out.append(steps.inputs[:1].clone())
         for j in range(k):
-            if j:
-                steps.step(None)
+            if sampled is not None:
+                steps.verdict.uniforms.copy_(uniforms[j:j + 1])
+            steps.step(None if j else [first] if isinstance(first, int) else first)
+            if not j:
+                out.append(steps.inputs[:1].clone())
             out.append(steps.next[:1].clone())
+            if sampled is not None:
+                verify.verdict.draft_probs[j].copy_(steps.verdict.probs[0])
             if self.lookahead is not None and j + 1 in ends:
                 self.lookahead.snapshot()
         return torch.cat(out)
@@ -209,6 +247,13 @@ class PhaseClock:
             self._marks.append((phase, event))
         else:
             self._marks.append((phase, time.perf_counter()))
+
+    def last(self, phase: str) -> float:
+        """Seconds of the latest `phase` (on CUDA its end must have completed: read after the iteration's verdict)."""
+        for (_, begin), (name, end) in zip(reversed(self._marks[:-1]), reversed(self._marks)):
+            if name == phase:
+                return begin.elapsed_time(end) / 1000 if self.cuda else end - begin
+        raise KeyError(phase)
 
     def total(self, phase: str) -> float:
         """Seconds spent in `phase` (waits for the device on CUDA: call it at the end)."""

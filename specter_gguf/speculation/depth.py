@@ -1,0 +1,88 @@
+"""The draft depth of each iteration (`--n-draft auto`): the k that minimizes the expected time per token.
+
+With a per-token acceptance a (drafted tokens kept / drafted tokens tested: those up to and including the
+first rejected one), an iteration of depth k commits E(k) = (1 - a^(k+1)) / (1 - a) tokens on average (the
+accepted drafts and the target's own) and costs T(k) = k * draft step + verification(k) + other, so the chooser
+takes the k in 1 .. `max_depth` with the least T(k) / E(k). Every figure is measured on the iterations so far:
+the draft step and the host's time around the steps (`other`) as running means, the verification per depth
+(it grows with k: more tokens, more distinct experts, more misses), the acceptance as decayed counts (the text
+changes). A depth not tried yet is predicted from the nearest tried one, optimistically (the same verification
+time for a deeper one, time in proportion to tokens for a shallower one), so each depth that could win is tried.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from specter_gguf.errors import SpecterError
+
+MAX_DEPTH = 8
+MEAN = 0.2  # weight of the newest measurement in the running means
+DECAY = 0.95  # per iteration, of the acceptance counts
+PRIOR = (1.6, 2.0)  # (kept, tested) before any iteration: an acceptance of 0.8 worth two tokens
+
+
+def parse_depth(value: int | str) -> int | Literal["auto"]:
+    """A draft depth as `--n-draft` takes it: a whole number of at least 1, or "auto"."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        depth = int(value) if not isinstance(value, (bool, float)) else None
+    except ValueError:
+        depth = None
+    if depth is None or depth < 1:
+        raise SpecterError(f"--n-draft must be a whole number of at least 1 or auto, got {value!r}")
+    return depth
+
+
+def expected_tokens(k: int, acceptance: float) -> float:
+    """Tokens an iteration of depth k commits on average: 1 + a + ... + a^k."""
+    return sum(acceptance ** i for i in range(k + 1))
+
+
+@dataclass
+class DepthChooser:
+    """Chooses each iteration's depth from what earlier iterations measured (module docstring); `first` until
+    one has been measured."""
+
+    first: int
+    max_depth: int = MAX_DEPTH
+    step_s: float | None = None                  # one draft step
+    other_s: float = 0.0                         # an iteration's time outside its steps
+    verify_s: dict[int, float] = field(default_factory=dict)  # depth -> one verification
+    kept: float = PRIOR[0]
+    tested: float = PRIOR[1]
+
+    @property
+    def acceptance(self) -> float:
+        return self.kept / self.tested
+
+    def verification_s(self, k: int) -> float:
+        """The verification of depth k: measured, or predicted from the nearest measured depth (optimistically)."""
+        if k in self.verify_s:
+            return self.verify_s[k]
+        near = min(self.verify_s, key=lambda d: (abs(d - k), d))
+        return self.verify_s[near] * ((k + 1) / (near + 1) if k < near else 1.0)
+
+    def seconds_per_token(self, k: int) -> float:
+        assert self.step_s is not None
+        return (k * self.step_s + self.verification_s(k) + self.other_s) / expected_tokens(k, self.acceptance)
+
+    def choose(self) -> int:
+        """The depth of the next iteration."""
+        if self.step_s is None or not self.verify_s:
+            return min(self.first, self.max_depth)
+        return min(range(1, self.max_depth + 1), key=self.seconds_per_token)
+
+    def record(self, k: int, n_accepted: int, draft_s: float, verify_s: float, other_s: float) -> None:
+        """An iteration of depth k kept `n_accepted` drafts; its drafting, verification and other time."""
+        self.kept = DECAY * self.kept + n_accepted
+        self.tested = DECAY * self.tested + n_accepted + (n_accepted < k)
+        self.step_s = _mean(self.step_s, draft_s / k)
+        self.verify_s[k] = _mean(self.verify_s.get(k), verify_s)
+        self.other_s = _mean(self.other_s, other_s)
+
+
+def _mean(old: float | None, new: float) -> float:
+    return new if old is None else (1 - MEAN) * old + MEAN * new

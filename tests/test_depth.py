@@ -1,0 +1,130 @@
+"""The draft depth: `--n-draft auto` (speculation.depth) and `specter-gguf profile-depth` (speculation.profile).
+
+The chooser is driven by simulated iterations whose costs and acceptance are known, so the depth it settles on
+can be compared with the true optimum; the command runs on the CPU on a tiny model with a Q2_K draft.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from click.testing import CliRunner
+
+from specter_gguf.cli import cli
+from specter_gguf.engine import Model
+from specter_gguf.errors import SpecterError
+from specter_gguf.sampling import SamplingParams
+from specter_gguf.speculation import DepthChooser
+from specter_gguf.speculation.depth import expected_tokens, parse_depth
+
+
+def _simulate(acceptance: float, step_s: float, verify_s, iterations: int = 400) -> DepthChooser:
+    """Iterations where each drafted token is kept with probability `acceptance` until the first rejection, a
+    draft step costs `step_s` and a verification of depth k `verify_s(k)` (with ±5% noise)."""
+    rng = random.Random(0)
+    chooser = DepthChooser(first=4)
+    for _ in range(iterations):
+        k = chooser.choose()
+        n = 0
+        while n < k and rng.random() < acceptance:
+            n += 1
+        noise = lambda: 1 + rng.uniform(-0.05, 0.05)  # noqa: E731
+        chooser.record(k, n, k * step_s * noise(), verify_s(k) * noise(), 0.0002)
+    return chooser
+
+
+def _best(acceptance: float, step_s: float, verify_s) -> int:
+    return min(range(1, 9), key=lambda k: (k * step_s + verify_s(k) + 0.0002) / expected_tokens(k, acceptance))
+
+
+@pytest.mark.parametrize("acceptance, step_s", [(0.9, 0.0005), (0.8, 0.001), (0.5, 0.001), (0.3, 0.002)])
+def test_the_chooser_settles_on_the_fastest_depth(acceptance: float, step_s: float) -> None:
+    def verify(k: int) -> float:  # a fixed cost and more experts for more tokens, as an offloaded verification
+        return 0.004 + 0.0008 * (k + 1)
+
+    chooser = _simulate(acceptance, step_s, verify)
+    best = _best(acceptance, step_s, verify)
+    k = chooser.choose()
+    true = lambda d: (d * step_s + verify(d) + 0.0002) / expected_tokens(d, acceptance)  # noqa: E731
+    assert true(k) <= 1.03 * true(best), (k, best)  # a neighbour within 3% of the optimum is as good
+    assert abs(chooser.acceptance - acceptance) < 0.12
+
+
+def test_high_acceptance_drafts_deep_and_low_acceptance_shallow() -> None:
+    def verify(k: int) -> float:
+        return 0.004 + 0.0002 * (k + 1)
+
+    assert _simulate(0.95, 0.0003, verify).choose() >= 6
+    assert _simulate(0.2, 0.002, verify).choose() == 1
+
+
+def test_untried_depths_are_predicted_optimistically() -> None:
+    chooser = DepthChooser(first=4)
+    chooser.record(4, 4, 0.004, 0.010, 0.0)
+    assert chooser.verification_s(8) == pytest.approx(0.010)  # deeper: no dearer than the tried depth
+    assert chooser.verification_s(1) == pytest.approx(0.010 * 2 / 5)  # shallower: in proportion to tokens
+    assert chooser.choose() > 4  # everything kept so far: a deeper depth could win, so it is tried
+
+
+@pytest.mark.parametrize("text, value", [("auto", "auto"), ("AUTO", "auto"), ("3", 3), (5, 5)])
+def test_parse_depth(text, value) -> None:
+    assert parse_depth(text) == value
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "two", "", 2.5, True])
+def test_bad_depths_are_refused(text) -> None:
+    with pytest.raises(SpecterError, match="--n-draft must be a whole number of at least 1 or auto"):
+        parse_depth(text)
+
+
+def test_auto_is_the_default_and_lossless(tiny_models) -> None:
+    target, draft = tiny_models[("qwen3moe", "f16")], tiny_models[("qwen3moe", "q2_k")]
+    greedy = SamplingParams(temperature=0)
+    spec = Model.load(target, draft=draft, device="cpu", progress=False, ctx_size=256)
+    assert spec.decoder.depth is not None
+    want = Model.load(target, device="cpu", progress=False, ctx_size=256).generate([5, 17, 300], 64, greedy).wait()
+    got = spec.generate([5, 17, 300], 64, greedy).wait()
+    assert got.tokens == want.tokens
+    assert got.stats.draft_rounds > 0 and spec.decoder.depth.verify_s  # it measured what it chose from
+    assert Model.load(target, draft=draft, device="cpu", progress=False, n_draft=3).decoder.depth is None
+
+
+def test_cli_n_draft_errors_are_one_line(tiny_models) -> None:
+    target, draft = tiny_models[("qwen2moe", "f16")], tiny_models[("qwen2moe", "q2_k")]
+    runner = CliRunner()
+    r = runner.invoke(cli, ["run", str(target), "-p", "hi", "--draft", str(draft), "--n-draft", "zero",
+                            "--device", "cpu"])
+    assert r.exit_code == 2 and "--n-draft must be a whole number of at least 1 or auto" in r.output
+    r = runner.invoke(cli, ["run", str(target), "-p", "hi", "--n-draft", "3", "--device", "cpu"])
+    assert r.exit_code == 1 and "--n-draft needs a draft" in r.output and "Traceback" not in r.output
+
+
+def test_profile_depth_writes_the_table_and_the_plot(tiny_models, tmp_path) -> None:
+    target, draft = tiny_models[("qwen2moe", "f16")], tiny_models[("qwen2moe", "q2_k")]
+    out = tmp_path / "profile"
+    r = CliRunner().invoke(cli, ["profile-depth", str(target), "--draft", str(draft), "--device", "cpu", "-n", "16",
+                                 "--depths", "1,3", "--repeats", "1", "--temp", "0", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    table = [line for line in r.stdout.splitlines() if line.startswith("| ")]
+    assert [line.split("|")[1].strip() for line in table] == ["k", "1", "3", "auto"]
+    rows = json.loads((out / "depth.json").read_text())["rows"]
+    assert [row["depth"] for row in rows] == ["1", "3", "auto"]
+    assert rows[0]["mean_depth"] == 1.0 and rows[1]["mean_depth"] <= 3.0  # depth 3 less near the context end
+    for row in rows:
+        assert row["tpot_ms"] > 0 and 0 <= row["acceptance"] <= 1
+        assert row["mean_accepted_len"] == pytest.approx(1 + row["acceptance"] * row["mean_depth"])
+    assert (out / "depth.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "depth.md").read_text().count("\n| ") == 4
+
+
+@pytest.mark.parametrize("args, message", [(["--depths", "0-3"], "each depth must be from 1 to 8"),
+                                           (["--depths", "a"], "write whole numbers and ranges"),
+                                           ([], "profile-depth needs a draft")])
+def test_profile_depth_errors(tiny_models, tmp_path, args, message) -> None:
+    target, draft = tiny_models[("qwen2moe", "f16")], tiny_models[("qwen2moe", "q2_k")]
+    with_draft = ["--draft", str(draft)] if args else []
+    r = CliRunner().invoke(cli, ["profile-depth", str(target), *with_draft, "--device", "cpu", "-n", "8", *args,
+                                 "-o", str(tmp_path / "p")])
+    assert r.exit_code == 1 and message in r.output and "Traceback" not in r.output
