@@ -18,9 +18,9 @@ What is measured, per system (one configuration of llama.cpp or of our engine) o
   the share of copy time hidden behind compute;
 - for ours, where the stats carry them (a second report table, see :data:`SPEC_COLUMNS`): tokens per
   verification pass, prefetch precision (prefetched experts the verification used / prefetched) and recall
-  (used and prefetched / experts the verifications used), expert bytes moved over PCIe per processed token
-  (copied plus read in place, prompt and generated tokens), the draft step time (drafting time / drafted
-  tokens) and the speculative iteration in ms per verification pass: drafting, verification, the exposed
+  (used and prefetched / experts the verifications used that were not resident when drafting began), expert
+  bytes moved over PCIe per processed token (copied plus read in place, prompt and generated tokens), the
+  draft step time (drafting time / drafted tokens) and the speculative iteration in ms per verification pass: drafting, verification, the exposed
   copy time (compute waiting for copies) and the other decode time (outside drafting and verification).
 
 Our engine's statistics contract: a ``Generation.stats`` object may carry, besides the timings, any of the
@@ -79,7 +79,7 @@ STAT_COUNTS = {
     "cache_hit_rate": ("cache_hits", "cache_lookups"),
     "hidden_copy_share": ("copy_hidden_s", "copy_s"),
     "prefetch_precision": ("prefetched_used", "prefetched"),
-    "prefetch_recall": ("prefetched_used", "verify_experts"),
+    "prefetch_recall": ("prefetched_used", "verify_missing"),
 }
 # ... (seconds, count) pairs -> milliseconds per count: a drafted token's step, and the speculative iteration
 # broken down per verification pass (`other_s`: decode time outside drafting and verification; see
@@ -1235,7 +1235,8 @@ def _speculation_table(res: Sequence[dict[str, Any]], decs: Sequence[str]) -> li
         (f"Speculation and data movement (values `{' / '.join(decs)}`; our engine's counts summed over prompts, "
          "then divided; llama.cpp reports none of these). Tokens/iter: tokens committed per verification pass, the "
          "target's own included. Draft step: one drafted token's forward. Prefetch precision: prefetched experts "
-         "the verification used / experts prefetched; recall: the same / experts the verifications used. "
+         "the verification used / experts prefetched; recall: the same / experts the verifications used that the "
+         "cache lacked when drafting began. "
          "Moved/token: expert bytes over PCIe (copied plus read in place) per prompt or generated token. Per "
          "iteration (verification pass): drafting, verification, other decode time (host work between them, plain "
          "steps); copy wait: compute waiting for expert copies (whole generation, prefill included), mostly inside "

@@ -68,7 +68,8 @@ class GenerationStats:
     verify_s: float | None = None       # time spent verifying, the lookahead's prefetch planning included
     prefetched: int | None = None       # experts the lookahead buffer copied in ahead of verifications
     prefetched_used: int | None = None  # ... that the verification then used
-    verify_experts: int | None = None   # (layer, expert) pairs the verifications used
+    verify_missing: int | None = None   # (layer, expert) pairs the verifications used that were not resident
+                                        # when their iteration began (what a prefetch could have brought)
 
     @property
     def cache_hit_rate(self) -> float | None:
@@ -102,8 +103,8 @@ class GenerationStats:
 
     @property
     def prefetch_recall(self) -> float | None:
-        """Of the experts verifications used, the share prefetched for them."""
-        return self.prefetched_used / self.verify_experts if self.verify_experts else None
+        """Of the experts verifications used that the cache lacked when drafting began, the share prefetched."""
+        return self.prefetched_used / self.verify_missing if self.verify_missing else None
 
     @property
     def mean_accepted_len(self) -> float | None:

@@ -103,10 +103,10 @@ def test_summarize_runs_speculation_and_data_movement():
     prompts, then divided; ready-made rates (medians) only where counts are missing."""
     spec = [  # two prompts of a speculative system: 32 prompt + 128 generated tokens each
         _run("greedy", 10.0, draft_tokens=100, draft_rounds=25, draft_s=0.5, verify_s=1.0, other_s=0.25,
-             copy_exposed_s=0.1, prefetched=40, prefetched_used=30, verify_experts=60, bytes_copied=1000,
+             copy_exposed_s=0.1, prefetched=40, prefetched_used=30, verify_missing=60, bytes_copied=1000,
              zero_copy_bytes=600, prefetch_precision=0.75, draft_step_ms=5.0),
         _run("greedy", 20.0, draft_tokens=60, draft_rounds=15, draft_s=0.3, verify_s=0.6, other_s=0.15,
-             copy_exposed_s=0.3, prefetched=10, prefetched_used=2, verify_experts=40, bytes_copied=2000,
+             copy_exposed_s=0.3, prefetched=10, prefetched_used=2, verify_missing=40, bytes_copied=2000,
              prefetch_precision=0.2, draft_step_ms=5.0),
     ]
     g = B.summarize_runs(spec)["greedy"]
@@ -411,7 +411,7 @@ def _fake_doc():
         res("ours", "whole model", None, 0, None, status="error", error="SpecterError: CUDA out of memory | oops"),
         res("ours-spec", "speculative decoding with the draft's experts", "16GiB", 20.0, 15 * G, draft_tokens=64,
             draft_accepted=32, draft_rounds=16, draft_s=0.08, verify_s=0.24, other_s=0.04, copy_exposed_s=0.016,
-            prefetched=50, prefetched_used=40, verify_experts=80, bytes_copied=3 * 2**20, zero_copy_bytes=2**20,
+            prefetched=50, prefetched_used=40, verify_missing=80, bytes_copied=3 * 2**20, zero_copy_bytes=2**20,
             mean_accepted_len=3.0),
         res("ours-lru", "experts in host memory, LRU expert cache", "16GiB", 40.0, 14 * G, cache_hits=1,
             cache_lookups=4, bytes_copied=2**20),

@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Iterator, Literal
 
+import numpy as np
 import torch
 
 from specter_gguf.gguf_file import GGUFFile
@@ -97,7 +98,7 @@ class SpeculativeDecoder:
                stats: GenerationStats) -> Iterator[int]:
         stats.draft_tokens = stats.draft_accepted = stats.draft_rounds = 0
         if self.lookahead is not None:
-            stats.prefetched = stats.prefetched_used = stats.verify_experts = 0
+            stats.prefetched = stats.prefetched_used = stats.verify_missing = 0
         clock = PhaseClock(model.device)
         p = sampler.params
         on_device = not p.penalties_active
@@ -228,7 +229,8 @@ class SpeculativeDecoder:
         used = model.offload.last_used
         stats.prefetched += len(self.lookahead.prefetched)
         stats.prefetched_used += sum(bool(used[key]) for key in self.lookahead.prefetched)
-        stats.verify_experts += int(used.sum())
+        resident = self.lookahead.resident
+        stats.verify_missing += sum((int(l), int(e)) not in resident for l, e in np.argwhere(used))
 
 
 class PhaseClock:
