@@ -7,20 +7,33 @@ be unusable becomes a one-line `SpecterError` naming the file and the fix.
 
 from __future__ import annotations
 
+import math
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFReader
+from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFValueType
 
 from specter_gguf.errors import SpecterError
 
 GGUF_MAGIC = b"GGUF"
+GGUF_VERSIONS = (2, 3)
+GGML_MAX_DIMS = 4
+# GGUF value types: fixed size in bytes (STRING = 8 and ARRAY = 9 have a length)
+_VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY, _UINT32 = 8, 9, 4
 
 # Tensor types the engine can run, and how each is held (see `GGUFTensor.data`).
+VOCAB_KEY = "tokenizer.ggml.tokens"
+# vocabulary arrays llama.cpp reads as raw C arrays of one item type (llama-vocab.cpp)
+VOCAB_ARRAYS = {VOCAB_KEY: GGUFValueType.STRING, "tokenizer.ggml.merges": GGUFValueType.STRING,
+                "tokenizer.ggml.token_type": GGUFValueType.INT32, "tokenizer.ggml.scores": GGUFValueType.FLOAT32}
+_CHECKED: set[tuple[str, int, int]] = set()  # (path, size, mtime) of files GGUFFile has opened and checked
+
 SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K,
                    T.Q6_K)
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
@@ -55,6 +68,7 @@ class GGUFFile:
         if magic != GGUF_MAGIC:
             raise SpecterError(f"{self.path}: not a GGUF file (it does not start with 'GGUF'); "
                                f"convert the model with llama.cpp's convert_hf_to_gguf.py first")
+        check_structure(self.path)
         try:
             reader = GGUFReader(self.path, "r")
         except ValueError as e:
@@ -62,9 +76,11 @@ class GGUFFile:
                 raise SpecterError(f"{self.path}: uses a tensor type unknown to this version of gguf ({e}); "
                                    f"re-quantize it to one of {type_names(SUPPORTED_TYPES)}") from None
             raise self._corrupt(e) from None
-        except (IndexError, OSError, UnicodeDecodeError, KeyError) as e:
+        except Exception as e:  # a parser of untrusted bytes: whatever it trips on, the file is corrupt
             raise self._corrupt(e) from None
         self._fields = reader.fields
+        self._check_vocabulary()
+        _CHECKED.add(_identity(self.path))
         self.tensors: dict[str, GGUFTensor] = {
             t.name: GGUFTensor(t.name, T(t.tensor_type), tuple(int(d) for d in reversed(t.shape)), t.data)
             for t in reader.tensors
@@ -105,6 +121,10 @@ class GGUFFile:
             raise SpecterError(f"{self.path}: tensor '{name}' has type {t.type.name}, which is not supported; "
                                f"supported types: {type_names(SUPPORTED_TYPES)} (re-quantize with "
                                f"`specter-gguf quantize`)")
+        if shape is not None and len(shape) == 1 and t.type not in FLOAT_TYPES:
+            raise SpecterError(f"{self.path}: tensor '{name}' is a vector (a norm or a bias) stored as {t.type.name}; "
+                               f"vectors must be {type_names(FLOAT_TYPES)} as llama.cpp writes them — convert the "
+                               f"model again")
         if shape is None or t.shape == tuple(shape):
             return t
         if not same_shape(t.shape, shape):
@@ -116,6 +136,43 @@ class GGUFFile:
 
     def has_tensor(self, name: str) -> bool:
         return name in self.tensors
+
+    # -- vocabulary ----------------------------------------------------------------------------------
+    def _check_vocabulary(self) -> None:
+        """Refuse a vocabulary llama.cpp's loader would abort the process on (a repeated token string trips a
+        GGML_ASSERT; arrays of the wrong type or length are read past their end) before it ever sees it."""
+        tokens = self.get(VOCAB_KEY)
+        if tokens is None:
+            return
+        if not tokens:
+            raise SpecterError(f"{self.path}: the vocabulary is empty ({VOCAB_KEY} has no tokens); the file is "
+                               f"corrupt — convert the model again")
+        for key, item in VOCAB_ARRAYS.items():
+            field = self._fields.get(key)
+            if field is not None and [int(t) for t in field.types] not in ([GGUFValueType.ARRAY, item],
+                                                                          [GGUFValueType.ARRAY]):  # [] when empty
+                raise SpecterError(f"{self.path}: metadata '{key}' is not an array of {item.name}; the vocabulary is "
+                                   f"corrupt — convert the model again")
+        first: dict[str, int] = {}
+        for i, tok in enumerate(tokens):
+            # the text llama.cpp keys its token map by: read as a C string (up to a NUL), an empty one renamed
+            text = tok.split("\0", 1)[0] or f"[EMPTY_{i}]"
+            j = first.setdefault(text, i)
+            if j != i:
+                seen = f"{tok!r}, up to its NUL" if "\0" in tok else repr(tok)
+                raise SpecterError(f"{self.path}: token id {i} ({seen}) repeats the text of token id {j} "
+                                   f"({tokens[j]!r}); llama.cpp needs every token distinct — the file is corrupt, "
+                                   f"convert the model again")
+        for key in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+            values = self.get(key)
+            if values is not None and len(values) != len(tokens):
+                raise SpecterError(f"{self.path}: '{key}' has {len(values)} entries for {len(tokens)} tokens; "
+                                   f"the vocabulary is corrupt — convert the model again")
+        bad = next((i for i, t in enumerate(self.get("tokenizer.ggml.token_type", ())) if not 0 <= t <= 6), None)
+        if bad is not None:
+            raise SpecterError(f"{self.path}: token id {bad} has token type "
+                               f"{self.get('tokenizer.ggml.token_type')[bad]} (llama.cpp's are 0 to 6); the "
+                               f"vocabulary is corrupt — convert the model again")
 
 
 def same_shape(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
@@ -131,3 +188,165 @@ def same_shape(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
 
 def type_names(types: tuple[T, ...]) -> str:
     return ", ".join(t.name for t in types)
+
+
+def _identity(path: Path) -> tuple[str, int, int]:
+    st = path.stat()
+    return str(path.resolve()), st.st_size, st.st_mtime_ns
+
+
+def check_file(path: str | os.PathLike[str]) -> None:
+    """Check `path` as `GGUFFile` does (structure, metadata strings, vocabulary) unless it was opened unchanged
+    already in this process: what hands a file to llama.cpp calls this first, so that no hostile file reaches
+    its loader, whose asserts abort the whole process."""
+    p = Path(path)
+    if not p.is_file() or _identity(p) not in _CHECKED:
+        GGUFFile(p)
+
+
+class _Scan:
+    """A bounds-checked cursor over the bytes of a GGUF file's header: every read that would pass the end of
+    the file, or a length that the rest of the file cannot hold, ends in a `SpecterError` naming `what`."""
+
+    def __init__(self, path: Path, data: Any, size: int) -> None:
+        self.path, self.data, self.size, self.pos = path, data, size, 0
+
+    def fail(self, what: str) -> SpecterError:
+        return SpecterError(f"{self.path}: truncated or corrupt GGUF file ({self.size} bytes): {what}; "
+                            f"download or convert it again")
+
+    def take(self, n: int, what: str) -> bytes:
+        if n < 0 or self.pos + n > self.size:
+            raise self.fail(f"{what} at byte {self.pos} runs past the end of the file")
+        b = self.data[self.pos:self.pos + n]
+        self.pos += n
+        return b
+
+    def u32(self, what: str) -> int:
+        return int(struct.unpack("<I", self.take(4, what))[0])
+
+    def u64(self, what: str) -> int:
+        return int(struct.unpack("<Q", self.take(8, what))[0])
+
+    def count(self, what: str, min_item: int) -> int:
+        n = self.u64(what)
+        if n * min_item > self.size - self.pos:
+            raise self.fail(f"{what} is {n}, more than the {self.size - self.pos} bytes left can hold")
+        return n
+
+    def text(self, what: str) -> str:
+        raw = self.take(self.count(f"length of {what}", 1), what)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise SpecterError(f"{self.path}: {what} is not valid UTF-8 ({e.reason} at byte {e.start}); the file "
+                               f"is corrupt or was written by a faulty converter — convert the model again") from None
+
+
+def check_structure(path: Path) -> None:
+    """Walk the header, metadata and tensor table of GGUF `path` with every length, UTF-8 string and tensor
+    data range checked, before `gguf.GGUFReader` or llama.cpp parse it: a hostile file then fails with a
+    message naming what is wrong instead of an exception deep in a parser, a long loop, or an abort in C++
+    (llama.cpp's gguf loader refuses the same layouts, with a message its quiet loading hides)."""
+    import mmap
+
+    size = path.stat().st_size
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        _check_structure(_Scan(path, mm, size))  # slices of an mmap are bytes: nothing pins the mapping
+
+
+def _check_structure(s: _Scan) -> None:
+    s.take(4, "magic")
+    version = s.u32("version")
+    if version not in GGUF_VERSIONS:
+        raise SpecterError(f"{s.path}: GGUF version {version} is not supported (versions 2 and 3, little-endian, "
+                           f"are); convert the model again with a current llama.cpp")
+    n_tensors = s.count("tensor count", 24)
+    n_kv = s.count("metadata count", 13)
+    alignment = 32
+    for i in range(n_kv):
+        key = _shown(s.text(f"metadata key {i}"))
+        vtype = s.u32(f"type of '{key}'")
+        value = _scan_value(s, key, vtype)
+        if key == "general.alignment":
+            if vtype != _UINT32 or value == 0 or value & (value - 1):
+                raise SpecterError(f"{s.path}: general.alignment is {value!r} (type {vtype}), expected a power of "
+                                   f"two stored as UINT32; the file is corrupt — convert the model again")
+            alignment = int(value)
+    infos, names = [], set()
+    for i in range(n_tensors):
+        name = _shown(s.text(f"name of tensor {i}"))
+        if name in names:
+            raise SpecterError(f"{s.path}: tensor '{name}' appears twice in the tensor table; the file is corrupt "
+                               f"— convert the model again")
+        names.add(name)
+        n_dims = s.u32(f"dimension count of tensor '{name}'")
+        if not 1 <= n_dims <= GGML_MAX_DIMS:
+            raise SpecterError(f"{s.path}: tensor '{name}' has {n_dims} dimensions (1 to {GGML_MAX_DIMS} are "
+                               f"possible); the file is corrupt — convert the model again")
+        dims = [s.u64(f"shape of tensor '{name}'") for _ in range(n_dims)]
+        infos.append((name, dims, s.u32(f"type of tensor '{name}'"), s.u64(f"data offset of tensor '{name}'")))
+    data_start = -(-s.pos // alignment) * alignment
+    spans = []
+    for name, dims, raw_type, offset in infos:
+        try:
+            block, type_size = GGML_QUANT_SIZES[T(raw_type)]
+        except (ValueError, KeyError):
+            raise SpecterError(f"{s.path}: tensor '{name}' has type {raw_type}, unknown to this version of gguf; "
+                               f"re-quantize it to one of {type_names(SUPPORTED_TYPES)}") from None
+        if dims[0] % block:
+            raise SpecterError(f"{s.path}: tensor '{name}' has rows of {dims[0]} values, not a multiple of "
+                               f"{T(raw_type).name}'s block of {block}; the file is corrupt — convert it again")
+        n_bytes = math.prod(dims) // block * type_size
+        if offset % alignment:
+            raise SpecterError(f"{s.path}: tensor '{name}' data at offset {offset} is not aligned to "
+                               f"general.alignment ({alignment}); the file is corrupt — convert the model again")
+        start = data_start + offset
+        if start + n_bytes > s.size:
+            raise SpecterError(f"{s.path}: tensor '{name}' data (bytes {start} to {start + n_bytes}) runs past the "
+                               f"end of the file ({s.size} bytes); the file is truncated — download or convert "
+                               f"it again")
+        spans.append((start, start + n_bytes, name))
+    for (_, end, a), (start, _, b) in zip(sorted(spans), sorted(spans)[1:]):
+        if start < end:
+            raise SpecterError(f"{s.path}: the data of tensors '{a}' and '{b}' overlap (bytes {start} to {end}); "
+                               f"the file is corrupt — convert the model again")
+    expected = 0  # llama.cpp's gguf loader also wants the data in table order, each tensor padded to the alignment
+    for start, end, name in spans:
+        if start - data_start != expected:
+            raise SpecterError(f"{s.path}: tensor '{name}' data is at offset {start - data_start}, where llama.cpp "
+                               f"expects {expected} (tensor data in table order, each padded to general.alignment); "
+                               f"the file is corrupt — convert the model again")
+        expected += -(-(end - start) // alignment) * alignment
+
+
+def _shown(text: str) -> str:
+    """`text` as a one-line message can show it (control characters escaped)."""
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+
+
+def _scan_value(s: _Scan, key: str, vtype: int, in_array: bool = False) -> Any:
+    """Skip over one metadata value, checking it; return it when it is a scalar number (else None)."""
+    size = _VALUE_SIZES.get(vtype)
+    if size is not None:
+        raw = s.take(size, f"value of '{key}'")
+        return int.from_bytes(raw, "little") if vtype in (0, 2, 4, 10) else None
+    if vtype == _STRING:
+        s.text(f"metadata '{key}'")
+        return None
+    if vtype == _ARRAY and not in_array:
+        item = s.u32(f"item type of '{key}'")
+        if item == _STRING:
+            n = s.count(f"item count of '{key}'", 8)
+            what = "token id" if key == "tokenizer.ggml.tokens" else "item"
+            for j in range(n):
+                s.text(f"metadata '{key}' {what} {j}")
+            return None
+        item_size = _VALUE_SIZES.get(item)
+        if item_size is None:
+            raise SpecterError(f"{s.path}: metadata '{key}' is an array of value type {item}, which GGUF does not "
+                               f"have (or an array of arrays); the file is corrupt — convert the model again")
+        s.take(s.count(f"item count of '{key}'", item_size) * item_size, f"items of '{key}'")
+        return None
+    raise SpecterError(f"{s.path}: metadata '{key}' has value type {vtype}, which GGUF does not have; the file is "
+                       f"corrupt — convert the model again")

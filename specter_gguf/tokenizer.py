@@ -81,6 +81,9 @@ class Tokenizer:
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise SpecterError(f"model file not found: {path}: check the path")
+        from .gguf_file import check_file
+
+        check_file(path)  # llama.cpp's vocabulary loader aborts the process on some malformed files
         try:
             # verbose=False: llama.cpp's log is kept to errors and its load-time output is silenced.
             with _llama_cpp_logs_to_debug(lc):

@@ -4,12 +4,14 @@ Each case is a crafted file (or path). The CLI (`run`, and `inspect` where the p
 header or metadata) must print one line starting with `Error:` that names the problem, exit with status 1
 and show no traceback; the Python API (`Model.load`) must raise `SpecterError` with the same message.
 Broken files are written from a tiny model with `gguf.GGUFWriter` (metadata edited, tensors dropped,
-reshaped or stored in a type the engine does not run) or cut short.
+reshaped or stored in a type the engine does not run), cut short, or with tensor offsets patched in place.
+Hostile vocabularies (a repeated token aborts llama.cpp's loader) must be refused before llama.cpp reads them.
 """
 
 from __future__ import annotations
 
 import re
+import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,7 +38,7 @@ def rewrite(src: Path, dst: Path, *, arch: str | None = None, kv: dict[str, Any]
     kv, tensors = kv or {}, tensors or {}
     reader = GGUFReader(src)
     old_arch = str(reader.fields["general.architecture"].contents())
-    w = GGUFWriter(dst, arch or old_arch)
+    w = _Writer(dst, arch or old_arch)
     for name, field in reader.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture" or name in kv:
             continue
@@ -45,8 +47,8 @@ def rewrite(src: Path, dst: Path, *, arch: str | None = None, kv: dict[str, Any]
         w.add_key_value(name, field.contents(), vtype, sub)
     for name, edit in kv.items():
         if edit is not DROP:
-            value, vtype = edit
-            w.add_key_value(name, value, vtype)
+            value, vtype, *sub = edit
+            w.add_key_value(name, value, vtype, *sub)
     for t in reader.tensors:
         edit = tensors.get(t.name)
         if edit is DROP:
@@ -62,6 +64,30 @@ def rewrite(src: Path, dst: Path, *, arch: str | None = None, kv: dict[str, Any]
     w.write_tensors_to_file()
     w.close()
     return dst
+
+
+class _Writer(GGUFWriter):
+    """GGUFWriter that also writes empty arrays (of the item type given), as a hostile file may hold."""
+
+    def _pack_val(self, val: Any, vtype: GGUFValueType, add_vtype: bool, sub_type: GGUFValueType | None = None):
+        if vtype == GGUFValueType.ARRAY and len(val) == 0:
+            return (self._pack("I", vtype) if add_vtype else b"") + self._pack("I", sub_type) + self._pack("Q", 0)
+        return super()._pack_val(val, vtype, add_vtype, sub_type)
+
+
+def patch_offset(src: Path, dst: Path, name: str, offset: Callable[[dict[str, int]], int]) -> Path:
+    """A copy of `src` whose tensor `name` has data offset `offset(offsets of all tensors)`, patched in place."""
+    reader = GGUFReader(src)
+    t = next(t for t in reader.tensors if t.name == name)
+    at = t.field.offset + sum(part.nbytes for part in t.field.parts[:-1])
+    data = bytearray(src.read_bytes())
+    data[at:at + 8] = struct.pack("<Q", offset({t.name: int(t.field.parts[-1][0]) for t in reader.tensors}))
+    dst.write_bytes(bytes(data))
+    return dst
+
+
+def tokens_of(base: Path) -> list[str]:
+    return list(GGUFReader(base).fields["tokenizer.ggml.tokens"].contents())
 
 
 def raw_blocks(qtype: GGMLQuantizationType, rows: int, row_len: int, seed: int = 0) -> np.ndarray:
@@ -144,6 +170,71 @@ def iq4_nl_tensor(base: Path, d: Path) -> Path:
                    tensors={"blk.1.ffn_gate_exps.weight": (raw, GGMLQuantizationType.IQ4_NL)})
 
 
+def duplicate_token(base: Path, d: Path) -> Path:
+    tokens = tokens_of(base)
+    tokens[5] = tokens[4]
+    return rewrite(base, d / "dup-token.gguf", kv={"tokenizer.ggml.tokens": (tokens, GGUFValueType.ARRAY)})
+
+
+def nul_in_token(base: Path, d: Path) -> Path:
+    tokens = tokens_of(base)
+    tokens[9] = tokens[8] + "\0x"  # llama.cpp reads it as a C string: a repeat of token 8 that aborted its loader
+    return rewrite(base, d / "nul-token.gguf", kv={"tokenizer.ggml.tokens": (tokens, GGUFValueType.ARRAY)})
+
+
+def invalid_utf8_token(base: Path, d: Path) -> Path:
+    tokens: list[Any] = tokens_of(base)
+    tokens[7] = b"\xff\xfe"
+    edit = (tokens, GGUFValueType.ARRAY, GGUFValueType.STRING)
+    return rewrite(base, d / "utf8-token.gguf", kv={"tokenizer.ggml.tokens": edit})
+
+
+def empty_vocabulary(base: Path, d: Path) -> Path:
+    edit = ([], GGUFValueType.ARRAY, GGUFValueType.STRING)
+    return rewrite(base, d / "empty-vocab.gguf", kv={"tokenizer.ggml.tokens": edit})
+
+
+def short_token_types(base: Path, d: Path) -> Path:
+    types = list(GGUFReader(base).fields["tokenizer.ggml.token_type"].contents())[:-1]
+    edit = (types, GGUFValueType.ARRAY, GGUFValueType.INT32)
+    return rewrite(base, d / "short-types.gguf", kv={"tokenizer.ggml.token_type": edit})
+
+
+def long_scores(base: Path, d: Path) -> Path:
+    edit = ([0.0] * (len(tokens_of(base)) + 3), GGUFValueType.ARRAY, GGUFValueType.FLOAT32)
+    return rewrite(base, d / "long-scores.gguf", kv={"tokenizer.ggml.scores": edit})
+
+
+def kv_edit(key: str, value: Any, vtype: GGUFValueType) -> Callable[[Path, Path], Path]:
+    def make(base: Path, d: Path) -> Path:
+        return rewrite(base, d / f"{key}-{value!r}.gguf", kv={key: (value, vtype)})
+    return make
+
+
+def norm_as_q8_0(base: Path, d: Path) -> Path:
+    raw = raw_blocks(GGMLQuantizationType.Q8_0, 1, 256)[0]
+    return rewrite(base, d / "norm-q8_0.gguf", tensors={"blk.0.attn_norm.weight": (raw, GGMLQuantizationType.Q8_0)})
+
+
+def misaligned(base: Path, d: Path) -> Path:
+    return patch_offset(base, d / "misaligned.gguf", "blk.0.attn_q.weight", lambda o: o["blk.0.attn_q.weight"] + 2)
+
+
+def out_of_file(base: Path, d: Path) -> Path:
+    return patch_offset(base, d / "out-of-file.gguf", "blk.0.attn_q.weight", lambda o: max(o.values()) + (1 << 20))
+
+
+def overlapping(base: Path, d: Path) -> Path:
+    return patch_offset(base, d / "overlap.gguf", "blk.0.attn_q.weight", lambda o: o["blk.0.attn_k.weight"])
+
+
+def gap_before_last_tensor(base: Path, d: Path) -> Path:
+    last = max(GGUFReader(base).tensors, key=lambda t: t.data_offset).name
+    p = patch_offset(base, d / "gap.gguf", last, lambda o: o[last] + 64)
+    p.write_bytes(p.read_bytes() + bytes(64))  # in the file, overlapping nothing: only llama.cpp's order rule breaks
+    return p
+
+
 def nonexistent(base: Path, d: Path) -> Path:
     return d / "no-such-model.gguf"
 
@@ -167,6 +258,31 @@ CASES: dict[str, tuple[Callable[[Path, Path], Path], str, bool]] = {
     "wrong_shape": (wrong_shape, r"blk\.0\.attn_q\.weight.*shape", False),
     "iq4_xs_tensor": (iq4_xs_tensor, r"blk\.0\.attn_q\.weight.*IQ4_XS.*not supported", False),
     "iq4_nl_tensor": (iq4_nl_tensor, r"blk\.1\.ffn_gate_exps\.weight.*IQ4_NL.*not supported", False),
+    "duplicate_token": (duplicate_token, r"token id 5 \(.*\) repeats the text of token id 4", True),
+    "invalid_utf8_token": (invalid_utf8_token, r"tokenizer\.ggml\.tokens' token id 7 is not valid UTF-8", True),
+    "nul_in_token": (nul_in_token, r"token id 9 \(.*, up to its NUL\) repeats the text of token id 8", True),
+    "empty_vocabulary": (empty_vocabulary, r"vocabulary is empty", True),
+    "short_token_types": (short_token_types, r"token_type' has \d+ entries for \d+ tokens", True),
+    "long_scores": (long_scores, r"scores' has \d+ entries for \d+ tokens", True),
+    "head_count_zero": (kv_edit("llama.attention.head_count", 0, GGUFValueType.UINT32),
+                        r"llama\.attention\.head_count is 0, expected from 1", True),
+    "expert_count_string": (kv_edit("llama.expert_count", "8", GGUFValueType.STRING),
+                            r"llama\.expert_count is '8', expected an integer", True),
+    "expert_count_nan": (kv_edit("llama.expert_count", float("nan"), GGUFValueType.FLOAT32),
+                         r"llama\.expert_count is nan, expected an integer", True),
+    "expert_used_negative": (kv_edit("llama.expert_used_count", -1, GGUFValueType.INT32),
+                             r"llama\.expert_used_count is -1, expected from 1 to 8", True),
+    "expert_used_too_many": (kv_edit("llama.expert_used_count", 9, GGUFValueType.UINT32),
+                             r"llama\.expert_used_count is 9, expected from 1 to 8", True),
+    "rms_eps_inf": (kv_edit("llama.attention.layer_norm_rms_epsilon", float("inf"), GGUFValueType.FLOAT32),
+                    r"layer_norm_rms_epsilon is inf, expected a finite number", True),
+    "invalid_utf8_value": (kv_edit("general.name", b"tiny\xc3\x28", GGUFValueType.STRING),
+                           r"metadata 'general\.name' is not valid UTF-8", True),
+    "norm_as_q8_0": (norm_as_q8_0, r"blk\.0\.attn_norm\.weight' is a vector.*Q8_0", False),
+    "misaligned_data": (misaligned, r"blk\.0\.attn_q\.weight' data at offset \d+ is not aligned", True),
+    "data_out_of_file": (out_of_file, r"blk\.0\.attn_q\.weight' data .* runs past the end of the file", True),
+    "overlapping_data": (overlapping, r"tensors '.*' and '.*' overlap", True),
+    "gap_in_data": (gap_before_last_tensor, r"output\.weight' data is at offset \d+, where llama\.cpp expects", True),
     "nonexistent": (nonexistent, r"no such file|does not exist", True),
     "directory": (directory, r"directory|not a file", True),
 }
