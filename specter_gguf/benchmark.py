@@ -20,8 +20,9 @@ What is measured, per system (one configuration of llama.cpp or of our engine) o
   verification pass, prefetch precision (prefetched experts the verification used / prefetched) and recall
   (used and prefetched / experts the verifications used that were not resident when drafting began), expert
   bytes moved over PCIe per processed token (copied plus read in place, prompt and generated tokens), the
-  draft step time (drafting time / drafted tokens) and the speculative iteration in ms per verification pass: drafting, verification, the exposed
-  copy time (compute waiting for copies) and the other decode time (outside drafting and verification).
+  draft step time (drafting time / drafted tokens) and the speculative iteration in ms per verification
+  pass: drafting, verification, the exposed copy time (compute waiting for copies) and the other decode time
+  (outside drafting and verification).
 
 Our engine's statistics contract: a ``Generation.stats`` object may carry, besides the timings, any of the
 count fields of :data:`STAT_COUNTS`, :data:`STAT_MS` and :data:`STAT_BYTES` (summed over prompts, then

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from collections import Counter
 from pathlib import Path
@@ -60,6 +61,57 @@ def model_argument(required: bool) -> Any:
     return click.argument("model", required=required, type=click.Path(path_type=Path))
 
 
+def _check_n_predict(ctx: click.Context, param: click.Parameter, value: int) -> int:
+    if value < -1:
+        raise click.BadParameter(f"{value} is below -1: give a number of tokens (0 or more), or -1 for no limit "
+                                 "(until the end of text or a full context)", ctx, param)
+    return value
+
+
+def _read_prompt_file(path: Path) -> str:
+    """The text of a -f/--file prompt, or one error line naming the file."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecterError(f"cannot read the prompt file {path}: it is not UTF-8 text (byte {e.start}); "
+                           "save it as UTF-8 (e.g. iconv -t UTF-8) or give the prompt with -p") from None
+    except OSError as e:
+        raise SpecterError(f"cannot read the prompt file {path}: {e.strerror or e}") from None
+
+
+def _existing_ancestor(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _check_output_file(path: Path, option: str, create_folder: bool = False) -> None:
+    """Fails, with one error line, unless a file can be written at `path`: its folder exists (or, with
+    `create_folder`, can be created) and is writable. Run before any work, so a typo does not cost a model load."""
+    if path.is_dir():
+        raise SpecterError(f"{option} {path} is a folder: give a file path, e.g. {path / 'out'}")
+    folder = path.absolute().parent
+    above = _existing_ancestor(folder)
+    if not above.is_dir():
+        raise SpecterError(f"{option} {path}: {above} is a file, not a folder; choose another path")
+    if above != folder and not create_folder:
+        raise SpecterError(f"{option} {path}: the folder {folder} does not exist; create it (mkdir -p {folder}) "
+                           "or choose another path")
+    if not os.access(above, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise SpecterError(f"{option} {path}: no permission to write there; choose another path")
+
+
+def _check_output_folder(path: Path, option: str) -> None:
+    """Fails, with one error line, unless `path` is a writable folder or one that can be created."""
+    above = _existing_ancestor(path)
+    if not above.is_dir():
+        raise SpecterError(f"{option} {path}: {above} is a file, not a folder; choose another path")
+    if not os.access(above, os.W_OK | os.X_OK):
+        what = "the folder" if above == path.absolute() else f"{path} cannot be created: the folder"
+        raise SpecterError(f"{option} {path}: {what} {above} is not writable; choose another path")
+
+
 ctx_size_option = click.option("-c", "--ctx-size", type=int, default=None, show_default=False,
                                help="Context size in tokens (default: the model's own, at most 4096, as llama.cpp; "
                                "0: the model's own).")
@@ -96,7 +148,8 @@ def sampling_options(f: Any) -> Any:
         from specter_gguf.sampling import SamplingParams
 
         sampling = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
-                                  repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed)
+                                  repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
+                                  seed=None if seed == -1 else seed)  # -1: random, as llama.cpp
         return f(*args, sampling=sampling, **kwargs)
 
     return _with_options(command, [
@@ -106,7 +159,7 @@ def sampling_options(f: Any) -> Any:
         click.option("--min-p", default=0.05, help="Drop tokens below min-p times the top probability (0 = off)."),
         click.option("--repeat-penalty", default=1.0, help="Penalty for repeated tokens (1.0 = off)."),
         click.option("--repeat-last-n", default=64, help="Tokens the repeat penalty looks back over (-1 = context)."),
-        click.option("--seed", type=int, default=None, help="Random seed (default: random)."),
+        click.option("--seed", type=int, default=None, help="Random seed (default or -1: random)."),
     ])
 
 
@@ -159,7 +212,8 @@ def load_options(f: Any) -> Any:
 @click.option("-p", "--prompt", help="Prompt text.")
 @click.option("-f", "--file", "prompt_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Read the prompt from a file.")
-@click.option("-n", "--n-predict", default=128, help="Tokens to generate (-1: until end of text or full context).")
+@click.option("-n", "--n-predict", default=128, callback=_check_n_predict,
+              help="Tokens to generate (-1: until end of text or full context).")
 @sampling_options
 @click.option("--stop", multiple=True, help="Stop when this text is generated (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
@@ -176,9 +230,11 @@ def run(model: Path | None, prompt: str | None, prompt_file: Path | None, n_pred
     from specter_gguf.runtime import DeviceRoutingCounts
 
     if prompt_file is not None:
-        prompt = prompt_file.read_text(encoding="utf-8")
+        prompt = _read_prompt_file(prompt_file)
     if prompt is None:
         raise SpecterError("no prompt: give one with -p/--prompt TEXT or -f/--file PATH")
+    if save_routing_profile is not None:
+        _check_output_file(save_routing_profile, "--save-routing-profile")
     m = load(model, progress=not (as_json or quiet))
     counts = None
     if save_routing_profile is not None:
@@ -240,9 +296,15 @@ def profile_depth(model: Path, prompt: str, prompt_file: Path | None, n_predict:
 
     ks = parse_depths(depths, MAX_DEPTH)
     if prompt_file is not None:
-        prompt = prompt_file.read_text(encoding="utf-8")
+        prompt = _read_prompt_file(prompt_file)
     if n_predict < 2:
         raise SpecterError(f"-n/--n-predict must be at least 2 to measure decoding, got {n_predict}")
+    if repeats < 1:
+        raise SpecterError(f"--repeats must be at least 1, got {repeats}")
+    if click.get_current_context().params.get("draft") is None:
+        raise SpecterError("profile-depth needs a draft: give --draft DRAFT.gguf (e.g. made by "
+                           "`specter-gguf quantize MODEL --type q4_k_m`)")
+    _check_output_folder(out, "-o/--out")
     m = load(model, progress=True)
     ids = m.tokenize(prompt)
     with tqdm(total=len(ks) + 1, desc="depths", unit="depth", leave=False) as bar:
@@ -274,9 +336,10 @@ def plan(model: Path, gpu_budget: str, draft: Path | None, ctx_size: int | None,
     from specter_gguf.models import check_architecture
     from specter_gguf.runtime import parse_size, plan_memory
 
+    parse_size(gpu_budget)  # a size the user got wrong fails before the file is read
     f = GGUFFile(model)
     check_architecture(f)
-    p = plan_memory(f, parse_size(gpu_budget), ctx_size, device, GGUFFile(draft) if draft is not None else None)
+    p = plan_memory(f, gpu_budget, ctx_size, device, GGUFFile(draft) if draft is not None else None)
     click.echo(json.dumps(p.to_dict()) if as_json else p.describe())
     p.check()  # a budget below the minimum: the split is shown, then the error (exit 1) says what is missing
 
@@ -295,9 +358,15 @@ def logits(model: Path, tokens: str, out: Path, device: str | None) -> None:
         ids = [int(t) for t in tokens.replace(" ", "").split(",") if t]
     except ValueError:
         raise SpecterError(f"--tokens must be comma-separated integers, got '{tokens}'") from None
-    m = Model.load(model, device=device, ctx_size=max(len(ids), 1), progress=False)
-    result = m.logits(ids)
-    np.save(out, result.astype(np.float32))
+    if not ids:
+        raise SpecterError("--tokens is empty: give comma-separated token ids, e.g. --tokens 1,5,7")
+    if min(ids) < 0:
+        raise SpecterError(f"--tokens: token id {min(ids)} is negative; token ids start at 0")
+    _check_output_file(out, "--out")
+    m = Model.load(model, device=device, ctx_size=len(ids), progress=False)
+    result = m.logits(ids)  # ids beyond the vocabulary: one error line naming its size
+    with open(out, "wb") as fh:  # exactly `out`: np.save(path) would append .npy to another suffix
+        np.save(fh, result.astype(np.float32))
     click.echo(f"wrote logits {list(result.shape)} to {out}", err=True)
 
 
@@ -340,34 +409,62 @@ def _verbosity() -> int:
 
 @cli.command()
 @model_argument(required=False)
-@click.option("--host", default="127.0.0.1", help="Address to listen on (0.0.0.0: every interface).")
-@click.option("--port", default=8080, help="Port to listen on.")
+@click.option("--host", default="127.0.0.1",
+              help="Address to listen on (0.0.0.0: every interface). Any but loopback (127.0.0.1, ::1, localhost) "
+              "needs --api-key, or --insecure.")
+@click.option("--port", default=8080, help="Port to listen on, 0 to 65535 (0: any free port, printed at start).")
+@click.option("--api-key", default=None, envvar="SPECTER_API_KEY", show_envvar=True,
+              help="Require 'Authorization: Bearer KEY' on every endpoint but /health (401 otherwise). The "
+              "environment variable keeps the key out of the process list.  [default: none]")
+@click.option("--insecure", is_flag=True, help="Allow a non-loopback --host without an API key: anyone who can "
+              "reach the port may use the model.")
+@click.option("--max-body-bytes", default=2 * 1024 * 1024,
+              help="Largest request body in bytes (2 MiB); larger ones get 413 unread.")
+@click.option("--max-prompt-tokens", type=int, default=None, show_default=False,
+              help="Most prompt tokens per request, 400 above (default: the context size less one). A text of more "
+              "than 16 characters per allowed token is refused before it is tokenized.")
+@click.option("--max-completion-tokens", type=int, default=None, show_default=False,
+              help="Largest max_tokens a request may ask for, 400 above (default: the context size).")
+@click.option("--max-stop", default=16, help="Most stop strings per request (400 above).")
+@click.option("--max-stop-chars", default=512, help="Most characters per stop string (400 above).")
+@click.option("--max-queue", default=32, help="Most requests waiting for the device, the running one not counted; "
+              "more get 429 with Retry-After.")
 @load_options
-def serve(model: Path | None, host: str, port: int, load: Any) -> None:
+def serve(model: Path | None, host: str, port: int, api_key: str | None, insecure: bool, max_body_bytes: int,
+          max_prompt_tokens: int | None, max_completion_tokens: int | None, max_stop: int, max_stop_chars: int,
+          max_queue: int, load: Any) -> None:
     """Serve MODEL (default: the shipped small model) over an OpenAI-compatible HTTP API.
 
     Endpoints: POST /v1/completions, POST /v1/chat/completions (set "stream": true for Server-Sent Events),
     GET /v1/models, GET /health, GET /metrics (Prometheus). Requests are served one at a time, in order of
-    arrival; a client that disconnects stops its generation. Ctrl-C stops the server.
+    arrival; a client that disconnects leaves the queue or stops its generation. Errors are OpenAI error
+    objects. Ctrl-C stops the server.
     """
     from specter_gguf.chat import chat_template
+    from specter_gguf.server import ServerLimits, check_listen
     from specter_gguf.server import serve as run_server
 
+    # refuse bad flags before the model loads
+    check_listen(host, port, api_key or None, insecure)
+    limits = ServerLimits(max_body_bytes, max_prompt_tokens, max_completion_tokens, max_stop, max_stop_chars,
+                          max_queue)
     m = load(model, progress=True)
 
     def listening(url: str) -> None:
         click.echo(f"serving {m.path.stem} on {url}/v1 (device {m.device}, context {m.ctx_size}, chat template: "
-                   f"{chat_template(m).source}); requests are served one at a time; Ctrl-C stops", err=True)
+                   f"{chat_template(m).source}{', API key required' if api_key else ''}); requests are served "
+                   f"one at a time; Ctrl-C stops", err=True)
 
     verbosity = _verbosity()
     run_server(m, host=host, port=port, log_level="warning" if verbosity == 0 else "info" if verbosity == 1
-               else "debug", on_listening=listening)
+               else "debug", on_listening=listening, api_key=api_key or None, limits=limits, insecure=insecure)
 
 
 @cli.command()
 @model_argument(required=False)
 @click.option("-s", "--system", default=None, help="System message that starts the conversation.")
-@click.option("-n", "--n-predict", default=-1, help="Most tokens per reply (-1: until the reply ends or the context is full).")
+@click.option("-n", "--n-predict", default=-1, callback=_check_n_predict,
+              help="Most tokens per reply (-1: until the reply ends or the context is full).")
 @sampling_options
 @load_options
 def chat(model: Path | None, system: str | None, n_predict: int, sampling: Any, load: Any) -> None:
@@ -391,12 +488,20 @@ def chat(model: Path | None, system: str | None, n_predict: int, sampling: Any, 
             import readline  # noqa: F401 - line editing for input()
         except ImportError:  # pragma: no cover
             pass
+    line = 0
     while True:
+        line += 1
         try:
-            text = input("> ") if interactive else sys.stdin.readline()
+            text = input("> ") if interactive else _read_stdin_line()
         except (EOFError, KeyboardInterrupt):
             click.echo(err=True)
             break
+        except UnicodeDecodeError as e:
+            if not interactive:
+                raise SpecterError(f"standard input is not UTF-8 text (line {line}, byte {e.start}): pipe UTF-8 "
+                                   "text into chat (e.g. through iconv -t UTF-8)") from None
+            click.echo("Error: that line is not UTF-8 text; set the terminal to UTF-8 and type it again", err=True)
+            continue
         if not interactive and text == "":
             break  # end of input
         text = text.rstrip("\n")
@@ -424,6 +529,12 @@ def chat(model: Path | None, system: str | None, n_predict: int, sampling: Any, 
         logging.getLogger("specter_gguf.chat").info("%s", gen.stats.summary())  # shown with -v
 
 
+def _read_stdin_line() -> str:
+    """One line of piped standard input, read as UTF-8 whatever the locale (as -f/--file reads a prompt)."""
+    raw = getattr(sys.stdin, "buffer", None)
+    return raw.readline().decode("utf-8") if raw is not None else sys.stdin.readline()
+
+
 @cli.command()
 @model_argument(required=True)
 @click.option("-t", "--type", "qtype", required=True,
@@ -442,7 +553,10 @@ def quantize(model: Path, qtype: str, output: Path | None, threads: int, quiet: 
     from specter_gguf.progress import llama_quantize_progress
     from specter_gguf.quantize import quantize_gguf, quantized_path
 
+    if model.is_dir():  # a missing file or not a GGUF: quantize_gguf's and llama.cpp's own error line
+        raise SpecterError(f"{model}: not a file; give the path of a .gguf model file")
     out = output if output is not None else quantized_path(model, qtype)
+    _check_output_file(out, "-o/--output", create_folder=True)  # quantize_gguf creates missing folders
     progress = None
     try:
         with llama_quantize_progress(show=not quiet, desc=f"{qtype} {out.name}") as progress:

@@ -301,7 +301,11 @@ class Model:
         """float32 logits [len(tokens), n_vocab] of one forward pass over `tokens` from an empty context."""
         ids = self._check_tokens(tokens)
         cache = self.transformer.new_cache(len(tokens))
-        return self.forward(ids, cache).cpu().numpy()
+        out = self.forward(ids, cache).cpu().numpy()
+        if not np.isfinite(out).all():  # corrupt weights (a flipped exponent bit) give NaN or Inf, not an error
+            raise SpecterError(f"{self.path}: the forward pass gave non-finite logits (NaN or Inf); the weights are "
+                               f"corrupt or overflow — download or convert the model again")
+        return out
 
     def generate(self, prompt: str | Sequence[int], n_predict: int = 128,
                  sampling: SamplingParams | None = None, stop: Sequence[str] = ()) -> Generation:
@@ -366,6 +370,7 @@ class Model:
         decoder = self.tokenizer.stream(continuation=True)  # generated text continues the prompt
         history = list(gen.prompt_tokens)
         emitted = 0  # characters of gen.text already yielded
+        stops = _StopScan(stop)
         counters = self.offload.counters.snapshot() if self.offload is not None else None
         start = time.perf_counter()
         prompt = self._check_tokens(gen.prompt_tokens)
@@ -393,10 +398,10 @@ class Model:
             gen.tokens.append(token)
             history.append(token)
             gen.text += decoder.push(token)
-            cut = _find_stop(gen.text, stop, emitted)
+            cut = _find_stop(gen.text, stops)
             if cut is not None:
                 gen.text, gen.finish_reason = gen.text[:cut], "stop"
-            safe = len(gen.text) if gen.finish_reason else len(gen.text) - _stop_prefix_len(gen.text, stop)
+            safe = len(gen.text) if gen.finish_reason else len(gen.text) - _stop_prefix_len(stops)
             if safe > emitted:
                 yield gen.text[emitted:safe]
                 emitted = safe
@@ -424,12 +429,51 @@ class Model:
         stats.copy_hidden_s = c.copy_s - stats.copy_exposed_s
 
 
-def _find_stop(text: str, stop: list[str], emitted: int) -> int | None:
-    """Index in `text` where the earliest stop string begins, looking only where it could be new."""
-    hits = [i for s in stop if s and (i := text.find(s, max(0, emitted - len(s)))) >= 0]
-    return min(hits) if hits else None
+class _StopScan:
+    """Stop strings searched in a text that only grows at its end: one Knuth-Morris-Pratt automaton per string,
+    fed each new character once, so the work is linear in the text and the stop strings (a slice or `find` per
+    token would be quadratic in a long stop string)."""
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        self.stops = [s for s in dict.fromkeys(stop) if s]
+        self.fail = [_kmp_table(s) for s in self.stops]
+        self.state = [0] * len(self.stops)  # per string: the longest prefix of it that ends the text scanned
+        self.scanned = 0                      # characters of the text fed so far
 
 
-def _stop_prefix_len(text: str, stop: list[str]) -> int:
-    """Length of the longest end of `text` that could still grow into a stop string (held back)."""
-    return max((k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+def _kmp_table(s: str) -> list[int]:
+    """fail[k]: the longest proper prefix of s[:k + 1] that is also its suffix."""
+    fail, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = fail[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        fail[i] = k
+    return fail
+
+
+def _find_stop(text: str, scan: _StopScan) -> int | None:
+    """Index in `text` where the earliest stop string begins, feeding `scan` the characters new since its last
+    call (a match can only end in them: the text before was scanned already)."""
+    best = None
+    for n, (s, fail) in enumerate(zip(scan.stops, scan.fail)):
+        k = scan.state[n]
+        for i in range(scan.scanned, len(text)):
+            c = text[i]
+            while k and c != s[k]:
+                k = fail[k - 1]
+            if c == s[k]:
+                k += 1
+            if k == len(s):
+                start = i + 1 - len(s)
+                best = start if best is None else min(best, start)
+                break
+        scan.state[n] = k
+    scan.scanned = len(text)
+    return best
+
+
+def _stop_prefix_len(scan: _StopScan) -> int:
+    """Length of the longest end of the text scanned that could still grow into a stop string (held back)."""
+    return max(scan.state, default=0)

@@ -3,3 +3,7 @@
 
 class SpecterError(Exception):
     """A problem with the user's input or environment, reported without a traceback by the CLI."""
+
+
+class TemplateError(SpecterError):
+    """A chat template failed to render (any error, its time or output limit)."""

@@ -160,7 +160,9 @@ def draw_rows(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.minimum(at, last)
 
 
-NAN_LOGITS = "the model produced NaN logits: check the model file, or try another --dtype"
+# the one precision choice a user has: --device cpu keeps the KV cache in float32 (float16 on CUDA, layers.py)
+NAN_LOGITS = ("the model produced NaN logits: check the model file (`specter-gguf inspect MODEL`; re-download or "
+              "re-convert it), or run with --device cpu, whose KV cache is float32 instead of CUDA's float16")
 NONFINITE_LOGITS = "the model produced NaN or infinite logits: check the model file"
 
 

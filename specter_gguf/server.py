@@ -5,8 +5,14 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or Ser
 
 Requests are served one at a time, first come first served: generation runs on a single worker thread
 (the device is used by one request at a time), so the event loop stays free to accept requests, answer
-``/health`` and ``/metrics``, and notice clients that leave. A client that disconnects, whether queued or
-being served, stops its generation before the next token.
+``/health`` and ``/metrics``, and notice clients that leave. A client that disconnects while it waits leaves
+the queue at once; one being served stops its generation before the next token.
+
+Every request is bounded before work starts (:class:`ServerLimits`): the body's size (413), the prompt's
+length in characters before it is tokenized and in tokens after (400), ``max_tokens`` and the stop strings
+(400), the queue (429 with ``Retry-After``). With an API key every endpoint but ``/health`` needs
+``Authorization: Bearer KEY`` (401). Every error is an OpenAI error object
+(``{"error": {"message", "type", "param", "code"}}``), 404, 405 and 500 included.
 
 Sampling fields default to llama.cpp's values (temperature 0.8, top_p 0.95, and the extensions top_k 40,
 min_p 0.05, repeat_penalty 1.0), as llama.cpp's server does. ``max_tokens`` defaults to 16 for completions
@@ -16,17 +22,20 @@ min_p 0.05, repeat_penalty 1.0), as llama.cpp's server does. ``max_tokens`` defa
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
+import ipaddress
 import json
 import logging
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator
 
 from . import api
-from .errors import SpecterError
+from .errors import SpecterError, TemplateError
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -35,7 +44,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from .engine import Generation, Model
 
-__all__ = ["create_app", "serve", "Metrics"]
+__all__ = ["create_app", "serve", "Metrics", "ServerLimits", "check_exposure", "check_listen"]
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +57,62 @@ ADDITIVE_STATS = ("prefill_s", "decode_s", "cache_lookups", "cache_hits", "cache
                   "draft_tokens", "draft_accepted", "draft_rounds")
 
 
+LOOPBACK_NAMES = ("localhost",)
+RETRY_AFTER_S = 1          # what a 429 asks the client to wait: one request of a small model, or a token of a big one
+PROMPT_CHARS_PER_TOKEN = 16  # a text longer than this many characters per allowed token is refused untokenized
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Bounds on what one request may cost, checked before it is queued (None: the model's context size)."""
+
+    max_body_bytes: int = 2 * 1024 * 1024  # 413 above
+    max_prompt_tokens: int | None = None   # 400 above; None: the context size less one (room for a token)
+    max_completion_tokens: int | None = None  # the largest max_tokens a request may ask; None: the context size
+    max_stop: int = 16                     # stop strings per request
+    max_stop_chars: int = 512              # characters per stop string
+    max_queue: int = 32                    # requests waiting for the device (the running one not counted); 429 above
+
+    def __post_init__(self) -> None:
+        for name, v in vars(self).items():
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise SpecterError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
+
+    def prompt_tokens(self, model: Model) -> int:
+        return min(self.max_prompt_tokens or model.ctx_size - 1, model.ctx_size - 1)
+
+    def completion_tokens(self, model: Model) -> int:
+        return min(self.max_completion_tokens or model.ctx_size, model.ctx_size)
+
+
+def check_exposure(host: str, api_key: str | None, insecure: bool = False) -> None:
+    """Refuse to serve beyond this machine without an API key: anyone who reaches the port could use the model."""
+    if api_key or insecure or is_loopback(host):
+        return
+    raise SpecterError(f"--host {host} is reachable from other machines and no API key is set: give --api-key KEY "
+                       f"(or set SPECTER_API_KEY), listen on 127.0.0.1, or pass --insecure to serve anyone")
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 class RequestError(Exception):
     """A request the server refuses: becomes an OpenAI-style error object with this HTTP status."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status, self.param = status, param
+        self.status, self.param, self.code, self.headers = status, param, code, headers
+
+
+class ClientLeft(Exception):
+    """The client disconnected while its request waited in the queue."""
 
 
 # -- metrics ---------------------------------------------------------------------------------------------
@@ -108,7 +167,8 @@ class Metrics:
         with self._lock:
             metric("specter_info", "gauge", "The model being served (value 1).", [(_labels(info), 1)])
             metric("specter_requests_total", "counter",
-                   "Generation requests by endpoint and outcome (ok, error, cancelled: the client left).",
+                   "Generation requests by endpoint and outcome (ok; error; cancelled: the client left; "
+                   "rejected: the queue was full).",
                    [(_labels({"endpoint": e, "outcome": o}), n) for (e, o), n in sorted(self.requests.items())])
             metric("specter_requests_queued", "gauge", "Requests waiting for the device.", [("", self.queued)])
             metric("specter_requests_running", "gauge", "Requests being generated (at most 1).",
@@ -133,8 +193,9 @@ class Metrics:
                 metric("specter_draft_acceptance_rate", "gauge", "Accepted / drafted tokens since the start.",
                        [("", self.totals.get("draft_accepted", 0.0) / drafted)])
             for k in sorted(self.last):
-                metric(f"specter_last_{_seconds(k)}", "gauge", f"GenerationStats.{k} of the last completed request.",
-                       [("", self.last[k])])
+                unit_name, value = _base_units(k, self.last[k])
+                metric(f"specter_last_{unit_name}", "gauge", f"GenerationStats.{k} of the last completed request"
+                       f"{' (in seconds)' if k.endswith('_ms') else ''}.", [("", value)])
             if self.last_labels:
                 metric("specter_last_generation_info", "gauge",
                        "Text fields of the last completed request's GenerationStats (value 1).",
@@ -144,6 +205,16 @@ class Metrics:
 
 def _seconds(name: str) -> str:
     return name[:-2] + "_seconds" if name.endswith("_s") else name
+
+
+def _base_units(name: str, value: float) -> tuple[str, float]:
+    """A GenerationStats field as Prometheus wants it: seconds, and whole words for rates (`tpot_ms` ->
+    `tpot_seconds`, `tokens_per_s` -> `tokens_per_second`)."""
+    if name.endswith("_ms"):
+        return name[:-3] + "_seconds", value / 1000.0
+    if name.endswith("_per_s"):
+        return name[:-6] + "_per_second", value
+    return _seconds(name), value
 
 
 def _num(v: float) -> str:
@@ -209,44 +280,184 @@ def _unsupported(body: dict[str, Any]) -> None:
         raise RequestError("only response_format {'type': 'text'} is supported", param="response_format")
 
 
-def _stop(body: dict[str, Any]) -> list[str]:
+def _stop(body: dict[str, Any], limits: ServerLimits) -> list[str]:
     try:
-        return api.stop_list(body.get("stop"))
+        stop = api.stop_list(body.get("stop"))
     except SpecterError as e:
         raise RequestError(str(e), param="stop") from None
+    if len(stop) > limits.max_stop:
+        raise RequestError(f"'stop' has {len(stop)} strings; this server allows at most {limits.max_stop}",
+                           param="stop")
+    longest = max(map(len, stop), default=0)
+    if longest > limits.max_stop_chars:
+        raise RequestError(f"a stop string has {longest} characters; this server allows at most "
+                           f"{limits.max_stop_chars}", param="stop")
+    return stop
 
 
-def _max_tokens(body: dict[str, Any], default: int | None) -> int | None:
+def _max_tokens(body: dict[str, Any], default: int | None, most: int) -> int | None:
     v = body.get("max_completion_tokens", body.get("max_tokens", default))
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise RequestError(f"'max_tokens' must be a positive integer or null, got {json.dumps(v)}", param="max_tokens")
+    if v > most:
+        raise RequestError(f"'max_tokens' is {v} but this server generates at most {most} tokens per request "
+                           f"(the context size or --max-completion-tokens); ask for fewer", param="max_tokens")
     return v
 
 
-def _error(message: str, status: int = 400, param: str | None = None) -> Any:
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in a decoded JSON value, keys included (iteratively: the depth is the client's choice)."""
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, str):
+            yield v
+        elif isinstance(v, dict):
+            todo.extend(v.keys())
+            todo.extend(v.values())
+        elif isinstance(v, list):
+            todo.extend(v)
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    """The body as JSON, read no further than `limit` bytes (413 beyond): a huge body costs the server nothing."""
+    length = request.headers.get("content-length")
+    too_big = RequestError(f"the request body is larger than this server's limit of {limit} bytes "
+                           f"(--max-body-bytes)", 413)
+    if length is not None:
+        if not length.isdigit():
+            raise RequestError("the Content-Length header is not a number")
+        if int(length) > limit:
+            raise too_big
+    data, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        data.append(chunk)
+    try:
+        body = json.loads(b"".join(data))
+    except RecursionError:
+        raise RequestError("the request body nests JSON too deeply") from None
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError, an integer of too many digits
+        raise RequestError("the request body is not valid JSON") from None
+    for s in _strings(body):
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise RequestError(f"the request holds a lone UTF-16 surrogate ({s[e.start]!r}), which is not text; "
+                               f"send valid Unicode") from None
+    return body
+
+
+def _check_prompt_size(prompt: Any, limits: ServerLimits, model: Model, param: str) -> None:
+    """Refuse a prompt that cannot fit before tokenizing it: tokenizing costs time and memory in its length."""
+    most = limits.prompt_tokens(model)
+    if param == "prompt" and isinstance(prompt, list) and not (len(prompt) == 1 and isinstance(prompt[0], str)):
+        if len(prompt) > most:
+            raise RequestError(f"the prompt has {len(prompt)} tokens; this server takes at most {most} "
+                               f"(the context or --max-prompt-tokens)", param=param)
+        return
+    chars = sum(len(s) for s in _strings(prompt))
+    if chars > most * PROMPT_CHARS_PER_TOKEN:
+        raise RequestError(f"'{param}' has {chars} characters, more than the {most * PROMPT_CHARS_PER_TOKEN} "
+                           f"this server reads ({PROMPT_CHARS_PER_TOKEN} per token of its {most}-token prompt "
+                           f"limit); shorten them", param=param)
+
+
+def _error(message: str, status: int = 400, param: str | None = None, code: str | None = None,
+           headers: dict[str, str] | None = None) -> Any:
     from starlette.responses import JSONResponse
 
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}},
-                        status_code=status)
+    kind = {401: "authentication_error", 429: "rate_limit_error"}.get(
+        status, "invalid_request_error" if status < 500 else "server_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status, headers=headers)
+
+
+class ApiKeyMiddleware:
+    """401 for a request without ``Authorization: Bearer KEY`` (``/health`` excepted, for probes). The key is
+    compared through its SHA-256 in constant time, so neither its content nor its length leaks through timing."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app, self.digest = app, hashlib.sha256(api_key.encode()).digest()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            header = dict(scope["headers"]).get(b"authorization", b"")
+            token = header[7:].strip() if header[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(hashlib.sha256(token).digest(), self.digest):
+                why = "no API key was given" if not token else "the API key is not this server's"
+                response = _error(f"{why}: send 'Authorization: Bearer KEY' with the server's --api-key", 401,
+                                  code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 # -- the app -----------------------------------------------------------------------------------------------
 
 class Worker:
-    """Runs jobs one at a time on a single thread, in arrival order, and keeps the queue gauges."""
+    """Runs jobs one at a time on one thread, in arrival order, with at most `max_queue` waiting, and keeps the
+    queue gauges. A job whose client leaves while it waits is taken out of the queue at once."""
 
-    def __init__(self, metrics: Metrics) -> None:
-        self.metrics = metrics
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specter-generate")
+    def __init__(self, metrics: Metrics, max_queue: int = 32) -> None:
+        self.metrics, self.max_queue = metrics, max_queue
         self.stops: set[threading.Event] = set()
+        self._pending: deque[Callable[[], None]] = deque()
+        self._cond = threading.Condition()  # guards _pending, _closed and the gauges' values
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="specter-generate", daemon=True)
+        self._thread.start()
 
-    async def stream(self, job: Callable[[threading.Event, Callable[[Any], None]], None],
-                     stop: threading.Event) -> AsyncIterator[Any]:
-        """Run `job(stop, emit)` on the worker; yield what it emits. Leaving early (the consumer stops or is
-        cancelled) sets `stop`, which the job checks between tokens."""
+    def _gauges(self, running: int) -> None:
+        with self.metrics._lock:
+            self.metrics.queued, self.metrics.running = len(self._pending), running
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closed:
+                    self._cond.wait()
+                if not self._pending:
+                    return
+                run = self._pending.popleft()
+                self._gauges(1)
+            try:
+                run()
+            finally:
+                with self._cond:
+                    self._gauges(0)
+
+    def _submit(self, run: Callable[[], None]) -> None:
+        with self._cond:
+            if self._closed:
+                raise RequestError("the server is shutting down", 503)
+            if len(self._pending) >= self.max_queue:
+                raise RequestError(f"the server is busy: {len(self._pending)} requests wait for the device "
+                                   f"(--max-queue {self.max_queue}); retry in {RETRY_AFTER_S} s", 429,
+                                   code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)})
+            self._pending.append(run)
+            self._gauges(self.metrics.running)
+            self._cond.notify()
+
+    def _withdraw(self, run: Callable[[], None]) -> bool:
+        """Take a job that has not started out of the queue; False when it has started (or ended)."""
+        with self._cond:
+            try:
+                self._pending.remove(run)
+            except ValueError:
+                return False
+            self._gauges(self.metrics.running)
+            return True
+
+    async def stream(self, job: Callable[[threading.Event, Callable[[Any], None]], None], stop: threading.Event,
+                     request: Request) -> AsyncIterator[Any]:
+        """Queue `job(stop, emit)`; yield what it emits. Raises RequestError (429) when the queue is full and
+        ClientLeft when the client disconnects before the job starts; a client that leaves later, or a
+        consumer that stops early, sets `stop`, which the job checks between tokens."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
@@ -257,56 +468,72 @@ class Worker:
                 stop.set()
 
         def run() -> None:
-            with self.metrics._lock:
-                self.metrics.queued -= 1
-                self.metrics.running += 1
             try:
                 if not stop.is_set():
                     job(stop, lambda item: put("item", item))
                 put("end", None)
             except BaseException as e:  # noqa: BLE001 - handed to the request's task
                 put("error", e)
-            finally:
-                with self.metrics._lock:
-                    self.metrics.running -= 1
 
-        with self.metrics._lock:
-            self.metrics.queued += 1
+        def left() -> None:
+            stop.set()
+            q.put_nowait(("left", None))
+
+        self._submit(run)
         self.stops.add(stop)
+        watcher = asyncio.create_task(_watch_disconnect(request, left))
         try:
-            loop.run_in_executor(self._pool, run)
             while True:
                 kind, value = await q.get()
+                if kind == "left":
+                    if self._withdraw(run):
+                        raise ClientLeft
+                    continue  # running: it stops before its next token and ends as usual
                 if kind == "end":
                     return
                 if kind == "error":
                     raise value
                 yield value
         finally:
+            watcher.cancel()
             stop.set()
+            self._withdraw(run)
             self.stops.discard(stop)
 
     def shutdown(self) -> None:
+        """Stop every generation at its next token; the queued ones end without starting."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
         for s in list(self.stops):
             s.set()
-        self._pool.shutdown(wait=False, cancel_futures=False)
 
 
-def create_app(model: Model, model_name: str | None = None) -> Starlette:
-    """The ASGI app serving `model` (uvicorn, hypercorn... can run it)."""
+ENDPOINTS = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /v1/models/{model}",
+             "GET /health", "GET /metrics")
+
+
+def create_app(model: Model, model_name: str | None = None, api_key: str | None = None,
+               limits: ServerLimits | None = None) -> Starlette:
+    """The ASGI app serving `model` (uvicorn, hypercorn... can run it); with `api_key`, every endpoint but
+    /health needs it as a bearer token."""
     from contextlib import asynccontextmanager
 
     from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.middleware import Middleware
     from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.routing import Route
 
     from .chat import chat_template
 
+    limits = limits or ServerLimits()
     name = model_name or model.path.stem
     created = int(model.path.stat().st_mtime)
     template = chat_template(model)
     metrics = Metrics()
-    worker = Worker(metrics)
+    worker = Worker(metrics, limits.max_queue)
+    most_prompt, most_tokens = limits.prompt_tokens(model), limits.completion_tokens(model)
 
     def info() -> dict[str, str]:
         d = {"model": name, "device": str(model.device), "ctx_size": str(model.ctx_size),
@@ -327,7 +554,7 @@ def create_app(model: Model, model_name: str | None = None) -> Starlette:
     async def model_detail(request: Request) -> Any:
         if request.path_params["model"] != name:
             return _error(f"model '{request.path_params['model']}' is not served here; this server has '{name}'",
-                          404, "model")
+                          404, "model", "model_not_found")
         return JSONResponse({"id": name, "object": "model", "created": created, "owned_by": "specter-gguf"})
 
     async def prometheus(request: Request) -> Any:
@@ -335,14 +562,11 @@ def create_app(model: Model, model_name: str | None = None) -> Starlette:
 
     async def generate(request: Request, endpoint: str) -> Any:
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error("the request body is not valid JSON")
-        if not isinstance(body, dict):
-            return _error("the request body must be a JSON object")
-        try:
+            body = await _read_json(request, limits.max_body_bytes)
+            if not isinstance(body, dict):
+                raise RequestError("the request body must be a JSON object")
             _unsupported(body)
-            sampling, stop_strings = _sampling(body), _stop(body)
+            sampling, stop_strings = _sampling(body), _stop(body, limits)
             stream = bool(_get(body, "stream", (bool,), False))
             opts = body.get("stream_options") or {}
             include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
@@ -350,7 +574,8 @@ def create_app(model: Model, model_name: str | None = None) -> Starlette:
                 messages = body.get("messages")
                 if not isinstance(messages, list) or not messages:
                     raise RequestError("'messages' must be a non-empty list", param="messages")
-                max_tokens = _max_tokens(body, None)
+                _check_prompt_size(messages, limits, model, "messages")
+                max_tokens = _max_tokens(body, None, most_tokens)
 
                 def start() -> Generation:
                     return api.start_chat_completion(model, messages, max_tokens, sampling, stop_strings)
@@ -359,14 +584,15 @@ def create_app(model: Model, model_name: str | None = None) -> Starlette:
                 if "prompt" not in body:
                     raise RequestError("'prompt' is required", param="prompt")
                 prompt = body["prompt"]
-                max_tokens = _max_tokens(body, 16)
+                _check_prompt_size(prompt, limits, model, "prompt")
+                max_tokens = _max_tokens(body, min(16, most_tokens), most_tokens)
 
                 def start() -> Generation:
                     return api.start_completion(model, prompt, max_tokens, sampling, stop_strings)
                 chunks, result = api.completion_chunks, api.completion_result
         except RequestError as e:
             metrics.count_request(endpoint, "error")
-            return _error(str(e), e.status, e.param)
+            return _error(str(e), e.status, e.param, e.code, e.headers)
 
         rid = ("chatcmpl-" if endpoint == "chat_completions" else "cmpl-") + uuid.uuid4().hex
         now = int(time.time())
@@ -374,6 +600,9 @@ def create_app(model: Model, model_name: str | None = None) -> Starlette:
 
         def job(stop: threading.Event, emit: Callable[[Any], None]) -> None:
             gen = start()  # SpecterError (e.g. a prompt longer than the context) ends the request as a 400
+            if len(gen.prompt_tokens) > most_prompt:
+                raise RequestError(f"the prompt has {len(gen.prompt_tokens)} tokens; this server takes at most "
+                                   f"{most_prompt} (--max-prompt-tokens)", param="prompt")
             emit(None)     # "started": headers may go out now
             complete = False
             try:
@@ -397,22 +626,33 @@ def create_app(model: Model, model_name: str | None = None) -> Starlette:
                     outcome["value"] = "error"
 
         stop = threading.Event()
-        watcher = asyncio.create_task(_watch_disconnect(request, stop))
-        items = worker.stream(job, stop)
+        items = worker.stream(job, stop, request)
 
         async def finish() -> None:
-            watcher.cancel()
             await items.aclose()
             metrics.count_request(endpoint, outcome["value"])
 
         try:
             started = await items.__anext__()
             assert started is None
+        except ClientLeft:  # left while queued: its place is free already
+            await finish()
+            return _error("the client disconnected", 499)
+        except RequestError as e:  # the queue is full, a prompt over the token limit, shutting down
+            outcome["value"] = "rejected" if e.status == 429 else "error"
+            await finish()
+            return _error(str(e), e.status, e.param, e.code, e.headers)
+        except TemplateError as e:
+            outcome["value"] = "error"
+            await finish()
+            return _error(f"the chat template failed: {e}", 400, "messages", "template_error")
         except (SpecterError, StopAsyncIteration) as e:
             outcome["value"] = "error"
             await finish()
-            return _error(str(e) if isinstance(e, SpecterError) else "the server is shutting down", 400)
-        except Exception as e:  # pragma: no cover - a bug: report it as a 500, keep serving
+            if isinstance(e, SpecterError):
+                return _error(str(e), 400)
+            return _error("the server is shutting down", 503)
+        except Exception as e:  # a bug: report it as a 500, keep serving
             log.exception("generation failed")
             outcome["value"] = "error"
             await finish()
@@ -452,6 +692,21 @@ def create_app(model: Model, model_name: str | None = None) -> Starlette:
     async def chat_completions(request: Request) -> Any:
         return await generate(request, "chat_completions")
 
+    async def http_error(request: Request, exc: Exception) -> Any:
+        assert isinstance(exc, HTTPException)
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code == 404:
+            message = f"there is no endpoint {where}; this server has " + ", ".join(ENDPOINTS)
+        elif exc.status_code == 405:
+            message = f"{where} is not allowed; {request.url.path} takes {(exc.headers or {}).get('Allow', '')}"
+        else:
+            message = str(exc.detail)
+        return _error(message, exc.status_code, headers=exc.headers)
+
+    async def server_error(request: Request, exc: Exception) -> Any:
+        # Starlette logs the traceback after this answer goes out
+        return _error(f"internal server error ({type(exc).__name__}); the server's log has the details", 500)
+
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
@@ -465,38 +720,52 @@ def create_app(model: Model, model_name: str | None = None) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    middleware = [Middleware(ApiKeyMiddleware, api_key=api_key)] if api_key else []
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
+                    exception_handlers={HTTPException: http_error, Exception: server_error})
     app.state.metrics, app.state.worker, app.state.model_name = metrics, worker, name
     return app
 
 
-async def _watch_disconnect(request: Request, stop: threading.Event) -> None:
-    """Set `stop` when the client goes away (the request body has been read, so the next message the
-    server gives is the disconnect)."""
+async def _watch_disconnect(request: Request, left: Callable[[], None]) -> None:
+    """Call `left` when the client goes away (the request body has been read, so the next message the server
+    gives is the disconnect)."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            stop.set()
+            left()
             return
 
 
+def check_listen(host: str, port: int, api_key: str | None, insecure: bool = False) -> None:
+    """Refuse an exposed host without a key and a port out of range, before the model is loaded."""
+    check_exposure(host, api_key, insecure)
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise SpecterError(f"--port must be from 0 to 65535 (0: any free port), got {port}")
+
+
 def serve(model: Model, host: str = "127.0.0.1", port: int = 8080, log_level: str = "warning",
-          model_name: str | None = None, on_listening: Callable[[str], None] | None = None) -> None:
-    """Serve `model` until interrupted (Ctrl-C). `on_listening(url)` is called once the port is bound."""
+          model_name: str | None = None, on_listening: Callable[[str], None] | None = None,
+          api_key: str | None = None, limits: ServerLimits | None = None, insecure: bool = False) -> None:
+    """Serve `model` until interrupted (Ctrl-C). `on_listening(url)` is called once the port is bound. A host
+    other than loopback needs `api_key` (or `insecure`); `limits` bound each request (:class:`ServerLimits`)."""
     import socket
 
     import uvicorn
 
-    app = create_app(model, model_name)
+    check_listen(host, port, api_key, insecure)
+    app = create_app(model, model_name, api_key, limits)
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
     except OSError as e:
-        raise SpecterError(f"cannot listen on {host}:{port} ({e.strerror or e}): choose another --port or --host") from None
+        raise SpecterError(f"cannot listen on {host}:{port} ({e.strerror or e}): choose another --port or --host"
+                           ) from None
     bound_port = sock.getsockname()[1]
     if on_listening is not None:
-        on_listening(f"http://{host}:{bound_port}")
+        url_host = f"[{host}]" if ":" in host else host
+        on_listening(f"http://{url_host}:{bound_port}")
     config = uvicorn.Config(app, host=host, port=bound_port, log_level=log_level, timeout_graceful_shutdown=3)
     uvicorn.Server(config).run(sockets=[sock])

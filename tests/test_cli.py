@@ -1,8 +1,10 @@
-"""The `specter-gguf` command line on the shipped model: `run` (JSON and streaming), `inspect`, `--help`."""
+"""The `specter-gguf` command line on the shipped model: `run` (JSON and streaming), `inspect`, `--help`; user
+mistakes (bad options, files, output paths) end in one `Error:` line, before any work."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -135,3 +137,176 @@ def test_help_of_every_command() -> None:
 def test_run_without_prompt_is_an_error(shipped_model: Path) -> None:
     result = invoke("run", str(shipped_model), "--device", "cpu", "-n", "1")
     assert result.exit_code == 1 and result.output.startswith("Error: ") and "prompt" in result.output
+
+
+# -- user mistakes: one `Error:` line (exit 1, or 2 for click's usage errors), never a traceback ------------------
+
+def user_error(result, code: int = 1) -> str:
+    """The one `Error:` line of a refused command."""
+    assert "Traceback" not in result.output, result.output
+    assert result.exit_code == code, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1, result.output
+    return errors[0]
+
+
+@pytest.fixture
+def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading a model or quantizing fails the test: an error must come before either."""
+    import specter_gguf.quantize
+    from specter_gguf.engine import Model
+
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the command started its work before checking its options")
+
+    monkeypatch.setattr(Model, "load", classmethod(forbidden))
+    monkeypatch.setattr(specter_gguf.quantize, "quantize_gguf", forbidden)
+
+
+@pytest.mark.parametrize("command", ["run", "chat"])
+def test_n_predict_below_minus_one(shipped_model: Path, no_work: None, command: str) -> None:
+    args = [command, str(shipped_model), "-n", "-5"] + (["-p", PROMPT] if command == "run" else [])
+    line = user_error(invoke(*args), code=2)
+    assert "-n" in line and "-1" in line, line
+
+
+def test_prompt_file_not_utf8(shipped_model: Path, tmp_path: Path, no_work: None) -> None:
+    prompt = tmp_path / "prompt.bin"
+    prompt.write_bytes(b"\xff\xfe\x00binary")
+    line = user_error(invoke("run", str(shipped_model), "-f", str(prompt)))
+    assert str(prompt) in line and "UTF-8" in line, line
+
+
+def test_chat_stdin_not_utf8(shipped_model: Path) -> None:
+    result = CliRunner().invoke(cli, ["chat", str(shipped_model), "--device", "cpu", "-n", "2"],
+                                input=b"\xff\xfe hello\n")
+    line = user_error(result)
+    assert "standard input" in line and "UTF-8" in line, line
+
+
+@pytest.mark.parametrize("budget,reason", [
+    ("1" + "0" * 400 + "GiB", "too large"), ("1e400GiB", "too large"), ("-1GiB", "negative"),
+    ("nan", "not a finite number"), ("inf", "not a finite number"), ("", "empty"), ("16XB", "unknown unit"),
+    ("GiB", "write e.g."),
+])
+def test_gpu_budget_unreadable(shipped_model: Path, no_work: None, budget: str, reason: str) -> None:
+    line = user_error(invoke("run", str(shipped_model), "-p", PROMPT, "--gpu-budget", budget))
+    assert "cannot read the size" in line and reason in line, line
+    line = user_error(invoke("plan", str(shipped_model), "--gpu-budget", budget))
+    assert reason in line and len(line) < 300, line
+
+
+def test_plan_zero_budget(shipped_model: Path) -> None:
+    assert "more than 0" in user_error(invoke("plan", str(shipped_model), "--gpu-budget", "0"))
+
+
+def output_cases(tmp_path: Path) -> dict[str, Path]:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    return {"missing folder": tmp_path / "missing" / "out.bin", "parent is a file": blocker / "out.bin"}
+
+
+def output_commands(model: Path, out: Path) -> dict[str, list[str]]:
+    return {
+        "logits": ["logits", str(model), "--tokens", "1,2", "--out", str(out)],
+        "quantize": ["quantize", str(model), "-t", "q8_0", "-o", str(out), "-q"],
+        "run": ["run", str(model), "-p", PROMPT, "--save-routing-profile", str(out)],
+    }
+
+
+@pytest.mark.parametrize("command", ["logits", "quantize", "run"])
+@pytest.mark.parametrize("case", ["missing folder", "parent is a file"])
+def test_output_file_checked_before_work(shipped_model: Path, tmp_path: Path, no_work: None, command: str,
+                                         case: str) -> None:
+    out = output_cases(tmp_path)[case]
+    if command == "quantize" and case == "missing folder":
+        pytest.skip("quantize creates a missing folder (tests/test_quantize_cli.py)")
+    line = user_error(invoke(*output_commands(shipped_model, out)[command]))
+    assert str(out) in line, line
+    assert ("does not exist" in line and "mkdir -p" in line) if case == "missing folder" else "is a file" in line
+    assert not out.parent.exists() or out.parent.is_file()  # nothing was created
+
+
+def test_output_folder_of_profile_depth_checked_before_work(shipped_model: Path, tmp_path: Path,
+                                                            no_work: None) -> None:
+    blocker = output_cases(tmp_path)["parent is a file"].parent
+    line = user_error(invoke("profile-depth", str(shipped_model), "--draft", str(shipped_model),
+                             "-o", str(blocker / "sub")))
+    assert "is a file" in line, line
+    user_error(invoke("profile-depth", str(shipped_model), "--draft", str(shipped_model), "-o", str(blocker)), 2)
+    # a missing folder is fine (it is created when the profile is written): the next check speaks
+    line = user_error(invoke("profile-depth", str(shipped_model), "-o", str(tmp_path / "new" / "folder")))
+    assert "needs a draft" in line, line
+    assert "--repeats" in user_error(invoke("profile-depth", str(shipped_model), "--repeats", "0"))
+
+
+@pytest.mark.parametrize("tokens,expected", [("", "empty"), (",", "empty"), ("1,-3", "negative"),
+                                             ("1,x", "comma-separated integers"), ("99999", "vocabulary has")])
+def test_logits_bad_tokens(shipped_model: Path, tmp_path: Path, tokens: str, expected: str) -> None:
+    out = tmp_path / "logits.npy"
+    line = user_error(invoke("logits", str(shipped_model), "--tokens", tokens, "--out", str(out), "--device", "cpu"))
+    assert expected in line, line
+    assert not out.exists()
+
+
+def test_logits_writes_the_path_given(shipped_model: Path, tmp_path: Path) -> None:
+    import numpy as np
+
+    out = tmp_path / "logits.bin"
+    result = invoke("logits", str(shipped_model), "--tokens", "1,2,3", "--out", str(out), "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    assert out.is_file() and not (tmp_path / "logits.bin.npy").exists()
+    assert np.load(out).shape[0] == 3
+
+
+@pytest.mark.parametrize("command", ["run", "inspect", "plan", "logits", "quantize", "profile-depth"])
+@pytest.mark.parametrize("model", ["missing.gguf", "."])
+def test_model_missing_or_a_folder(shipped_model: Path, tmp_path: Path, command: str, model: str) -> None:
+    path = tmp_path / model
+    extra = {"run": ["-p", PROMPT], "plan": ["--gpu-budget", "1GiB"], "quantize": ["-t", "q8_0", "-q"],
+             "logits": ["--tokens", "1", "--out", str(tmp_path / "o.npy")],
+             "profile-depth": ["--draft", str(shipped_model)]}
+    line = user_error(invoke(command, str(path), *extra.get(command, [])))
+    assert any(w in line for w in ("no such file", "not a file", "does not exist", "not found")), line
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--top-p", "2"], "top_p"), (["--temp", "nan"], "temperature"), (["--seed", "-2"], "seed"),
+    (["--ctx-size", "-1"], "context size"), (["--repeat-last-n", "-2"], "repeat_last_n"),
+    (["--min-p", "-1"], "min_p"), (["--repeat-penalty", "0"], "repeat_penalty"),
+])
+def test_bad_sampling_and_context_options(shipped_model: Path, args: list[str], expected: str) -> None:
+    line = user_error(invoke("run", str(shipped_model), "-p", PROMPT, "--device", "cpu", *args))
+    assert expected in line, line
+
+
+def test_bad_option_types_are_usage_errors(shipped_model: Path) -> None:
+    for args in (["-n", "abc"], ["--temp", "hot"], ["--device", "tpu"], ["--n-draft", "0"]):
+        user_error(invoke("run", str(shipped_model), "-p", PROMPT, *args), code=2)
+
+
+def test_seed_minus_one_is_random(shipped_model: Path) -> None:
+    out = run_json(shipped_model, "-n", "2", "--seed", "-1")
+    assert len(out["tokens"]) <= 2
+
+
+def test_nan_logits_message_names_real_options() -> None:
+    from specter_gguf.sampling import NAN_LOGITS
+
+    options = {opt for param in cli.commands["run"].params for opt in param.opts}
+    named = re.findall(r"--[a-z][a-z-]*", NAN_LOGITS)
+    assert named and all(o in options for o in named), (named, NAN_LOGITS)
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root may write anywhere")
+def test_output_in_unwritable_folder(shipped_model: Path, tmp_path: Path, no_work: None) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    try:
+        line = user_error(invoke("logits", str(shipped_model), "--tokens", "1", "--out", str(locked / "o.npy")))
+        assert "permission" in line, line
+        line = user_error(invoke("profile-depth", str(shipped_model), "--draft", str(shipped_model),
+                                 "-o", str(locked / "sub")))
+        assert "not writable" in line, line
+    finally:
+        locked.chmod(0o700)

@@ -29,6 +29,7 @@ refused before loading, naming this minimum.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -51,21 +52,40 @@ FIT_MARGIN = 1 * GiB      # left free when the budget is the device's free memor
 DEFAULT_PREFILL_CHUNK = 256
 EXPERT_PARTS = ("gate", "up", "down")
 
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B?|[kmgt]i?b?)?\s*$")
+_SIZE_RE = re.compile(r"^\s*([+-]?)\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?|nan|inf(?:inity)?)\s*([A-Za-z]*)\s*$",
+                      re.IGNORECASE)
+MAX_SIZE = 1 << 60        # bytes (1 EiB): no device or host holds more; larger figures are typos
 _UNITS = {"": 1, "b": 1, "k": KiB, "kb": 1000, "kib": KiB, "m": MiB, "mb": 10**6, "mib": MiB,
           "g": GiB, "gb": 10**9, "gib": GiB, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
 
 
 def parse_size(text: str | int) -> int:
     """Bytes of "16GiB", "16G" (= GiB), "1.5GB" (= 1.5e9), "12000MiB", "1024" (bytes) — the same reading
-    as the benchmark harness."""
+    as the benchmark harness. Anything else (empty, negative, NaN, infinite, above `MAX_SIZE`, an unknown
+    unit) raises a SpecterError that names the problem."""
     if isinstance(text, int):
         return text
+    example = "write e.g. 16GiB, 12000MiB, 1.5GB"
     m = _SIZE_RE.match(str(text))
-    unit = (m.group(2) or "").lower() if m else None
-    if not m or unit not in _UNITS:
-        raise SpecterError(f"cannot read the size {text!r}: write e.g. 16GiB, 12000MiB, 1.5GB")
-    return int(float(m.group(1)) * _UNITS[unit])
+    shown = repr(text) if len(str(text)) <= 40 else repr(f"{str(text)[:16]}...{str(text)[-8:]}")
+    if not str(text).strip():
+        raise SpecterError(f"cannot read the size {shown}: it is empty; {example}")
+    if not m:
+        raise SpecterError(f"cannot read the size {shown}: {example}")
+    sign, number, unit = m.group(1), m.group(2), m.group(3)
+    if unit.lower() not in _UNITS:
+        raise SpecterError(f"cannot read the size {shown}: unknown unit {unit!r}; use B, KiB, MiB, GiB, TiB "
+                           "(powers of 1024; K, M, G, T mean the same), or KB, MB, GB, TB (powers of 1000)")
+    value = float(number)
+    if number.lower().startswith(("nan", "inf")):  # digits past float's range: too large, below
+        raise SpecterError(f"cannot read the size {shown}: it is not a finite number; {example}")
+    if sign == "-" and value != 0:
+        raise SpecterError(f"cannot read the size {shown}: a size cannot be negative; {example}")
+    n = value * _UNITS[unit.lower()]
+    if not math.isfinite(n) or n > MAX_SIZE:
+        raise SpecterError(f"cannot read the size {shown}: it is too large (more than {MAX_SIZE >> 60} EiB, "
+                           f"more memory than any machine has); {example}")
+    return int(n)
 
 
 def format_size(n: float | None) -> str:
@@ -264,7 +284,9 @@ class MemoryPlan:
 def plan_memory(f: GGUFFile, budget: int | str, ctx_size: int | None = None, device_type: str = "cuda",
                 draft: GGUFFile | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> MemoryPlan:
     """Split `budget` for `f` (see the module docstring). Reads metadata and tensor headers only."""
-    budget = parse_size(budget)
+    given, budget = budget, parse_size(budget)
+    if budget <= 0:
+        raise SpecterError(f"--gpu-budget {given!r}: the budget must be more than 0 bytes, e.g. 16GiB")
     cfg = ModelConfig.from_gguf(f)
     ctx = cfg.context_size(ctx_size)
     layers = moe_layers(f, cfg)
