@@ -25,15 +25,8 @@ except ImportError:  # running from a checkout without installing
 
 from specter_gguf.errors import SpecterError  # noqa: E402
 from specter_gguf.quantize import FTYPES, quantize_gguf, quantized_path  # noqa: E402
+from specter_gguf.runtime.budget import format_size  # noqa: E402
 from specter_gguf.synthetic import DTYPES, PRESETS, get_preset, write_synthetic  # noqa: E402
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-    return str(n)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,12 +61,12 @@ def main(argv: list[str] | None = None) -> int:
         r = write_synthetic(args.output, shape, args.dtype, seed=args.seed, device=args.device,
                             vocab_from=args.vocab_from, progress=not args.no_progress)
         print(f"wrote {r.path}: {shape.arch} {args.preset} ({shape.n_layer} layers, {r.n_vocab} vocab), "
-              f"{r.n_params / 1e6:.1f} M params, {args.dtype}, {_size(r.n_bytes)} in {r.seconds:.1f} s")
+              f"{r.n_params / 1e6:.1f} M params, {args.dtype}, {format_size(r.n_bytes, '.1f')} in {r.seconds:.1f} s")
         for q in qtypes:
             dst = quantized_path(args.output, q)
             t0 = time.perf_counter()
             quantize_gguf(args.output, dst, q, n_threads=args.threads, allow_requantize=args.dtype == "q8_0")
-            print(f"wrote {dst}: {q}, {_size(dst.stat().st_size)} in {time.perf_counter() - t0:.1f} s")
+            print(f"wrote {dst}: {q}, {format_size(dst.stat().st_size, '.1f')} in {time.perf_counter() - t0:.1f} s")
     except SpecterError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

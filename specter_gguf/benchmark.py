@@ -63,8 +63,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from .engine import tpot_ms
 from .errors import SpecterError
 from .runtime.budget import GiB, MiB, parse_size
+from .runtime.budget import format_size as _format_size
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROMPTS_FILE = REPO_ROOT / "scripts" / "bench_prompts.json"
@@ -116,10 +118,8 @@ STAT_BYTES = {
 
 # =========================================================================================== sizes
 def format_size(n: float | None) -> str:
-    """"12.3 GiB" (sizes under 1 GiB in MiB); "—" for None."""
-    if n is None:
-        return "—"
-    return f"{n / GiB:.1f} GiB" if abs(n) >= GiB else f"{n / MiB:.1f} MiB"
+    """The report's sizes: "12.3 GiB" (sizes under 1 GiB in MiB); "—" for None."""
+    return _format_size(n, ".1f", smallest="MiB", none="—")
 
 
 @dataclass(frozen=True)
@@ -163,12 +163,6 @@ def parse_budgets(text: str, model_bytes: int | None = None) -> list[Budget]:
 def median(values: Iterable[float | None]) -> float | None:
     v = [float(x) for x in values if x is not None and math.isfinite(float(x))]
     return statistics.median(v) if v else None
-
-
-def tpot_ms(decode_s: float, generated: int) -> float | None:
-    """Time per output token: the decode phase (first generated token to last) per decode step."""
-    steps = generated - 1
-    return 1000.0 * decode_s / steps if steps > 0 and decode_s > 0 else None
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -1191,8 +1185,7 @@ def _fmt(v: float | None, spec: str = ".2f", pct: bool = False, size: bool = Fal
     if v is None:
         return "—"
     if size:  # three significant digits in the largest unit under the value (per-token sizes are small)
-        div, unit = next(((b, u) for b, u in ((GiB, "GiB"), (MiB, "MiB"), (1024, "KiB")) if abs(v) >= b), (1, "B"))
-        return f"{v / div:.3g} {unit}"
+        return _format_size(v, ".3g")
     return f"{100 * v:.1f}%" if pct else format(v, spec)
 
 

@@ -50,11 +50,13 @@ __all__ = ["CHATML_TEMPLATE", "MAX_OUTPUT_CHARS", "RENDER_TIMEOUT_S", "WORKER_ME
 
 log = logging.getLogger(__name__)
 
+# ChatML, the fallback for files without a template and the template `synthetic` writes into its files; the
+# newlines are Jinja escapes (as in Qwen's own templates), so the text written into a GGUF file stays one line.
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 CHATML_STOP = ("<|im_end|>", "<|im_start|>")
 

@@ -15,6 +15,9 @@ import numpy as np
 
 from specter_gguf.errors import SpecterError
 from specter_gguf.quantize import FTYPES
+from specter_gguf.runtime.budget import format_size
+from specter_gguf.runtime.cache import POLICIES
+from specter_gguf.runtime.offload import OFFLOAD_CHOICES
 from specter_gguf.speculation.depth import MAX_DEPTH
 
 
@@ -188,10 +191,10 @@ def load_options(f: Any) -> Any:
         ctx_size_option,
         click.option("--gpu-budget", default=None, help="Device memory budget, e.g. 16GiB, 12000MiB, 1.5GB: weights, "
                      "KV cache, workspace and an expert cache are planned within it (see `specter-gguf plan`)."),
-        click.option("--offload", type=click.Choice(["on-demand", "lru", "gate-prefetch", "none"]), default=None,
+        click.option("--offload", type=click.Choice(OFFLOAD_CHOICES), default=None,
                      help="Routed experts in host memory with a device expert cache (needs --gpu-budget). "
                      "Default: lru when the model does not fit the budget, none otherwise."),
-        click.option("--cache-policy", type=click.Choice(["lru", "lfu", "static-hot"]), default=None,
+        click.option("--cache-policy", type=click.Choice(POLICIES), default=None,
                      help="Expert-cache eviction policy (default lru; static-hot with --routing-profile)."),
         click.option("--routing-profile", type=click.Path(exists=True, dir_okay=False, path_type=Path),
                      default=None, help="Routing profile (JSON) for the static-hot policy."),
@@ -375,7 +378,7 @@ def logits(model: Path, tokens: str, out: Path, device: str | None) -> None:
 def inspect(model: Path) -> None:
     """Describe MODEL: architecture, shapes, experts, bytes per tensor type."""
     from specter_gguf.config import ModelConfig
-    from specter_gguf.gguf_file import GGUFFile
+    from specter_gguf.gguf_file import GGUFFile, is_routed_expert
     from specter_gguf.models import check_architecture
 
     f = GGUFFile(model)
@@ -383,11 +386,11 @@ def inspect(model: Path) -> None:
     experts = other = 0
     for t in f.tensors.values():
         by_type[t.type.name] += t.n_bytes
-        if "_exps." in t.name:
+        if is_routed_expert(t.name):
             experts += t.n_bytes
         else:
             other += t.n_bytes
-    click.echo(f"file          {f.path} ({_size(f.path.stat().st_size)})")
+    click.echo(f"file          {f.path} ({format_size(f.path.stat().st_size)})")
     click.echo(f"name          {f.get('general.name', '-')}")
     click.echo(f"architecture  {f.architecture}")
     check_architecture(f)
@@ -396,8 +399,9 @@ def inspect(model: Path) -> None:
     click.echo(f"attention     {c.n_head} heads, {c.n_head_kv} KV heads, head dim {c.head_dim}")
     click.echo(f"experts       {c.n_expert} routed, {c.n_expert_used} used per token, {c.n_expert_shared} shared; "
                f"expert width {c.n_ff_exp}")
-    click.echo(f"tensors       {len(f.tensors)}: " + ", ".join(f"{k} {_size(v)}" for k, v in by_type.most_common()))
-    click.echo(f"routed experts {_size(experts)}; everything else {_size(other)}")
+    click.echo(f"tensors       {len(f.tensors)}: "
+               + ", ".join(f"{k} {format_size(v)}" for k, v in by_type.most_common()))
+    click.echo(f"routed experts {format_size(experts)}; everything else {format_size(other)}")
 
 
 # -- serve, chat, quantize (specter_gguf/server.py, chat.py, quantize.py) --------------------------------------
@@ -568,15 +572,7 @@ def quantize(model: Path, qtype: str, output: Path | None, threads: int, quiet: 
         hint = " (start from an F32/F16/BF16 file)" if any("requantiz" in r for r in reasons) else ""
         raise SpecterError(f"llama.cpp failed to quantize {model} to {qtype}: {'; '.join(reasons)}{hint}") from None
     sizes = f" ({', '.join(progress.summary)})" if progress.summary else ""
-    click.echo(f"wrote {out}: {_size(out.stat().st_size)}{sizes}", err=True)
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError
+    click.echo(f"wrote {out}: {format_size(out.stat().st_size)}{sizes}", err=True)
 
 
 def main() -> None:

@@ -35,6 +35,13 @@ def resolve_device(device: str | None) -> torch.device:
     return torch.device(device)
 
 
+def tpot_ms(decode_s: float, generated: int) -> float | None:
+    """Time per output token: the decode phase (first generated token to last) per decode step; None without a
+    decode step or decode time."""
+    steps = generated - 1
+    return 1000.0 * decode_s / steps if steps > 0 and decode_s > 0 else None
+
+
 @dataclass
 class GenerationStats:
     """Timings of one generation. `prefill_s` runs from the start to the first generated token, `decode_s`
@@ -126,8 +133,7 @@ class GenerationStats:
 
     @property
     def tpot_ms(self) -> float:
-        steps = self.generated_tokens - 1
-        return 1000.0 * self.decode_s / steps if steps > 0 else 0.0
+        return tpot_ms(self.decode_s, self.generated_tokens) or 0.0
 
     @property
     def tokens_per_s(self) -> float:

@@ -38,6 +38,24 @@ SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1,
                    T.Q6_K)
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 
+# A MoE layer's routed experts in llama.cpp's layout: one tensor per part, all the layer's experts stacked.
+EXPERT_PARTS = ("gate", "up", "down")
+
+
+def block_expert_tensor_name(part: str) -> str:
+    """The routed experts' `part` (one of EXPERT_PARTS) within a block: `ffn_{part}_exps.weight`."""
+    return f"ffn_{part}_exps.weight"
+
+
+def expert_tensor_name(layer: int, part: str) -> str:
+    """Layer `layer`'s routed experts' `part`: `blk.{layer}.ffn_{part}_exps.weight`."""
+    return f"blk.{layer}.{block_expert_tensor_name(part)}"
+
+
+def is_routed_expert(name: str) -> bool:
+    """Whether the tensor `name` holds routed experts (any part, any layer)."""
+    return name.endswith("_exps.weight")
+
 
 @dataclass(frozen=True)
 class GGUFTensor:
@@ -106,9 +124,6 @@ class GGUFFile:
     @property
     def architecture(self) -> str:
         return str(self.require("general.architecture"))
-
-    def metadata_keys(self) -> list[str]:
-        return list(self._fields)
 
     # -- tensors -------------------------------------------------------------------------------------
     def tensor(self, name: str, shape: tuple[int, ...] | None = None) -> GGUFTensor:

@@ -297,10 +297,11 @@ def rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: tuple[torch
 class ExpertTable:
     """A layer's experts as addresses: `ptrs[0|1|2, e]` is the address of expert e's gate | up | down matrix
     (int64, on the device the kernels run on) in its ggml type (`types`): gate and up `[n_ff, n_embd]`, down
-    `[n_embd, n_ff]`. A zero address (any of the three) makes expert e contribute nothing. An offload runtime
-    may rewrite columns of `ptrs` in place (a device-side copy, no host sync) as experts move between cache
-    slots; addresses must be 16-byte aligned and the memory must outlive the kernels that read it (`keep`
-    holds the tensors it came from)."""
+    `[n_embd, n_ff]`. A zero address (any of the three) makes expert e contribute nothing. The offload runtime
+    builds a new table for every call rather than rewriting one (`OffloadRuntime.expert_table` computes `ptrs`
+    on the device from the cache's residency table, no host sync; a host-managed wave makes one from its slots);
+    addresses must be 16-byte aligned and the memory must outlive the kernels that read it (`keep` holds the
+    tensors it came from)."""
 
     ptrs: torch.Tensor
     types: tuple[int, int, int]
@@ -345,14 +346,6 @@ class ExpertTable:
         ptrs = torch.tensor(rows, dtype=torch.int64).to(gate.device)
         return cls(ptrs, tuple(_ggml_type_of(m) for m in mats), n_embd, n_ff, tuple(keep))
 
-    @classmethod
-    def from_addresses(cls, gate: Sequence[int], up: Sequence[int], down: Sequence[int], types: Sequence[int],
-                       n_embd: int, n_ff: int, device: torch.device | str, keep: tuple = ()) -> ExpertTable:
-        """From per-expert addresses (e.g. GPU cache slots), one list per projection."""
-        if not len(gate) == len(up) == len(down):
-            raise SpecterError("gate/up/down address lists differ in length")
-        ptrs = torch.tensor([list(gate), list(up), list(down)], dtype=torch.int64).to(device)
-        return cls(ptrs, tuple(int(t) for t in types), int(n_embd), int(n_ff), keep)
 
 
 def moe_workspace_size(n_tokens: int, top_k: int, n_expert: int, n_embd: int, n_ff: int) -> int:

@@ -1,9 +1,13 @@
 """The layers every architecture is built from.
 
-Activations (the residual stream, norms, router probabilities, logits) are float32. A matrix product runs in
-the weight's dtype on CUDA (fp16/bf16 tensor cores, fp32 accumulation) and in float32 on the CPU.
-Every forward takes a batch of T new tokens at positions `pos .. pos+T-1`: T is the prompt in prefill, 1 in
-plain decoding, and k+1 when a speculative engine verifies k drafted tokens in one pass.
+Activations (the residual stream, norms, router probabilities, logits) are float32. A product with a weight kept
+in its GGUF encoding (`QuantizedTensor`: quantized types, and F16/BF16 matrices on the CPU, `weights.load_tensor`)
+runs on the native kernels (fp32 accumulation); one with a torch weight runs through torch in the weight's dtype
+on CUDA (fp16/bf16 tensor cores, fp32 accumulation) and in float32 on the CPU, except that a few rows of x on
+CUDA take the native GEMV kernel (`matmul`).
+Every forward takes a batch of T new tokens at positions `pos .. pos+T-1`: T is the prompt in prefill (or a chunk
+of it under a GPU budget), 1 in plain decoding, and k+1 when a speculative engine verifies k drafted tokens in one
+pass.
 """
 
 from __future__ import annotations
@@ -399,7 +403,8 @@ class Router:
 
 class Experts(Protocol):
     """Where a layer's routed experts live and how they run. `ResidentExperts` holds them all on the compute
-    device; the offload runtime and the quantized draft provide other implementations."""
+    device (the target's, or the quantized draft's copy: `speculation.draft`); the offload runtime's
+    `OffloadedExperts` serves them from host memory through the GPU expert cache."""
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor: ...
 

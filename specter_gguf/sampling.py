@@ -181,11 +181,6 @@ class Sampler:
         self._gen = torch.Generator(device="cpu")
         self._gen.manual_seed(self.seed)
 
-    def reseed(self, seed: int) -> None:
-        """Restart the random stream from ``seed``."""
-        self.seed = seed
-        self._gen.manual_seed(seed)
-
     # -- the chain -----------------------------------------------------------------------------
 
     @staticmethod

@@ -1,9 +1,11 @@
 """Random-weight MoE models written as GGUF files in llama.cpp's exact tensor layout and metadata.
 
 A model is described by a :class:`ModelShape` (named presets in :data:`PRESETS`). Each architecture
-contributes two small functions to :data:`ARCHS`: one that lists a block's tensors (name, ggml shape, how
-to initialise it) and one that writes the architecture's metadata keys. Adding ``deepseek2`` (MLA) or
-``phimoe`` later means adding one :class:`ArchSpec` entry (plus any new ``ModelShape`` fields).
+(qwen2moe, qwen3moe, llama/Mixtral, olmoe, deepseek2 with MLA, phimoe) contributes small functions to
+:data:`ARCHS`: one that lists a block's tensors (name, ggml shape, how to initialise it), one that writes the
+architecture's metadata keys and, where the architecture has them, one that lists file-level tensors beyond the
+embedding, final norm and LM head (phimoe's biases and rope factors). Another architecture is one more
+:class:`ArchSpec` entry (plus any new ``ModelShape`` fields).
 
 Weights (deterministic from ``seed``; each tensor, and each slab of a large tensor, has its own seed derived
 from ``(seed, arch, name, slab)``, so a tensor's values do not depend on which other tensors exist —
@@ -55,6 +57,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from .chat import CHATML_TEMPLATE
 from .errors import SpecterError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -286,11 +289,13 @@ def _attention(s: ModelShape, p: str, *, bias: bool = False) -> list[TensorSpec]
 
 
 def _routed_experts(s: ModelShape, p: str) -> list[TensorSpec]:
+    from .gguf_file import block_expert_tensor_name  # gguf_file imports gguf, which this module defers
+
     return [
         TensorSpec(f"{p}.ffn_gate_inp.weight", (s.n_embd, s.n_expert), "router", f32=True),
-        _w(f"{p}.ffn_gate_exps.weight", s.n_embd, s.n_ff_exp, s.n_expert),
-        _w(f"{p}.ffn_down_exps.weight", s.n_ff_exp, s.n_embd, s.n_expert),
-        _w(f"{p}.ffn_up_exps.weight", s.n_embd, s.n_ff_exp, s.n_expert),
+        _w(f"{p}.{block_expert_tensor_name('gate')}", s.n_embd, s.n_ff_exp, s.n_expert),
+        _w(f"{p}.{block_expert_tensor_name('down')}", s.n_ff_exp, s.n_embd, s.n_expert),
+        _w(f"{p}.{block_expert_tensor_name('up')}", s.n_embd, s.n_ff_exp, s.n_expert),
     ]
 
 
@@ -554,12 +559,6 @@ def _arch(shape: ModelShape) -> ArchSpec:
 # --------------------------------------------------------------------------------------------------
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 
 # Approximation of Qwen2's pre-tokenizer regex with the `re` module (\p{L} -> [^\W\d_], \p{N} -> \d).
 # Merges are learned inside these pieces; llama.cpp applies its own (exact) qwen2 split at run time.

@@ -396,8 +396,8 @@ def test_moe_pointer_tables(device: str) -> None:
     slots = [qt(r[perm], t, v.shape, device) for (r, v), t in zip(mats, types)]
     where = np.argsort(perm)   # expert e lives in slot where[e]
     addrs = [[s.data.data_ptr() + int(where[e]) * s.data[0].numel() for e in range(E)] for s in slots]
-    table = ExpertTable.from_addresses(*addrs, types=[int(t) for t in types], n_embd=d, n_ff=f, device=device,
-                                       keep=tuple(s.data for s in slots))
+    table = ExpertTable(torch.tensor(addrs, dtype=torch.int64).to(device), tuple(int(t) for t in types), d, f,
+                        keep=tuple(s.data for s in slots))
     x = rng.standard_normal((T, d)).astype(np.float32)
     ids, wts = routing(T, E, top_k, rng)
     y = run_moe(x, ids, wts, base, device)

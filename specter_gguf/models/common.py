@@ -8,15 +8,16 @@ import torch
 from tqdm import tqdm
 
 from specter_gguf.config import ModelConfig
-from specter_gguf.gguf_file import GGUFFile
+from specter_gguf.gguf_file import GGUFFile, block_expert_tensor_name
 from specter_gguf.layers import (Attention, Block, Experts, FeedForward, Linear, MoE, Projections, ResidentExperts,
                                   RMSNorm, Router, rope_for)
 from specter_gguf.weights import load_tensor
 
 
 ExpertsFactory = Callable[[ModelConfig, int, "Weights"], Experts]
-"""Makes layer i's routed experts; `routed_experts` (all resident on the device) unless the runtime
-supplies another placement (host store + GPU cache, quantized draft copy)."""
+"""Makes layer i's routed experts; `routed_experts` (all resident on the device) unless the offload runtime
+supplies its own (`OffloadRuntime.make_experts`: the host store and the GPU cache). The draft's experts are not
+made here: `speculation.draft.load_draft_experts` loads them beside the target's."""
 
 
 class Weights:
@@ -72,8 +73,9 @@ def router(cfg: ModelConfig, w: Weights, normalize: bool) -> Router:
 
 def routed_experts(cfg: ModelConfig, w: Weights) -> ResidentExperts:
     e, f, d = cfg.n_expert, cfg.n_ff_exp, cfg.n_embd
-    return ResidentExperts(gate=w("ffn_gate_exps.weight", (e, f, d)), up=w("ffn_up_exps.weight", (e, f, d)),
-                           down=w("ffn_down_exps.weight", (e, d, f)))
+    name = block_expert_tensor_name
+    return ResidentExperts(gate=w(name("gate"), (e, f, d)), up=w(name("up"), (e, f, d)),
+                           down=w(name("down"), (e, d, f)))
 
 
 def norm(cfg: ModelConfig, w: Weights, name: str) -> RMSNorm:

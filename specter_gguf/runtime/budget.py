@@ -39,7 +39,8 @@ from gguf import GGMLQuantizationType as T
 
 from specter_gguf.config import ModelConfig
 from specter_gguf.errors import SpecterError
-from specter_gguf.gguf_file import FLOAT_TYPES, GGUFFile, GGUFTensor
+from specter_gguf.gguf_file import (EXPERT_PARTS, FLOAT_TYPES, GGUFFile, GGUFTensor, expert_tensor_name,
+                                    is_routed_expert)
 from specter_gguf.kernels import moe_workspace_size
 from specter_gguf.layers import ResidentExperts
 
@@ -50,7 +51,6 @@ CUDA_RUNTIME = 1 * GiB
 VERIFY_ROWS = 17          # logits rows a forward returns at most: a verification of 16 drafted tokens
 FIT_MARGIN = 1 * GiB      # left free when the budget is the device's free memory (llama.cpp's --fit leaves 1 GiB)
 DEFAULT_PREFILL_CHUNK = 256
-EXPERT_PARTS = ("gate", "up", "down")
 
 _SIZE_RE = re.compile(r"^\s*([+-]?)\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?|nan|inf(?:inity)?)\s*([A-Za-z]*)\s*$",
                       re.IGNORECASE)
@@ -88,25 +88,26 @@ def parse_size(text: str | int) -> int:
     return int(n)
 
 
-def format_size(n: float | None) -> str:
+_SIZE_UNITS = (("GiB", GiB), ("MiB", MiB), ("KiB", KiB), ("B", 1))
+
+
+def format_size(n: float | None, spec: str = ".2f", *, smallest: str = "B", none: str = "-") -> str:
+    """`n` bytes in the largest binary unit it reaches, down to `smallest`, the number written with `spec`:
+    "1.50 GiB", "512 B"; `spec=".3g"` gives three significant digits (the benchmark's per-token sizes) and
+    `smallest="MiB"` writes everything under 1 GiB in MiB. Bytes print whole for a fixed-point `spec`; `none`
+    stands for None."""
     if n is None:
-        return "-"
-    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
+        return none
+    for unit, scale in _SIZE_UNITS:
+        if abs(n) >= scale or unit == smallest:
+            if scale == 1 and spec.endswith("f"):
+                return f"{int(n)} B"
+            return f"{n / scale:{spec}} {unit}"
+    raise ValueError(f"unknown unit {smallest!r}")
 
 
 def _align(n: int) -> int:
     return (n + SLOT_ALIGN - 1) // SLOT_ALIGN * SLOT_ALIGN
-
-
-def expert_tensor_name(layer: int, part: str) -> str:
-    return f"blk.{layer}.ffn_{part}_exps.weight"
-
-
-def is_routed_expert(name: str) -> bool:
-    return name.endswith("_exps.weight")
 
 
 def moe_layers(f: GGUFFile, cfg: ModelConfig) -> list[int]:
@@ -118,10 +119,10 @@ def n_elements(t: GGUFTensor) -> int:
     return int(np.prod(t.shape, dtype=np.int64))
 
 
-def device_bytes(t: GGUFTensor, device_type: str) -> int:
-    """Bytes `t` takes on the device once `weights.load_tensor` has put it there: its file bytes (float types
-    as stored, quantized ones kept quantized as `kernels.QuantizedTensor`), rounded up to the 512-byte blocks of
-    PyTorch's caching allocator."""
+def device_bytes(t: GGUFTensor) -> int:
+    """Bytes `t` takes once `weights.load_tensor` has put it on the device: its file bytes on CUDA and on the CPU
+    alike (float types as stored, quantized ones kept quantized as `kernels.QuantizedTensor`), rounded up to the
+    512-byte blocks of PyTorch's caching allocator."""
     return (t.n_bytes + 511) // 512 * 512
 
 
@@ -293,8 +294,8 @@ def plan_memory(f: GGUFFile, budget: int | str, ctx_size: int | None = None, dev
     layouts = [record_layout(f, cfg, i) for i in layers]
     slot = max((r.nbytes for r in layouts), default=0)
     types = tuple(sorted({t for r in layouts for t in r.types}))
-    non_expert = sum(device_bytes(t, device_type) for t in f.tensors.values() if not is_routed_expert(t.name))
-    resident = sum(device_bytes(t, device_type) for t in f.tensors.values() if is_routed_expert(t.name))
+    non_expert = sum(device_bytes(t) for t in f.tensors.values() if not is_routed_expert(t.name))
+    resident = sum(device_bytes(t) for t in f.tensors.values() if is_routed_expert(t.name))
     draft_bytes = 0
     if draft is not None:
         dcfg = ModelConfig.from_gguf(draft)

@@ -126,7 +126,7 @@ class ExpertCache:
             self._ordered[slot] = True  # a kernel reading it through the table runs after the copy
         return len(done)
 
-    # -- the public API of the planner (prefetch) ----------------------------------------------------------
+    # -- prefetch (gate-prefetch, the lookahead buffer, lru's refresh after a forward, static-hot's warm-up) -
     def request(self, keys: Sequence[Key], priority: Sequence[float] | None = None, prefetch: bool = True,
                 protect: set[int] | None = None) -> int:
         """Make `keys` resident, most important first (`priority`, higher first; default: the order given).

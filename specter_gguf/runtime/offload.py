@@ -33,7 +33,7 @@ from gguf import GGMLQuantizationType as T
 
 from specter_gguf.config import ModelConfig
 from specter_gguf.errors import SpecterError
-from specter_gguf.gguf_file import GGUFFile
+from specter_gguf.gguf_file import EXPERT_PARTS, GGUFFile, expert_tensor_name
 from specter_gguf.kernels import ExpertTable, QuantizedTensor, moe_ffn
 from specter_gguf.layers import FeedForward, MoE, ResidentExperts, Router, Transformer
 from specter_gguf.runtime.budget import (FIT_MARGIN, MemoryPlan, RecordLayout, fitted_budget, format_size,
@@ -46,6 +46,7 @@ from specter_gguf.runtime.store import ExpertStore
 log = logging.getLogger(__name__)
 
 MODES = ("on-demand", "lru", "gate-prefetch")
+OFFLOAD_CHOICES = (*MODES, "none")  # what --offload takes: a mode, or "none" (every expert on the device)
 _TORCH_TYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
 DENSE_MIN_TOKENS_PER_EXPERT = ResidentExperts.DENSE_MIN_TOKENS_PER_EXPERT
 
@@ -154,7 +155,6 @@ class OffloadedExperts:
 
 @dataclass
 class OffloadOptions:
-    budget: int
     mode: str = "lru"
     policy: str = "lru"
     profile: RoutingProfile | None = None
@@ -189,7 +189,7 @@ class OffloadRuntime:
 
     def make_experts(self, cfg: ModelConfig, layer: int, w: Any) -> OffloadedExperts:
         """The `ExpertsFactory` given to `load_transformer`: nothing of the experts goes to the device."""
-        w.bar.update(sum(w.f.tensor(f"blk.{layer}.ffn_{p}_exps.weight").n_bytes for p in ("gate", "up", "down")))
+        w.bar.update(sum(w.f.tensor(expert_tensor_name(layer, p)).n_bytes for p in EXPERT_PARTS))
         self.experts[layer] = OffloadedExperts(self, layer, self.layouts[layer])
         return self.experts[layer]
 
@@ -306,7 +306,7 @@ def load_offloaded(f: GGUFFile, device: torch.device, ctx_size: int, progress: b
     from specter_gguf.models import check_architecture, load_transformer
 
     check_architecture(f)
-    if offload is not None and offload not in (*MODES, "none"):
+    if offload is not None and offload not in OFFLOAD_CHOICES:
         raise SpecterError(f"unknown --offload mode '{offload}'; choose one of {', '.join(MODES)} or none")
     if cache_policy is not None and cache_policy not in POLICIES:
         raise SpecterError(f"unknown cache policy '{cache_policy}'; choose one of {', '.join(POLICIES)}")
@@ -337,8 +337,7 @@ def load_offloaded(f: GGUFFile, device: torch.device, ctx_size: int, progress: b
         routing_profile = RoutingProfile.load(routing_profile)  # type: ignore[arg-type]
     policy = cache_policy or ("static-hot" if routing_profile is not None else "lru")
     cfg = ModelConfig.from_gguf(f)
-    runtime = OffloadRuntime(f, cfg, plan, device, OffloadOptions(plan.budget, offload, policy, routing_profile,
-                                                                  pin), progress)
+    runtime = OffloadRuntime(f, cfg, plan, device, OffloadOptions(offload, policy, routing_profile, pin), progress)
     try:
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         transformer = load_transformer(f, device, progress, make_experts=runtime.make_experts)

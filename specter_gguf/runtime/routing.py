@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Iterable
 
 import torch
 
@@ -25,28 +24,14 @@ PROFILE_FORMAT = "specter-gguf routing profile v1"
 class DeviceRoutingCounts:
     """Per-(layer, expert) counts of routed tokens, accumulated on the device."""
 
-    def __init__(self, n_layer: int, n_expert: int, device: torch.device | str, weighted: bool = False) -> None:
-        """`weighted`: also accumulate the routing weights (`weight_sums`), e.g. to rank experts by mass."""
+    def __init__(self, n_layer: int, n_expert: int, device: torch.device | str) -> None:
         self.n_layer, self.n_expert = n_layer, n_expert
         self.counts = torch.zeros((n_layer, n_expert), dtype=torch.int32, device=device)
-        self.weight_sums = torch.zeros((n_layer, n_expert), dtype=torch.float32, device=device) if weighted else None
-        self._flat = self.counts.view(-1)
 
     def __call__(self, layer: int, ids: torch.Tensor, weights: torch.Tensor) -> None:
         flat = ids.reshape(-1)
         # enqueued on the compute stream like the layer itself: no host synchronisation
         self.counts[layer].index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-        if self.weight_sums is not None:
-            self.weight_sums[layer].index_add_(0, flat, weights.reshape(-1).float())
-
-    def reset(self) -> None:
-        self.counts.zero_()
-        if self.weight_sums is not None:
-            self.weight_sums.zero_()
-
-    def snapshot(self) -> torch.Tensor:
-        """A copy of the counts, still on the device (no sync); the planner reads it when it decides."""
-        return self.counts.clone()
 
     def profile(self) -> RoutingProfile:
         """The counts as a host-side profile (reads the device: a host synchronisation, once)."""
@@ -66,10 +51,6 @@ class RoutingProfile:
     def hottest(self) -> list[tuple[int, int]]:
         """Keys by descending count (ties: layer, expert order)."""
         return sorted(self.counts, key=lambda k: (-self.counts[k], k))
-
-    def merge(self, other: RoutingProfile) -> RoutingProfile:
-        keys: Iterable[tuple[int, int]] = set(self.counts) | set(other.counts)
-        return RoutingProfile({k: self.count(k) + other.count(k) for k in keys}, self.model or other.model)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         layers: dict[str, dict[str, int]] = {}

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from specter_gguf.gguf_file import GGUFFile
-from specter_gguf.runtime.budget import RecordLayout, expert_tensor_name
+from specter_gguf.gguf_file import GGUFFile, expert_tensor_name
+from specter_gguf.runtime.budget import RecordLayout
 
 Chunk = tuple[int, 'torch.Tensor | np.ndarray']  # (byte offset in the record, uint8 bytes)
 

@@ -6,7 +6,7 @@ One iteration after the last committed token t (not yet in the KV cache), in `de
    argmax; sampled: a draw from the draft's distribution); they chain on the device (CUDA graphs where
    available), the lookahead buffer counts their routing;
 2. **lookahead** (`lookahead`): at chunk boundaries the counts reach the host and the experts the draft used are
-   prefetched into the target's expert cache while the draft goes on;
+   prefetched into the target's expert cache (while the draft goes on when it chains on the device);
 3. **verify**: one target forward over [t, d_1 .. d_k] writes the target's keys/values over the draft's and
    judges the drafts on the device; its experts come from cache slots or, not yet there, from host memory;
 4. **accept** (`accept`): the drafted tokens the target keeps and its own token after them (one host read per

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from specter_gguf.config import ModelConfig
 from specter_gguf.errors import SpecterError
-from specter_gguf.gguf_file import GGUFFile
+from specter_gguf.gguf_file import GGUFFile, expert_tensor_name
 from specter_gguf.layers import Experts, MoE, ResidentExperts
 from specter_gguf.weights import load_tensor
 
@@ -34,7 +34,7 @@ def load_draft_experts(draft: GGUFFile, target: Model) -> list[Experts | None]:
         if not isinstance(block.ffn, MoE):
             experts.append(None)
             continue
-        w = {name: load_tensor(draft.tensor(f"blk.{i}.ffn_{name}_exps.weight", shape), target.device)
+        w = {name: load_tensor(draft.tensor(expert_tensor_name(i, name), shape), target.device)
              for name, shape in (("gate", (e, f, d)), ("up", (e, f, d)), ("down", (e, d, f)))}
         experts.append(ResidentExperts(**w))
     return experts

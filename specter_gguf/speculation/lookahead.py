@@ -5,8 +5,10 @@ The buffer is a routing observer of the draft's forwards: every drafted token ad
 a [layers, experts] counter on the device (inside the draft's CUDA graph: no host read per token). At chunk
 boundaries of the drafting (`chunk_ends`: a cold start after the first ~20% of the drafted tokens, then chunks
 sized so that their copies take about as long as drafting them, then the rest) the counter is copied to the
-host without waiting; `plan` then reads each copy as it lands and asks the cache for the experts counted so far
-that are not resident, most used first (ties: earlier layer first, the order verification meets them). Slots
+host without waiting. `plan`, called once the whole drafting is enqueued, then reads the copies in order, each as
+it lands (drafting on the device, the GPU is still drafting meanwhile; drafting on the host, it has ended by
+then), and asks the cache for the experts counted so far that are not resident, most used first (ties: earlier
+layer first, the order verification meets them). Slots
 requested during an iteration are not evicted by later requests of the same iteration: the coming verification
 needs them.
 """
