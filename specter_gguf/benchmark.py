@@ -18,7 +18,7 @@ What is measured, per system (one configuration of llama.cpp or of our engine) o
   the share of copy time hidden behind compute;
 - for ours, where the stats carry them (a second report table, see :data:`SPEC_COLUMNS`): tokens per
   verification pass, prefetch precision (prefetched experts the verification used / prefetched) and recall
-  (used and prefetched / experts the verifications used that were not resident when drafting began), expert
+  (used and prefetched / experts the verifications used that were prefetched or read in place), expert
   bytes moved over PCIe per processed token (copied plus read in place, prompt and generated tokens), the
   draft step time (drafting time / drafted tokens) and the speculative iteration in ms per verification
   pass: drafting, verification, the exposed copy time (compute waiting for copies) and the other decode time
@@ -1229,8 +1229,8 @@ def _speculation_table(res: Sequence[dict[str, Any]], decs: Sequence[str]) -> li
         (f"Speculation and data movement (values `{' / '.join(decs)}`; our engine's counts summed over prompts, "
          "then divided; llama.cpp reports none of these). Tokens/iter: tokens committed per verification pass, the "
          "target's own included. Draft step: one drafted token's forward. Prefetch precision: prefetched experts "
-         "the verification used / experts prefetched; recall: the same / experts the verifications used that the "
-         "cache lacked when drafting began. "
+         "the verification used / experts prefetched; recall: the same / experts the verifications used that were "
+         "prefetched or read in place (what they would have missed without the lookahead). "
          "Moved/token: expert bytes over PCIe (copied plus read in place) per prompt or generated token. Per "
          "iteration (verification pass): drafting, verification, other decode time (host work between them, plain "
          "steps); copy wait: compute waiting for expert copies (whole generation, prefill included), mostly inside "

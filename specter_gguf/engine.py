@@ -75,8 +75,8 @@ class GenerationStats:
     verify_s: float | None = None       # time spent verifying, the lookahead's prefetch planning included
     prefetched: int | None = None       # experts the lookahead buffer copied in ahead of verifications
     prefetched_used: int | None = None  # ... that the verification then used
-    verify_missing: int | None = None   # (layer, expert) pairs the verifications used that were not resident
-                                        # when their iteration began (what a prefetch could have brought)
+    verify_missing: int | None = None   # (layer, expert) pairs the verifications used that were prefetched
+                                        # for them or read in place: what they would have missed without it
 
     @property
     def cache_hit_rate(self) -> float | None:
@@ -110,7 +110,7 @@ class GenerationStats:
 
     @property
     def prefetch_recall(self) -> float | None:
-        """Of the experts verifications used that the cache lacked when drafting began, the share prefetched."""
+        """Of the experts verifications would have missed without the lookahead, the share it prefetched."""
         return self.prefetched_used / self.verify_missing if self.verify_missing else None
 
     @property

@@ -81,6 +81,8 @@ def test_greedy_with_penalties_and_offloaded_target_with_lookahead(tiny_models) 
     # the lookahead buffer prefetches what the draft routes to: verification finds more of its experts
     assert stats[False].prefetches == 0 < stats[True].prefetches
     assert stats[True].cache_hit_rate > stats[False].cache_hit_rate
+    s = stats[True]  # recall: of what verification would have missed without the lookahead, the share prefetched
+    assert 0 < s.prefetched_used <= min(s.prefetched, s.verify_missing) and 0 < s.prefetch_recall <= 1
 
 
 def test_full_context_ends_the_generation(tiny_models) -> None:

@@ -205,6 +205,7 @@ class OffloadRuntime:
         self._in_flight: list[tuple[torch.cuda.Event | None, torch.Tensor, np.ndarray]] = []
         self._seen = self.cache.published.copy()
         self.last_used = np.zeros_like(self._seen)  # the experts the last settled forward used (residency path)
+        self.last_missed = np.zeros_like(self._seen)  # ... of them, those it read in place (not in a slot)
         if self.mode == "gate-prefetch":
             moes = [b.ffn for b in transformer.blocks if isinstance(b.ffn, MoE)]
             for cur, nxt in zip(moes, moes[1:]):
@@ -275,6 +276,7 @@ class OffloadRuntime:
             self._in_flight.pop(0)
             used = self.last_used = host.numpy() > 0
             self._free_hosts.append(host)
+            self.last_missed = used & ~seen
             hits = used & seen
             c.cache_lookups += int(used.sum())
             c.cache_hits += int(hits.sum())

@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Iterator, Literal
 
-import numpy as np
 import torch
 
 from specter_gguf.gguf_file import GGUFFile
@@ -226,11 +225,12 @@ class SpeculativeDecoder:
         if self.lookahead is None:
             return
         model.offload.settle(wait=True)  # the verification is done (its verdict was read): nothing waits
-        used = model.offload.last_used
-        stats.prefetched += len(self.lookahead.prefetched)
-        stats.prefetched_used += sum(bool(used[key]) for key in self.lookahead.prefetched)
-        resident = self.lookahead.resident
-        stats.verify_missing += sum((int(l), int(e)) not in resident for l, e in np.argwhere(used))
+        used, missed, prefetched = model.offload.last_used, model.offload.last_missed, self.lookahead.prefetched
+        prefetched_used = sum(bool(used[key]) for key in prefetched)
+        stats.prefetched += len(prefetched)
+        stats.prefetched_used += prefetched_used
+        # what the verification would have missed without the lookahead: its misses and what was prefetched for it
+        stats.verify_missing += prefetched_used + int(missed.sum()) - sum(bool(missed[key]) for key in prefetched)
 
 
 class PhaseClock:

@@ -47,7 +47,6 @@ class ExpertLookahead:
         self._pending = 0
         self._seen: set[tuple[int, int]] = set()
         self.prefetched: set[tuple[int, int]] = set()  # this iteration's copies
-        self.resident: set[tuple[int, int]] = set()  # what the cache held when this iteration began
 
     def __call__(self, layer: int, ids: torch.Tensor, weights: torch.Tensor) -> None:
         flat = ids.reshape(-1)
@@ -56,7 +55,6 @@ class ExpertLookahead:
     def start(self) -> None:
         """A new iteration: nothing counted, nothing requested yet."""
         self.counts.zero_()
-        self.resident = set(self.cache.where)
         self._protect.clear()
         self._seen.clear()
         self.prefetched.clear()
