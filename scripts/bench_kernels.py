@@ -17,7 +17,10 @@ on MoE expert shapes, and the grouped MoE layer time.
   fully on the GPU, our engine with its decode step in CUDA graphs (and eagerly, for comparison) beside
   llama.cpp's `llama-bench -p 0 -n N -ngl 99` on the same file in the same run (`--llama-bin DIR`), plus the GPU
   kernel time of one eager decode step by kernel (torch profiler) to show where a step's time goes.
-Writes DIR/bench_kernels.json and prints a compact table last. `--only kernels|decode` runs one part.
+- Sampling: the sampled verdict's chain on the device (`sampling.chain_probabilities` over the top-40 candidates
+  of a 151,936-token vocabulary, then `draw_rows`) for 1 row (a draft step) and 9 rows (a verification of 8
+  drafted tokens), beside the greedy verdict's argmax, in a CUDA graph.
+Writes DIR/bench_kernels.json and prints a compact table last. `--only kernels|decode|sampling` runs one part.
 """
 
 from __future__ import annotations
@@ -182,6 +185,21 @@ def bench_moe(dev: torch.device, iters: int) -> list[dict]:
     return rows
 
 
+def bench_sampling(dev: torch.device, iters: int, n_vocab: int = 151936) -> list[dict]:
+    from specter_gguf.sampling import SamplingParams, chain_knobs, chain_probabilities, draw_rows
+
+    knobs = chain_knobs(SamplingParams(temperature=1.0, top_k=40, top_p=0.95, min_p=0.05)).to(dev)
+    out = []
+    for rows in (1, 9):
+        logits = torch.randn(rows, n_vocab, device=dev)
+        uniforms = torch.rand(rows, dtype=torch.float64, device=dev)
+        ops = {"argmax (greedy)": lambda: torch.max(logits, -1),
+               "chain + draw (sampled)": lambda: draw_rows(*chain_probabilities(logits, 40, knobs), uniforms)}
+        for name, fn in ops.items():
+            out.append(dict(op=name, rows=rows, us=1e6 * graph_time([fn], iters)))
+    return out
+
+
 def bench_decode(path: Path, llama_bin: Path | None, n_predict: int, runs: int) -> dict:
     from specter_gguf.engine import Model
     from specter_gguf.sampling import SamplingParams
@@ -259,7 +277,7 @@ def main() -> int:
     ap.add_argument("--out", default="bench-out", help="directory for bench_kernels.json")
     ap.add_argument("--iters", type=int, default=200, help="calls per captured CUDA graph")
     ap.add_argument("--quick", action="store_true", help="Q8_0/Q4_K/F16 only")
-    ap.add_argument("--only", choices=["kernels", "decode"], default=None, help="run one part")
+    ap.add_argument("--only", choices=["kernels", "decode", "sampling"], default=None, help="run one part")
     ap.add_argument("--decode-model", type=Path, default=None, help="GGUF for the whole-model decode part")
     ap.add_argument("--llama-bin", type=Path, default=None, help="directory of llama.cpp's llama-bench")
     ap.add_argument("--n-predict", type=int, default=128, help="decode: generated tokens per run")
@@ -278,12 +296,18 @@ def main() -> int:
     if args.only in (None, "kernels"):
         result.update(copy_tbs=copy_rate(dev), nominal_tbs=NOMINAL_TBS, gemv=bench_gemv(dev, args.iters, types),
                       moe=bench_moe(dev, args.iters))
+    if args.only in (None, "sampling"):
+        result["sampling"] = bench_sampling(dev, args.iters)
     if args.only in (None, "decode") and args.decode_model is not None:
         result["decode"] = bench_decode(args.decode_model, args.llama_bin, args.n_predict, args.runs)
     result["seconds"] = time.time() - t0
     (out_dir / "bench_kernels.json").write_text(json.dumps(result, indent=1))
     if "gemv" in result:
         print_kernels(result, types)
+    if "sampling" in result:
+        print("\nverdict on the device, us per call (CUDA graph):")
+        for r in result["sampling"]:
+            print(f"  {r['op']:24s} rows {r['rows']}: {r['us']:7.1f}")
     if "decode" in result:
         print_decode(result["decode"])
     return 0

@@ -18,7 +18,8 @@ What is measured, per system (one configuration of llama.cpp or of our engine) o
   the share of copy time hidden behind compute;
 - for ours, where the stats carry them (a second report table, see :data:`SPEC_COLUMNS`): tokens per
   verification pass, prefetch precision (prefetched experts the verification used / prefetched) and recall
-  (used and prefetched / experts the verifications used that were prefetched or read in place), expert
+  (used and prefetched / experts the verifications used that were prefetched or read in place), the share of
+  prefetches that landed after their verification began, counted experts refused a slot per iteration, expert
   bytes moved over PCIe per processed token (copied plus read in place, prompt and generated tokens), the
   draft step time (drafting time / drafted tokens) and the speculative iteration in ms per verification
   pass: drafting, verification, the exposed copy time (compute waiting for copies) and the other decode time
@@ -83,6 +84,8 @@ STAT_COUNTS = {
     "hidden_copy_share": ("copy_hidden_s", "copy_s"),
     "prefetch_precision": ("prefetched_used", "prefetched"),
     "prefetch_recall": ("prefetched_used", "verify_missing"),
+    "prefetch_late_share": ("prefetch_late", "prefetched"),
+    "prefetch_refused_per_iter": ("prefetch_refused", "draft_rounds"),
 }
 # ... (seconds, count) pairs -> milliseconds per count: a drafted token's step, and the speculative iteration
 # broken down per verification pass (`other_s`: decode time outside drafting and verification; see
@@ -1209,6 +1212,8 @@ SPEC_COLUMNS = (
     ("Draft step ms", "draft_step_ms", {}),
     ("Prefetch precision", "prefetch_precision", {"pct": True}),
     ("Prefetch recall", "prefetch_recall", {"pct": True}),
+    ("Late prefetches", "prefetch_late_share", {"pct": True}),
+    ("Refused/iter", "prefetch_refused_per_iter", {"spec": ".1f"}),
     ("Moved/token", "bytes_moved_per_token", {"size": True}),
     ("Draft ms/iter", "iter_draft_ms", {}),
     ("Verify ms/iter", "iter_verify_ms", {}),
@@ -1230,7 +1235,9 @@ def _speculation_table(res: Sequence[dict[str, Any]], decs: Sequence[str]) -> li
          "then divided; llama.cpp reports none of these). Tokens/iter: tokens committed per verification pass, the "
          "target's own included. Draft step: one drafted token's forward. Prefetch precision: prefetched experts "
          "the verification used / experts prefetched; recall: the same / experts the verifications used that were "
-         "prefetched or read in place (what they would have missed without the lookahead). "
+         "prefetched or read in place (what they would have missed without the lookahead). Late prefetches: "
+         "prefetched experts whose copy had not landed when the verification began (read in place). Refused/iter: "
+         "experts the lookahead counted that found no evictable slot, per iteration. "
          "Moved/token: expert bytes over PCIe (copied plus read in place) per prompt or generated token. Per "
          "iteration (verification pass): drafting, verification, other decode time (host work between them, plain "
          "steps); copy wait: compute waiting for expert copies (whole generation, prefill included), mostly inside "

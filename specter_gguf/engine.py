@@ -77,6 +77,8 @@ class GenerationStats:
     prefetched_used: int | None = None  # ... that the verification then used
     verify_missing: int | None = None   # (layer, expert) pairs the verifications used that were prefetched
                                         # for them or read in place: what they would have missed without it
+    prefetch_late: int | None = None    # prefetched experts the verification read in place: copy not landed
+    prefetch_refused: int | None = None  # experts the lookahead counted that found no evictable slot
 
     @property
     def cache_hit_rate(self) -> float | None:

@@ -23,8 +23,8 @@ All of the arithmetic runs in float64: with top_k on, penalties and top_k run wh
 generation) and only the top_k candidates cross to the host; otherwise everything runs on the CPU.
 
 `chain_probabilities` and `draw_rows` are stages 2-6 without penalties as fixed-shape tensor ops on the logits'
-device, many rows at once, which a CUDA graph can hold (speculative sampling on the device); their uniforms come
-from the sampler's generator (`Sampler.uniforms`).
+device, many rows at once, over the top_k candidates only, which a CUDA graph can hold (speculative sampling on
+the device); their uniforms come from the sampler's generator (`Sampler.uniforms`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch
 
 from .errors import SpecterError
 
-__all__ = ["SamplingParams", "Sampler", "chain_knobs", "chain_probabilities", "draw_rows"]
+__all__ = ["SamplingParams", "Sampler", "chain_knobs", "chain_probabilities", "draw_rows", "probabilities_at"]
 
 
 def _is_int(v) -> bool:
@@ -134,30 +134,40 @@ def chain_candidates(params: SamplingParams, n_vocab: int) -> int:
     return params.top_k if 0 < params.top_k < n_vocab else n_vocab
 
 
-def chain_probabilities(logits: torch.Tensor, n_candidates: int, knobs: torch.Tensor) -> torch.Tensor:
+def chain_probabilities(logits: torch.Tensor, n_candidates: int,
+                        knobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Stages 2-6 (no penalties; temperature > 0) for each row of `logits` [R, n_vocab] with the `knobs` of
-    `chain_knobs` on the logits' device: the final probabilities [R, n_vocab] (float64). The same filters as
-    `Sampler.probabilities`, except that ties at the top_k boundary are broken by `torch.topk`'s order instead
-    of by id."""
-    x = logits.to(torch.float64)
-    vals, ids = torch.topk(x, n_candidates, dim=-1)  # descending
-    rank = torch.arange(n_candidates, device=x.device)
+    `chain_knobs` on the logits' device, over the top `n_candidates` only (every later stage keeps a prefix of
+    them): (ids [R, C] ascending, their final probabilities [R, C] float64), C = n_candidates; the other tokens
+    have probability 0. The same filters as `Sampler.probabilities`, except that ties at the top_k boundary are
+    broken by `torch.topk`'s order instead of by id."""
+    vals, ids = torch.topk(logits.float(), n_candidates, dim=-1)  # float32 ranks as float64: widening is exact
+    vals = vals.to(torch.float64)
+    rank = torch.arange(n_candidates, device=vals.device)
     cum = torch.softmax(vals, -1).cumsum(-1)  # top_p normalizes over the top_k survivors, before temperature
     top_p = (cum < knobs[1]).sum(-1, keepdim=True) + 1  # the prefix whose probability reaches top_p
     min_p = (vals >= vals[:, :1] + knobs[2]).sum(-1, keepdim=True).clamp(min=1)
     kept = torch.where(rank < torch.minimum(top_p, min_p), vals / knobs[0], -math.inf)
-    return torch.zeros_like(x).scatter_(-1, ids, torch.softmax(kept, -1))
+    ids, order = torch.sort(ids, -1)
+    return ids, torch.softmax(kept, -1).gather(-1, order)
 
 
-def draw_rows(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """One token per row of `probs` [R, n_vocab] (non-negative, not necessarily normalized, each with a positive
-    entry) from `uniforms` [R] in [0, 1), as `Sampler.draw` draws: the first id whose cumulative probability
-    exceeds u times the total."""
+def probabilities_at(ids: torch.Tensor, probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The probabilities of `tokens` [R, M] in each row's candidates (`chain_probabilities`' ids [R, C] ascending
+    and probs [R, C]): [R, M], 0 for a token that is not a candidate."""
+    at = torch.searchsorted(ids, tokens).clamp(max=ids.shape[-1] - 1)
+    return torch.where(ids.gather(-1, at) == tokens, probs.gather(-1, at), 0.0)
+
+
+def draw_rows(ids: torch.Tensor, probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of candidates `ids` [R, C] (ascending) with `probs` [R, C] (non-negative, not
+    necessarily normalized, each row with a positive entry) from `uniforms` [R] in [0, 1), as `Sampler.draw`
+    draws: the first id whose cumulative probability exceeds u times the total."""
     cdf = probs.cumsum(-1)
-    at = torch.searchsorted(cdf, (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
-    ids = torch.arange(probs.shape[-1], device=probs.device)
-    last = torch.where(probs > 0, ids, 0).amax(-1)  # rounding may put u * total past the cdf's last step
-    return torch.minimum(at, last)
+    at = torch.searchsorted(cdf, (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1), right=True)
+    cols = torch.arange(probs.shape[-1], device=probs.device)
+    last = torch.where(probs > 0, cols, 0).amax(-1, keepdim=True)  # rounding may put u * total past the last step
+    return ids.gather(-1, torch.minimum(at, last)).squeeze(-1)
 
 
 # the one precision choice a user has: --device cpu keeps the KV cache in float32 (float16 on CUDA, layers.py)

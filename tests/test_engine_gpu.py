@@ -50,7 +50,8 @@ def test_cuda_incremental_decode_matches_one_pass(tiny_models, arch: str) -> Non
 def test_cuda_speculative_greedy_equals_target_only(tiny_models, arch: str) -> None:
     """Speculative decoding on the GPU with a Q4_K_M draft gives the target's own greedy tokens, both replaying
     CUDA graphs (drafting, verification and plain decoding alike), with the whole model on the GPU and with its
-    experts offloaded to a cache that must evict (the residency path: misses read from host memory)."""
+    experts offloaded to a cache that must evict (the residency path: misses read from host memory), and with
+    verifications waiting for the lookahead's copies still in flight."""
     from specter_gguf.gguf_file import GGUFFile
     from specter_gguf.runtime import plan_memory
 
@@ -73,4 +74,6 @@ def test_cuda_speculative_greedy_equals_target_only(tiny_models, arch: str) -> N
         print(f"{arch} draft {d is not None}: {g.stats.summary()}")
         assert g.tokens == expected, f"draft {d}"
         assert g.stats.cache_misses > 0 and g.stats.zero_copy_bytes > 0
+        if d is not None:  # verifications wait for the prefetches in flight: they read none of them in place
+            assert g.stats.prefetched > 0 and g.stats.prefetch_late == 0
         m.offload.close()

@@ -73,12 +73,13 @@ def test_greedy_with_penalties_and_offloaded_target_with_lookahead(tiny_models) 
         sm = Model.load(target, draft=draft, device="cpu", progress=False, ctx_size=256, gpu_budget=budget,
                         offload="lru", n_draft=4)  # a fixed depth: auto's choices follow measured times
         assert sm.offload is not None and sm.memory_plan.draft_experts > 0
-        if not lookahead:
-            sm.decoder.lookahead = None
+        if not lookahead:  # the cache filled by lru alone: what each forward used is brought in after it
+            sm.decoder.lookahead, sm.offload.options.lookahead = None, False
         gen = sm.generate(PROMPT, N, GREEDY).wait()
         assert gen.tokens == _target_tokens(target) and gen.stats.cache_evictions > 0
         stats[lookahead] = gen.stats
-    # the lookahead buffer prefetches what the draft routes to: verification finds more of its experts
+    # the lookahead buffer prefetches what the draft routes to: verification finds more of its experts than
+    # lru's bringing in of what was used
     assert stats[False].prefetches == 0 < stats[True].prefetches
     assert stats[True].cache_hit_rate > stats[False].cache_hit_rate
     s = stats[True]  # recall: of what verification would have missed without the lookahead, the share prefetched
@@ -205,7 +206,7 @@ def test_cli_run_with_draft(tiny_models) -> None:
 def test_lookahead_prefetches_what_the_draft_counted_most_used_first(shipped_model) -> None:
     """The ELB counts the draft's routing on the device; each snapshot it reads asks the cache for the counted
     experts not resident yet, most used first, then earlier layers; slots it requested in this iteration are not
-    evicted by its later requests, and an expert is requested once per iteration."""
+    evicted by its later requests or by any other request, and an expert is requested once per iteration."""
     from specter_gguf.runtime.budget import moe_layers, record_layout
     from specter_gguf.runtime.cache import ExpertCache
     from specter_gguf.runtime.store import ExpertStore
@@ -229,7 +230,10 @@ def test_lookahead_prefetches_what_the_draft_counted_most_used_first(shipped_mod
     elb(0, torch.tensor([[6, 1]]), torch.ones(1, 2))  # layer 0's three slots are all this iteration's
     elb.snapshot()
     assert elb.plan() == 0 and (0, 6) not in cache.where and (0, 5) in cache.where
+    assert elb.refused == 2  # counted, but no slot of layer 0 could be taken
+    assert cache.request([(0, 9)], prefetch=False) == 0  # nor can any other request (lru's) take them
     elb.start()  # a new iteration may evict them
+    assert elb.refused == 0
     elb(0, torch.tensor([[6, 1]]), torch.ones(1, 2))
     elb.snapshot()
     assert elb.plan() == 2 and (0, 6) in cache.where and (0, 1) in cache.where

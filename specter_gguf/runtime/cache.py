@@ -25,7 +25,9 @@ CUDA ordering, without host waits:
   compute stream and the copy waits for the last reads event, so the slot is overwritten only after every
   kernel that could read it, and no kernel enqueued after finds it in the table (work in between that reads no
   slot, such as drafting, does not hold the copy back);
-- slots in use by the current wave are *pinned* (not evictable) until `release`.
+- slots in use by the current wave are *pinned* (not evictable) until `release`;
+- slots the lookahead buffer asked for are *reserved* for the coming verification: no `request` (a later
+  prefetch, lru's refresh) evicts them until the lookahead's next iteration clears them.
 Timing: an event pair around every copy on the copy stream (copy time) and around every compute-side wait
 (exposed time: how long compute stalled on copies). They are read back lazily (`collect`), never forcing a
 synchronisation in the decode path except the one deliberate `collect(sync=True)` at the end of a generation.
@@ -77,6 +79,8 @@ class ExpertCache:
         self.key: list[Key | None] = [None] * n_slots
         self.where: dict[Key, int] = {}
         self._pins = [0] * n_slots
+        # slots a coming verification needs (the lookahead buffer's): no request evicts them until it clears them
+        self.reserved: set[int] = set()
         self._uses: dict[Key, int] = {}  # lifetime uses (lfu)
         # partitions: ordered least- to most-recently used (OrderedDict of slot -> None)
         if partition == "layer":
@@ -115,10 +119,15 @@ class ExpertCache:
     def slot_address(self, slot: int) -> int:
         return self.pool.data_ptr() + slot * self.slot_bytes
 
-    def publish(self) -> int:
-        """Enter into `table` the slots whose copies have completed (queried, never waited for), on the compute
-        stream; returns how many. Kernels enqueued after this find them there."""
-        done = [slot for slot in self._unpublished if not self.cuda or self._ready[slot].query()]
+    def publish(self, wait: Iterable[int] = ()) -> int:
+        """Enter into `table` the slots whose copies have completed (queried, never waited for) and those of
+        `wait`, whose copies the compute stream waits for (`wait`: GPU-side), on the compute stream; returns how
+        many. Kernels enqueued after this find them there."""
+        for slot in wait:
+            if slot in self._unpublished:
+                self.wait(slot)
+        done = [slot for slot in self._unpublished
+                if not self.cuda or self._ordered[slot] or self._ready[slot].query()]
         for slot in done:
             key = self._unpublished.pop(slot)
             self.table[key].fill_(slot)
@@ -128,28 +137,30 @@ class ExpertCache:
 
     # -- prefetch (gate-prefetch, the lookahead buffer, lru's refresh after a forward, static-hot's warm-up) -
     def request(self, keys: Sequence[Key], priority: Sequence[float] | None = None, prefetch: bool = True,
-                protect: set[int] | None = None) -> int:
+                reserve: bool = False) -> int:
         """Make `keys` resident, most important first (`priority`, higher first; default: the order given).
         Returns at once: copies are queued on the copy stream. A key already resident is refreshed (it
-        becomes most recently used); a key that finds no evictable slot in its partition (all pinned or
-        taken by higher-priority keys of this request, or in `protect`, which gains this request's slots) is
-        skipped. Returns the number of copies issued, counted as prefetches unless `prefetch` is False (experts
-        brought in because they were just used)."""
+        becomes most recently used); a key that finds no evictable slot in its partition (all pinned, reserved
+        or taken by higher-priority keys of this request) is skipped. With `reserve`, the keys' slots join
+        `reserved`. Returns the number of copies issued, counted as prefetches unless `prefetch` is False
+        (experts brought in because they were just used)."""
         order = list(keys) if priority is None else \
             [k for _, k in sorted(zip(priority, keys), key=lambda pk: -pk[0])]
-        protect = set() if protect is None else protect
+        taken: set[int] = set()
         issued = 0
         for key in order:
             slot = self.where.get(key)
             if slot is None:
-                slot = self._victim(key[0], protect)
+                slot = self._victim(key[0], taken | self.reserved)
                 if slot is None:
                     continue
                 self._load(slot, key)
                 self.counters.prefetches += prefetch
                 issued += 1
             self._touch(slot)
-            protect.add(slot)
+            taken.add(slot)
+        if reserve:
+            self.reserved |= taken
         return issued
 
     def resident(self, keys: Iterable[Key], include_in_flight: bool = False) -> list[bool]:
@@ -250,12 +261,12 @@ class ExpertCache:
             return self._uses.get(key, 0)
         return self.profile.count(key)  # static-hot
 
-    def _victim(self, layer: int, protect: Iterable[int]) -> int | None:
+    def _victim(self, layer: int, excluded: Iterable[int]) -> int | None:
         p = self._part_of_layer[layer]
         free = self._free[p]
         if free:
             return free.pop()
-        candidates = (s for s in self._parts[p] if self._pins[s] == 0 and s not in protect)
+        candidates = (s for s in self._parts[p] if self._pins[s] == 0 and s not in excluded)
         if self.policy == "lru":
             return next(candidates, None)  # the partition is ordered least recently used first
         return min(candidates, key=self._score, default=None)  # ties: least recently used (min is stable)

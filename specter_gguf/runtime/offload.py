@@ -3,7 +3,8 @@ and the baseline decoding modes built on them (no speculation):
 
 - `on-demand`: no cache for small batches: each expert is read in place from host memory, every time;
 - `lru`: Mixtral-offloading's per-layer LRU cache (a hit reads a slot; a miss reads host memory once and brings
-  the expert into a slot for the next steps);
+  the expert into a slot for the next steps; with a draft, the lookahead buffer brings in what the draft routes
+  to instead);
 - `gate-prefetch`: the host-managed path: each layer's experts are copied in before it computes, and the *next*
   MoE layer's router is applied to this layer's input to prefetch its predicted experts (Mixtral-offloading's
   speculative loading).
@@ -159,6 +160,9 @@ class OffloadOptions:
     policy: str = "lru"
     profile: RoutingProfile | None = None
     pin: str = "background"
+    # a speculative decoder's lookahead buffer fills the cache: lru does not bring in what a forward read in
+    # place (those copies would compete with the lookahead's; measured slower, docs/BENCHMARKS.md 2026-12-01 14:03)
+    lookahead: bool = False
 
 
 class OffloadRuntime:
@@ -169,8 +173,9 @@ class OffloadRuntime:
     read in place from the store in host memory (zero-copy over PCIe: no copy, no slot, no wait). The layer adds
     its routing into `routed`; a forward is bracketed by `begin` (publishes finished copies, zeroes `routed`) and
     `end` (an asynchronous copy of `routed` to the host), and `settle` reads those copies once they have landed:
-    it counts lookups, hits and misses against the table the forward saw and, in lru mode, brings the experts
-    it used into the cache (least recently used out), so the next forwards find them in slots. Big batches
+    it counts lookups, hits and misses against the table the forward saw and, in lru mode without a lookahead
+    buffer, brings the experts it used into the cache (least recently used out), so the next forwards find them
+    in slots. Big batches
     (prefill) and gate-prefetch take `OffloadedExperts`' host-managed waves instead."""
 
     HOST_BUFFERS = 8  # forwards whose routing may be in flight to the host at once
@@ -284,7 +289,7 @@ class OffloadRuntime:
             for layer in map(int, np.flatnonzero(used.any(1))):
                 keys = [(layer, int(e)) for e in np.flatnonzero(used[layer])]
                 c.zero_copy_bytes += self.layouts[layer].nbytes * int((used[layer] & ~seen[layer]).sum())
-                if self.mode == "lru":
+                if self.mode == "lru" and not self.options.lookahead:
                     cache.request(keys, prefetch=False)  # hits refreshed, misses brought in for next time
 
     def stats(self, start: OffloadCounters) -> OffloadCounters:
@@ -339,7 +344,8 @@ def load_offloaded(f: GGUFFile, device: torch.device, ctx_size: int, progress: b
         routing_profile = RoutingProfile.load(routing_profile)  # type: ignore[arg-type]
     policy = cache_policy or ("static-hot" if routing_profile is not None else "lru")
     cfg = ModelConfig.from_gguf(f)
-    runtime = OffloadRuntime(f, cfg, plan, device, OffloadOptions(offload, policy, routing_profile, pin), progress)
+    options = OffloadOptions(offload, policy, routing_profile, pin, lookahead=draft is not None)
+    runtime = OffloadRuntime(f, cfg, plan, device, options, progress)
     try:
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         transformer = load_transformer(f, device, progress, make_experts=runtime.make_experts)

@@ -23,7 +23,7 @@ import torch
 
 from specter_gguf.errors import SpecterError
 from specter_gguf.sampling import (Sampler, SamplingParams, chain_candidates, chain_knobs, chain_probabilities,
-                                   draw_rows)
+                                   draw_rows, probabilities_at)
 
 if TYPE_CHECKING:
     from specter_gguf.engine import Model
@@ -60,19 +60,23 @@ def draw_residual(sampler: Sampler, p: torch.Tensor, q: torch.Tensor) -> int:
 
 class SampledVerdict:
     """Speculative sampling on the device, as the verdict of `n_tokens`-token steps (`steps.Steps`; the same
-    outputs as `steps.judge`): the tokens [t, d_1 .. d_k] (k = n_tokens - 1), the draft's distributions
-    `draft_probs` [k, n_vocab] they were drawn from and `uniforms` [n_tokens] (k acceptance tests, one draw)
-    give n accepted and the token after them, drawn from the residual of the first rejected row or from the
-    last row. A one-token step (k = 0) is a plain draw: a drafted token, whose distribution stays in `probs`.
-    The sampling settings are a device tensor (`set`), so one captured graph serves every temperature."""
+    outputs as `steps.judge`): the tokens [t, d_1 .. d_k] (k = n_tokens - 1), the draft's distributions they were
+    drawn from (`draft_ids`, `draft_probs` [k, C]: the candidates of `sampling.chain_probabilities`) and
+    `uniforms` [n_tokens] (k acceptance tests, one draw) give n accepted and the token after them, drawn from the
+    residual of the first rejected row or from the last row. A one-token step (k = 0) is a plain draw: a drafted
+    token, whose distribution stays in `ids`, `probs`. Every distribution is held as its C candidates, so no
+    tensor spans the vocabulary. The sampling settings are a device tensor (`set`), so one captured graph serves
+    every temperature."""
 
     def __init__(self, params: SamplingParams, n_tokens: int, n_vocab: int, device: torch.device) -> None:
-        self.n_candidates = chain_candidates(params, n_vocab)
+        self.n_candidates = C = chain_candidates(params, n_vocab)
         self._knobs = chain_knobs(params)
         self.knobs = self._knobs.to(device)
         self.uniforms = torch.zeros(n_tokens, dtype=torch.float64, device=device)
-        self.draft_probs = torch.zeros(n_tokens - 1, n_vocab, dtype=torch.float64, device=device)
-        self.probs = torch.zeros(n_tokens, n_vocab, dtype=torch.float64, device=device)
+        self.draft_ids = torch.zeros(n_tokens - 1, C, dtype=torch.long, device=device)
+        self.draft_probs = torch.zeros(n_tokens - 1, C, dtype=torch.float64, device=device)
+        self.ids = torch.zeros(n_tokens, C, dtype=torch.long, device=device)
+        self.probs = torch.zeros(n_tokens, C, dtype=torch.float64, device=device)
 
     def set(self, params: SamplingParams) -> None:
         """Sample with `params` from now on (the same top_k); copies only what changed (a copy from pageable
@@ -86,15 +90,18 @@ class SampledVerdict:
                  finite: torch.Tensor) -> None:
         T = logits.shape[0]
         k, pos = T - 1, inputs[T:]
-        p = chain_probabilities(logits, self.n_candidates, self.knobs)
+        ids, p = chain_probabilities(logits, self.n_candidates, self.knobs)
+        self.ids.copy_(ids)
         self.probs.copy_(p)
         drafted = inputs[1:T, None]
-        q = self.draft_probs
-        kept = self.uniforms[:k] * q.gather(1, drafted).squeeze(1) < p[:k].gather(1, drafted).squeeze(1)
+        q_ids, q = self.draft_ids, self.draft_probs
+        p_drafted = probabilities_at(ids[:k], p[:k], drafted).squeeze(1)
+        kept = self.uniforms[:k] * probabilities_at(q_ids, q, drafted).squeeze(1) < p_drafted
         n = kept.long().cumprod(0).sum(0, keepdim=True)
-        residual = (p[:k] - q).clamp(min=0)
+        # max(0, p - q) is 0 outside p's candidates: the residual lives on them
+        residual = (p[:k] - probabilities_at(q_ids, q, ids[:k])).clamp(min=0)
         residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[:k])  # all zero: rounding only
-        after = draw_rows(torch.cat([residual, p[k:]]).index_select(0, n), self.uniforms[k:])
+        after = draw_rows(ids.index_select(0, n), torch.cat([residual, p[k:]]).index_select(0, n), self.uniforms[k:])
         rows = torch.arange(T, device=logits.device)
         choice.copy_(torch.cat([n, torch.where(rows < n, torch.cat([inputs[1:T], after]), after)]))
         next.copy_(torch.cat([after, pos + n + 1]))

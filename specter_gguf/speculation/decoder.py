@@ -45,6 +45,9 @@ class SpeculativeDecoder:
         self.depth: DepthChooser | None = None
         self.set_depth(n_draft)
         self.synth_len: float | None = None  # benchmarks only (`accept.synthetic_acceptance`)
+        # a verification waits for the lookahead's copies still in flight (False, to measure the alternative
+        # only: it reads those experts in place while they land; scripts/bench_prefetch.py)
+        self.wait_for_prefetches = True
         self._steps: dict[tuple, Steps] = {}  # (tokens, draft, observer, top_k or None) -> steps over the cache
         self._cache: KVCache | None = None
         self._step_s = 0.0  # one draft step, measured
@@ -98,6 +101,7 @@ class SpeculativeDecoder:
         stats.draft_tokens = stats.draft_accepted = stats.draft_rounds = 0
         if self.lookahead is not None:
             stats.prefetched = stats.prefetched_used = stats.verify_missing = 0
+            stats.prefetch_late = stats.prefetch_refused = 0
         clock = PhaseClock(model.device)
         p = sampler.params
         on_device = not p.penalties_active
@@ -127,6 +131,8 @@ class SpeculativeDecoder:
                 clock.mark("draft")
                 if self.lookahead is not None:
                     self.lookahead.plan()
+                    if self.wait_for_prefetches:
+                        self.lookahead.wait_for_copies()
                 cache.truncate(pos)
                 if on_device:
                     verify.step(torch.cat([drafted, torch.full((1,), pos, device=drafted.device)]))
@@ -180,6 +186,7 @@ class SpeculativeDecoder:
                 out.append(steps.inputs[:1].clone())
             out.append(steps.next[:1].clone())
             if sampled is not None:
+                verify.verdict.draft_ids[j].copy_(steps.verdict.ids[0])
                 verify.verdict.draft_probs[j].copy_(steps.verdict.probs[0])
             if self.lookahead is not None and j + 1 in ends:
                 self.lookahead.snapshot()
@@ -227,10 +234,13 @@ class SpeculativeDecoder:
         model.offload.settle(wait=True)  # the verification is done (its verdict was read): nothing waits
         used, missed, prefetched = model.offload.last_used, model.offload.last_missed, self.lookahead.prefetched
         prefetched_used = sum(bool(used[key]) for key in prefetched)
+        late = sum(bool(missed[key]) for key in prefetched)
         stats.prefetched += len(prefetched)
         stats.prefetched_used += prefetched_used
+        stats.prefetch_late += late
+        stats.prefetch_refused += self.lookahead.refused
         # what the verification would have missed without the lookahead: its misses and what was prefetched for it
-        stats.verify_missing += prefetched_used + int(missed.sum()) - sum(bool(missed[key]) for key in prefetched)
+        stats.verify_missing += prefetched_used + int(missed.sum()) - late
 
 
 class PhaseClock:

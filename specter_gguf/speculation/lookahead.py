@@ -7,10 +7,11 @@ boundaries of the drafting (`chunk_ends`: a cold start after the first ~20% of t
 sized so that their copies take about as long as drafting them, then the rest) the counter is copied to the
 host without waiting. `plan`, called once the whole drafting is enqueued, then reads the copies in order, each as
 it lands (drafting on the device, the GPU is still drafting meanwhile; drafting on the host, it has ended by
-then), and asks the cache for the experts counted so far that are not resident, most used first (ties: earlier
-layer first, the order verification meets them). Slots
-requested during an iteration are not evicted by later requests of the same iteration: the coming verification
-needs them.
+then), and asks the cache for the experts counted so far, most used first (ties: earlier layer first, the order
+verification meets them): the missing ones are copied in. Their slots, and those of the resident ones, are reserved
+in the cache: no later request evicts them before the coming verification has run. `wait_for_copies` then makes
+that verification wait (on the GPU) for the copies still in flight rather than read those experts in place
+while they land: measured faster on the H200 (docs/BENCHMARKS.md, 2026-12-01 14:03).
 """
 
 from __future__ import annotations
@@ -43,10 +44,10 @@ class ExpertLookahead:
         self._hosts: list[torch.Tensor] = []  # snapshot buffers, reused iteration after iteration
         self._pinned = device.type == "cuda"
         self._events: list[torch.cuda.Event | None] = []
-        self._protect: set[int] = set()
         self._pending = 0
         self._seen: set[tuple[int, int]] = set()
         self.prefetched: set[tuple[int, int]] = set()  # this iteration's copies
+        self.refused = 0  # this iteration's counted experts that found no evictable slot
 
     def __call__(self, layer: int, ids: torch.Tensor, weights: torch.Tensor) -> None:
         flat = ids.reshape(-1)
@@ -55,9 +56,10 @@ class ExpertLookahead:
     def start(self) -> None:
         """A new iteration: nothing counted, nothing requested yet."""
         self.counts.zero_()
-        self._protect.clear()
+        self.cache.reserved.clear()
         self._seen.clear()
         self.prefetched.clear()
+        self.refused = 0
         self._pending = 0
 
     def snapshot(self) -> None:
@@ -72,7 +74,7 @@ class ExpertLookahead:
 
     def plan(self) -> int:
         """Read each snapshot as it lands (waiting for it: the GPU drafts on meanwhile) and request the counted
-        experts not yet resident; returns the copies issued."""
+        experts; returns the copies issued."""
         issued = 0
         for i in range(self._pending):
             if self._events[i] is not None:
@@ -87,8 +89,15 @@ class ExpertLookahead:
         keys = [key for key in ((int(layers[i]), int(experts[i])) for i in order) if key not in self._seen]
         self._seen.update(keys)
         where = self.cache.where
-        self._protect.update(where[key] for key in keys if key in where)
+        self.cache.reserved.update(where[key] for key in keys if key in where)  # before any copy takes a slot
         fresh = [key for key in keys if key not in where]
-        issued = self.cache.request(fresh, protect=self._protect)
+        issued = self.cache.request(fresh, reserve=True)
         self.prefetched.update(key for key in fresh if key in where)
+        self.refused += len(fresh) - issued
         return issued
+
+    def wait_for_copies(self) -> None:
+        """Make the compute stream wait (GPU-side) for this iteration's copies and publish them: the coming
+        verification reads them from their slots instead of reading the experts in place while they land."""
+        where = self.cache.where
+        self.cache.publish(wait=[where[key] for key in self.prefetched if key in where])

@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""How a speculative verification should meet the lookahead's copies, measured on one loaded model:
+
+- wait: the verification waits (on the GPU) for the copies still in flight and reads those experts from their
+  slots (`SpeculativeDecoder.wait_for_prefetches`, the default), or reads them in place from host memory while
+  their copies land (no wait, the same bytes crossing PCIe twice);
+- bring-in: lru also brings the experts a verification read in place into the cache after it, as plain lru
+  decoding does, or leaves the cache to the lookahead buffer (`OffloadOptions.lookahead`, the default with a
+  draft).
+
+    python3 scripts/bench_prefetch.py TARGET.gguf --drafts Q4.gguf[,Q2.gguf] --gpu-budget 16GiB \\
+        [--prompts 2] [-n 64]
+
+The bench prompts (scripts/bench_prompts.json), greedy and sampled (temperature 1, top-k 40, top-p 0.95, min-p
+0.05), after one warm-up generation; prints a Markdown table: TPOT (median over prompts), acceptance, hit rate,
+per iteration drafting, verification and copy-wait ms, expert MiB per token read in place and copied,
+prefetched, late and refused experts per iteration, prefetch recall.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from specter_gguf import benchmark as B  # noqa: E402
+from specter_gguf.engine import Model  # noqa: E402
+from specter_gguf.sampling import SamplingParams  # noqa: E402
+
+DECODINGS = {"greedy": SamplingParams(temperature=0.0), "sampled": SamplingParams(**B.SAMPLED, seed=1234)}
+VARIANTS = [("wait", True, False), ("no wait", False, False), ("wait, bring-in", True, True),
+            ("no wait, bring-in", False, True)]
+SUMMED = ("draft_tokens", "draft_accepted", "draft_rounds", "draft_s", "verify_s", "copy_exposed_s", "cache_hits",
+          "cache_lookups", "zero_copy_bytes", "bytes_copied", "prefetched", "prefetched_used", "verify_missing",
+          "prefetch_late", "prefetch_refused", "prompt_tokens", "generated_tokens")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("target", type=Path)
+    ap.add_argument("--drafts", required=True, help="comma list of draft GGUF files")
+    ap.add_argument("--gpu-budget", default="16GiB")
+    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("-n", "--n-predict", type=int, default=64)
+    ap.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke test)")
+    args = ap.parse_args()
+    prompts = B.load_prompts(n=args.prompts)
+    print("| draft | variant | decoding | TPOT ms | acceptance | hit rate | draft ms/iter | verify ms/iter | "
+          "copy wait ms/iter | in place MiB/token | copied MiB/token | prefetched/iter | late/iter | "
+          "refused/iter | recall |")
+    print("|---|---|---|" + "---|" * 12)
+    for draft in args.drafts.split(","):
+        m = Model.load(args.target, draft=draft, device=args.device, gpu_budget=args.gpu_budget, ctx_size=1024,
+                       progress=False)
+        ids = [m.tokenize(p.text) for p in prompts]
+        m.generate(ids[0], 32, DECODINGS["greedy"]).wait()  # warm-up: graphs captured
+        for name, wait, bring_in in VARIANTS:
+            m.decoder.wait_for_prefetches, m.offload.options.lookahead = wait, not bring_in
+            for dec, params in DECODINGS.items():
+                gens = [m.generate(i, args.n_predict, params).wait().stats for i in ids]
+                t = {f: sum(getattr(s, f) or 0 for s in gens) for f in SUMMED}
+                it, tokens = t["draft_rounds"] or 1, t["prompt_tokens"] + t["generated_tokens"]
+                cells = [Path(draft).name, name, dec, statistics.median(s.tpot_ms for s in gens),
+                         t["draft_accepted"] / max(1, t["draft_tokens"]), t["cache_hits"] / max(1, t["cache_lookups"]),
+                         1e3 * t["draft_s"] / it, 1e3 * t["verify_s"] / it, 1e3 * t["copy_exposed_s"] / it,
+                         t["zero_copy_bytes"] / tokens / 2**20, t["bytes_copied"] / tokens / 2**20,
+                         t["prefetched"] / it, t["prefetch_late"] / it, t["prefetch_refused"] / it,
+                         t["prefetched_used"] / max(1, t["verify_missing"])]
+                print("| " + " | ".join(f"{c:.2f}" if isinstance(c, float) else str(c) for c in cells) + " |",
+                      flush=True)
+        m.offload.close()
+        del m
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
