@@ -15,7 +15,7 @@ import numpy as np
 
 from specter_gguf.errors import SpecterError
 from specter_gguf.quantize import FTYPES
-from specter_gguf.runtime.budget import format_size
+from specter_gguf.sizes import format_size
 from specter_gguf.runtime.cache import POLICIES
 from specter_gguf.runtime.offload import OFFLOAD_CHOICES
 from specter_gguf.speculation.depth import MAX_DEPTH
@@ -176,7 +176,7 @@ def load_options(f: Any) -> Any:
                 n_draft: int | str | None, **kwargs: Any) -> Any:
         def load(model: Path | None, progress: bool) -> Any:
             from specter_gguf.engine import Model
-            from specter_gguf.runtime import parse_size
+            from specter_gguf.sizes import parse_size
 
             options = dict(device=device, ctx_size=ctx_size, progress=progress,
                            gpu_budget=parse_size(gpu_budget) if gpu_budget is not None else None,
@@ -337,7 +337,8 @@ def plan(model: Path, gpu_budget: str, draft: Path | None, ctx_size: int | None,
     workspace, draft experts, expert-cache slots; and the minimum budget. Exits 1 when the budget is below it."""
     from specter_gguf.gguf_file import GGUFFile
     from specter_gguf.models import check_architecture
-    from specter_gguf.runtime import parse_size, plan_memory
+    from specter_gguf.runtime import plan_memory
+    from specter_gguf.sizes import parse_size
 
     parse_size(gpu_budget)  # a size the user got wrong fails before the file is read
     f = GGUFFile(model)

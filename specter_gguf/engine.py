@@ -19,7 +19,7 @@ from specter_gguf.layers import ExpertSource, KVCache, RoutingObserver, Transfor
 from specter_gguf.models import check_architecture
 from specter_gguf.runtime.offload import load_offloaded
 from specter_gguf.sampling import Sampler, SamplingParams
-from specter_gguf.tokenizer import Tokenizer
+from specter_gguf.tokenizer import IdsOnlyTokenizer, Tokenizer
 
 SHIPPED_MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-qwen2moe.gguf"
 
@@ -153,7 +153,7 @@ class GenerationStats:
         """One line: tokens, context, prefill, TPOT, tokens/s; with offloading the cache's hit rate, bytes copied per
         token and hidden copy share; with a draft its acceptance; on CUDA the peak memory (`to_dict` has every
         figure)."""
-        from specter_gguf.runtime.budget import format_size
+        from specter_gguf.sizes import format_size
 
         text = (f"prompt {self.prompt_tokens} tokens, generated {self.generated_tokens} tokens, context "
                 f"{self.ctx_size}, prefill {self.prefill_s * 1000:.1f} ms, TPOT {self.tpot_ms:.2f} ms, "
@@ -205,7 +205,8 @@ class Generation:
 class Model:
     """A GGUF Mixture-of-Experts model on one device. `Model.load(path)` then `generate` / `logits`."""
 
-    def __init__(self, path: Path, transformer: Transformer, tokenizer: Tokenizer, ctx_size: int) -> None:
+    def __init__(self, path: Path, transformer: Transformer, tokenizer: Tokenizer | IdsOnlyTokenizer,
+                 ctx_size: int) -> None:
         self.path, self.transformer, self.tokenizer, self.ctx_size = path, transformer, tokenizer, ctx_size
         self.config = transformer.config
         self.device = transformer.token_embd.device
@@ -226,7 +227,8 @@ class Model:
              ctx_size: int | None = None, progress: bool = True, gpu_budget: int | str | None = None,
              offload: str | None = None, cache_policy: str | None = None,
              routing_profile: str | os.PathLike[str] | Any = None, cuda_graphs: bool = True,
-             draft: str | os.PathLike[str] | None = None, n_draft: int | Literal["auto"] | None = None) -> Model:
+             draft: str | os.PathLike[str] | None = None, n_draft: int | Literal["auto"] | None = None,
+             tokenizer: Tokenizer | IdsOnlyTokenizer | None = None) -> Model:
         """Load `path` (default: the small model shipped in `models/`) onto `device` ("cpu", "cuda";
         default CUDA when present). `ctx_size`: tokens of context; default min(the model's training context,
         4096) as llama.cpp; 0: the model's training context.
@@ -242,7 +244,9 @@ class Model:
         `draft`: a quantized copy of the model (e.g. `specter-gguf quantize MODEL --type q4_k_m`) whose routed
         experts share the device and draft `n_draft` tokens per verification (`speculation`; default "auto":
         a depth chosen each iteration from the measured acceptance and costs, `speculation.depth`); the budget
-        counts them."""
+        counts them.
+        `tokenizer`: used instead of the file's own (read by llama.cpp through llama-cpp-python); an
+        `IdsOnlyTokenizer` serves callers that give and read token ids only where llama-cpp-python is missing."""
         path = Path(path) if path is not None else SHIPPED_MODEL
         dev = resolve_device(device)
         f = GGUFFile(path)
@@ -259,7 +263,7 @@ class Model:
             torch.cuda.reset_peak_memory_stats(dev)
         transformer, runtime, plan = load_offloaded(f, dev, ctx, progress, gpu_budget, offload, cache_policy,
                                                     routing_profile, draft=draft_file)
-        model = cls(path, transformer, Tokenizer.from_gguf(path), ctx)
+        model = cls(path, transformer, tokenizer if tokenizer is not None else Tokenizer.from_gguf(path), ctx)
         model.offload, model.memory_plan = runtime, plan
         model.cuda_graphs = cuda_graphs and dev.type == "cuda" and (runtime is None or runtime.mode != "gate-prefetch")
         model.prefill_chunk = plan.prefill_chunk if plan is not None else None
@@ -314,16 +318,19 @@ class Model:
         return out
 
     def generate(self, prompt: str | Sequence[int], n_predict: int = 128,
-                 sampling: SamplingParams | None = None, stop: Sequence[str] = ()) -> Generation:
+                 sampling: SamplingParams | None = None, stop: Sequence[str] = (),
+                 ignore_eos: bool = False) -> Generation:
         """Generate up to `n_predict` tokens (-1: until the end of generation or a full context) after
-        `prompt` (text, or token ids used as they are). Iterate the result to stream text."""
+        `prompt` (text, or token ids used as they are). Iterate the result to stream text. `ignore_eos`: an
+        end-of-generation token does not end the generation (llama-server's option of that name; the benchmark
+        generates exactly `n_predict` tokens)."""
         prompt_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_tokens(prompt_ids)
         if len(prompt_ids) >= self.ctx_size:
             raise SpecterError(f"the prompt has {len(prompt_ids)} tokens but the context holds {self.ctx_size}; "
                                f"shorten it or raise -c/--ctx-size")
         gen = Generation(prompt_tokens=prompt_ids)
-        gen._pieces = self._run(gen, n_predict, Sampler(sampling or SamplingParams()), list(stop))
+        gen._pieces = self._run(gen, n_predict, Sampler(sampling or SamplingParams()), list(stop), ignore_eos)
         return gen
 
     # -- chat and llama-cpp-python–shaped results (specter_gguf/chat.py, specter_gguf/api.py) ------------
@@ -350,10 +357,11 @@ class Model:
     __call__ = create_completion
 
     @torch.inference_mode()
-    def _run(self, gen: Generation, n_predict: int, sampler: Sampler, stop: list[str]) -> Iterator[str]:
+    def _run(self, gen: Generation, n_predict: int, sampler: Sampler, stop: list[str],
+             ignore_eos: bool) -> Iterator[str]:
         cache = self._claim_cache()
         try:
-            yield from self._decode(gen, n_predict, sampler, stop, cache)
+            yield from self._decode(gen, n_predict, sampler, stop, ignore_eos, cache)
         finally:
             if cache is self._cache:
                 self._cache_in_use = False
@@ -368,7 +376,7 @@ class Model:
         self._cache_in_use = True
         return self._cache
 
-    def _decode(self, gen: Generation, n_predict: int, sampler: Sampler, stop: list[str],
+    def _decode(self, gen: Generation, n_predict: int, sampler: Sampler, stop: list[str], ignore_eos: bool,
                 cache: KVCache) -> Iterator[str]:
         limit = n_predict if n_predict >= 0 else self.ctx_size
         stats = gen.stats
@@ -398,7 +406,7 @@ class Model:
             if token is None:  # the context is full
                 gen.finish_reason = "length"
                 break
-            if self.tokenizer.is_eog(token):
+            if not ignore_eos and self.tokenizer.is_eog(token):
                 gen.finish_reason = "stop"
                 break
             gen.tokens.append(token)

@@ -79,31 +79,3 @@ def shipped_model() -> Path:
     if not path.is_file():
         pytest.fail(f"{path} is missing; make it with the command in models/README.md")
     return path
-
-
-class _IdsOnlyTokenizer:
-    """Stands in for the llama.cpp tokenizer where llama-cpp-python is not installed (token ids in, token ids
-    out; no end-of-generation token, so every run generates all the tokens asked for)."""
-
-    def is_eog(self, token: int) -> bool:
-        return False
-
-    def stream(self, continuation: bool = True) -> "_IdsOnlyTokenizer":
-        return self
-
-    def push(self, token: int) -> str:
-        return ""
-
-    def flush(self) -> str:
-        return ""
-
-
-@pytest.fixture
-def ids_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
-    """GPU tests that feed token ids run where llama-cpp-python is missing (the GPU machine without its wheel)."""
-    import importlib.util
-
-    if importlib.util.find_spec("llama_cpp") is None:
-        from specter_gguf import engine
-
-        monkeypatch.setattr(engine.Tokenizer, "from_gguf", staticmethod(lambda path: _IdsOnlyTokenizer()))

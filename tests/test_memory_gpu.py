@@ -20,11 +20,11 @@ from cuda_support import free_device, require_native_cuda, warm_up
 from specter_gguf.engine import Model
 from specter_gguf.gguf_file import GGUFFile
 from specter_gguf.runtime import plan_memory
-from specter_gguf.runtime.budget import format_size
+from specter_gguf.sizes import format_size
 from specter_gguf.sampling import SamplingParams
+from specter_gguf.tokenizer import ids_only_unless_llama_cpp
 
-pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch's allocator)"),
-              pytest.mark.usefixtures("ids_tokenizer")]
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch's allocator)")]
 
 CONTEXTS = (4096, 32768)
 DECODED = 16
@@ -51,7 +51,8 @@ def _measure(path, ctx: int) -> None:
     warm_up()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    m = Model.load(path, device="cuda", ctx_size=ctx, progress=False, gpu_budget=budget, offload="lru")
+    m = Model.load(path, device="cuda", ctx_size=ctx, progress=False, gpu_budget=budget, offload="lru",
+                   tokenizer=ids_only_unless_llama_cpp())
     try:
         m.offload.store.wait()
         loaded = torch.cuda.memory_allocated() - base
@@ -104,13 +105,14 @@ def test_a_model_larger_than_the_free_memory_runs_without_flags(tiny_models, mon
     whole = plan_memory(GGUFFile(path), 1 << 40, 256, "cuda")
     free = budget.FIT_MARGIN + whole.minimum + whole.n_moe_layers * whole.slot_bytes  # fits, offloaded
     assert free - budget.FIT_MARGIN < whole.fixed + whole.resident_expert_bytes
-    plain = Model.load(path, device="cuda", ctx_size=256, progress=False, cuda_graphs=False)
+    plain = Model.load(path, device="cuda", ctx_size=256, progress=False, cuda_graphs=False,
+                       tokenizer=ids_only_unless_llama_cpp())
     expected = plain.generate([5, 17, 300, 42], n_predict=12, sampling=SamplingParams(temperature=0)).wait().tokens
     del plain
     free_device()
     monkeypatch.setattr(budget, "free_device_memory", lambda device: free)
     with caplog.at_level("WARNING", logger="specter_gguf"):
-        m = Model.load(path, device="cuda", ctx_size=256, progress=False)
+        m = Model.load(path, device="cuda", ctx_size=256, progress=False, tokenizer=ids_only_unless_llama_cpp())
     assert m.offload is not None and m.memory_plan.budget == free - budget.FIT_MARGIN
     assert any("offloaded within a budget" in r.getMessage() for r in caplog.records)
     assert m.generate([5, 17, 300, 42], n_predict=12, sampling=SamplingParams(temperature=0)).wait().tokens == expected

@@ -29,7 +29,8 @@ torch = pytest.importorskip("torch")
 from gguf import GGMLQuantizationType as GT  # noqa: E402
 from gguf.quants import quantize as gguf_quantize  # noqa: E402
 
-from specter_gguf import benchmark as B  # noqa: E402
+from specter_gguf.bench import model_files  # noqa: E402
+from specter_gguf.bench.model_files import estimate_bytes, gguf_weight_type, make_draft, make_target  # noqa: E402
 from specter_gguf import synthetic as syn  # noqa: E402
 from specter_gguf.errors import SpecterError  # noqa: E402
 
@@ -203,36 +204,36 @@ def test_make_synthetic_q8_0_with_requantized_draft(tmp_path: Path) -> None:
 
 
 def test_estimate_bytes_by_type() -> None:
-    f16 = B.estimate_bytes("qwen3-30b-a3b", None, 151936, "f16")
-    q8 = B.estimate_bytes("qwen3-30b-a3b", None, 151936, "q8_0")
+    f16 = estimate_bytes("qwen3-30b-a3b", None, 151936, "f16")
+    q8 = estimate_bytes("qwen3-30b-a3b", None, 151936, "q8_0")
     assert 30e9 < q8 < 34e9 and 0.53 < q8 / f16 < 0.54  # ~32 GB: 34 bytes per 32 values, routers/norms F32
 
 
 def test_bench_makes_q8_0_target_and_requantized_draft(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("llama_cpp")
     logs: list[str] = []
-    target = B.make_target("tiny-qwen3moe", 1, tmp_path, "cpu", None, logs.append, target_type="q8_0")
+    target = make_target("tiny-qwen3moe", 1, tmp_path, "cpu", None, logs.append, target_type="q8_0")
     assert target.name == "tiny-qwen3moe-l1-q8_0.gguf" and "--dtype q8_0" in logs[0]
-    assert B.gguf_weight_type(target) == ("q8_0", True)
-    assert B.make_target("tiny-qwen3moe", 1, tmp_path, "cpu", None, logs.append, target_type="q8_0") == target
+    assert gguf_weight_type(target) == ("q8_0", True)
+    assert make_target("tiny-qwen3moe", 1, tmp_path, "cpu", None, logs.append, target_type="q8_0") == target
     assert logs[-1].startswith("reusing")
     with pytest.raises(SpecterError, match="target type"):
-        B.make_target("tiny-qwen3moe", 1, tmp_path, "cpu", None, logs.append, target_type="q4_k")
+        make_target("tiny-qwen3moe", 1, tmp_path, "cpu", None, logs.append, target_type="q4_k")
 
     # llama-cpp-python's quantizer (no llama-quantize built): requantized from Q8_0
-    draft = B.make_draft(target, "q2_k", None, logs.append)
+    draft = make_draft(target, "q2_k", None, logs.append)
     assert draft.name == "tiny-qwen3moe-l1-q8_0-q2_k.gguf" and "requantizing" in logs[-2]
     assert _types(draft)["blk.0.ffn_up_exps.weight"] == GT.Q2_K
 
     # the llama-quantize tool gets --allow-requantize for a quantized source, and not for an F16 one
     calls: list[list[str]] = []
-    monkeypatch.setattr(B, "_check_call", lambda cmd, timeout: (calls.append(list(cmd)),
-                                                                Path(cmd[-3]).write_bytes(b"x")))
+    monkeypatch.setattr(model_files, "check_call", lambda cmd, timeout: (calls.append(list(cmd)),
+                                                                          Path(cmd[-3]).write_bytes(b"x")))
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "llama-quantize").write_text("")
-    B.make_draft(target, "q4_k_m", tmp_path / "bin", logs.append)
+    make_draft(target, "q4_k_m", tmp_path / "bin", logs.append)
     f16 = syn.write_synthetic(tmp_path / "t-f16.gguf", syn.PRESETS["tiny-qwen3moe"].with_layers(1), "f16").path
-    B.make_draft(f16, "q4_k_m", tmp_path / "bin", logs.append)
+    make_draft(f16, "q4_k_m", tmp_path / "bin", logs.append)
     assert calls[0][1:] == ["--allow-requantize", str(target), str(tmp_path / "tiny-qwen3moe-l1-q8_0-q4_k_m.gguf"),
                             "Q4_K_M", calls[0][-1]]
     assert "--allow-requantize" not in calls[1] and calls[1][1] == str(f16)
