@@ -47,14 +47,14 @@ from specter_gguf.bench.report import (append_report, format_size, merge_docs, n
 from specter_gguf.bench.runner import BenchContext, RunSettings, run_matrix  # noqa: E402
 from specter_gguf.errors import SpecterError  # noqa: E402
 from specter_gguf.sizes import parse_size  # noqa: E402
-from specter_gguf.synthetic import DTYPES  # noqa: E402
+from specter_gguf.synthetic.writer import DTYPES  # noqa: E402
 from specter_gguf.tokenizer import llama_cpp_available  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = ap.add_argument_group("model")
-    g.add_argument("--model-preset", help="synthetic model preset (specter_gguf.synthetic.PRESETS)")
+    g.add_argument("--model-preset", help="synthetic model preset (specter_gguf.synthetic.shapes.PRESETS)")
     g.add_argument("--layers", type=int, default=None, help="shrink the preset to N layers (quick runs)")
     g.add_argument("--model", type=Path, help="use this GGUF as the target instead of making one")
     g.add_argument("--draft", type=Path, help="use this GGUF as the draft instead of making one")
@@ -186,7 +186,7 @@ def run(args: argparse.Namespace, t_start: float, deadline: float | None) -> int
         if args.model is not None:
             target = args.model.resolve()
         else:
-            from specter_gguf.synthetic import SUGGESTED_VOCAB, get_preset
+            from specter_gguf.synthetic.shapes import SUGGESTED_VOCAB, get_preset
 
             get_preset(args.model_preset)
             vocab = args.vocab_from
@@ -286,7 +286,7 @@ def _draft_label(draft: Path | None) -> str | None:
 
 def _model_label(args: argparse.Namespace, sizes: ModelSizes) -> str:
     if args.model_preset and args.model is None:
-        from specter_gguf.synthetic import get_preset
+        from specter_gguf.synthetic.shapes import get_preset
 
         name = get_preset(args.model_preset).name or args.model_preset
         return (f"{name}, {sizes.n_layer} layers, {args.target_type.upper()}"

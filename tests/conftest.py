@@ -3,7 +3,7 @@
 ``tiny_models[(arch, kind)]`` is the path of a GGUF, built on first use into a session cache directory
 under pytest's tmp dir and reused by every later test:
 
-- ``arch``: a GGUF ``general.architecture`` of :data:`specter_gguf.synthetic.TINY_ARCH_PRESETS`
+- ``arch``: a GGUF ``general.architecture`` of :data:`specter_gguf.synthetic.shapes.TINY_ARCH_PRESETS`
   (``qwen2moe``, ``qwen3moe``, ``llama`` = Mixtral-style, ``olmoe``);
 - ``kind``: ``f32`` or ``f16`` (written by the synthetic writer, same seed: the F16 file is the F32 one
   rounded), or ``q8_0`` / ``q4_k_m`` / ``q2_k`` (llama.cpp's quantizer applied to the F16 file; these
@@ -20,7 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from specter_gguf.synthetic import MODELS_DIR, PRESETS, TINY_ARCH_PRESETS, write_synthetic
+from specter_gguf.engine import SHIPPED_MODEL
+from specter_gguf.synthetic.shapes import PRESETS, TINY_ARCH_PRESETS
+from specter_gguf.synthetic.writer import write_synthetic
 
 TINY_WRITTEN = ("f32", "f16")
 TINY_QUANTIZED = ("q8_0", "q4_k_m", "q2_k")
@@ -75,7 +77,6 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
 
 @pytest.fixture(scope="session")
 def shipped_model() -> Path:
-    path = MODELS_DIR / "tiny-qwen2moe.gguf"
-    if not path.is_file():
-        pytest.fail(f"{path} is missing; make it with the command in models/README.md")
-    return path
+    if not SHIPPED_MODEL.is_file():
+        pytest.fail(f"{SHIPPED_MODEL} is missing; make it with the command in models/README.md")
+    return SHIPPED_MODEL

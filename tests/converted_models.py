@@ -53,7 +53,7 @@ N_VOCAB = 512  # the config's vocab_size; the trained tokenizers have TOKENIZER_
 TOKENIZER_SIZE = 500
 SPM_ARCHS = ("llama", "phimoe")  # SentencePiece tokenizers (Mixtral, Phi-3.5-MoE); the others BPE
 
-# Initialization (as the synthetic writer's, see specter_gguf/synthetic.py): matrices normal std 0.02, norms
+# Initialization (as the synthetic writer's, see specter_gguf/synthetic/writer.py): matrices normal std 0.02, norms
 # 1 + 0.1 * normal, biases normal std 0.02, routers so that their logits have std ~1.5, the LM head so that
 # logits have std ~2 (a peaked next-token distribution, less fragile greedy decoding).
 INIT_STD, NORM_NOISE, ROUTER_LOGIT_STD, LOGIT_STD = 0.02, 0.1, 1.5, 2.0

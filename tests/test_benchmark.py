@@ -33,7 +33,9 @@ from specter_gguf.bench.runner import BenchContext, RunSettings, run_system
 from specter_gguf.engine import tpot_ms
 from specter_gguf.errors import SpecterError
 from specter_gguf.sizes import parse_size
-from specter_gguf.synthetic import PRESETS, tensor_specs, write_synthetic
+from specter_gguf.synthetic.architectures import tensor_specs
+from specter_gguf.synthetic.shapes import PRESETS
+from specter_gguf.synthetic.writer import write_synthetic
 
 REPO = Path(__file__).resolve().parent.parent
 QWEN2_VOCAB = sorted(Path("/tmp").glob("*/llama_cpp_python-*/vendor/llama.cpp/models/ggml-vocab-qwen2.gguf"))

@@ -35,7 +35,8 @@ TINY = [("qwen2moe", "f16"), ("qwen3moe", "f16"), ("llama", "f16"), ("olmoe", "f
 @pytest.fixture(scope="module")
 def qwen3_shaped(tmp_path_factory) -> str:
     """Two layers of Qwen3-30B-A3B (128 experts of 2048x768, top-8, grouped-query attention 32/4), F16."""
-    from specter_gguf.synthetic import get_preset, write_synthetic
+    from specter_gguf.synthetic.shapes import get_preset
+    from specter_gguf.synthetic.writer import write_synthetic
 
     path = tmp_path_factory.mktemp("gpu-models") / "qwen3-30b-a3b-2layers-f16.gguf"
     write_synthetic(path, get_preset("qwen3-30b-a3b").with_layers(2), "f16", seed=0, device="cuda")

@@ -68,7 +68,8 @@ def _run_within_budget(path, budget: int, **load) -> tuple[list[int], object, in
 @pytest.fixture(scope="module")
 def qwen_shaped(tmp_path_factory) -> str:
     """Two layers of Qwen1.5-MoE-A2.7B (60 experts of 2048x1408, top-4, shared expert), F16, random weights."""
-    from specter_gguf.synthetic import get_preset, write_synthetic
+    from specter_gguf.synthetic.shapes import get_preset
+    from specter_gguf.synthetic.writer import write_synthetic
 
     path = tmp_path_factory.mktemp("gpu-models") / "qwen1.5-moe-2layers-f16.gguf"
     write_synthetic(path, get_preset("qwen1.5-moe-a2.7b").with_layers(2), "f16", seed=0, device="cuda")

@@ -20,7 +20,7 @@ from specter_gguf.runtime.store import ExpertStore
 from specter_gguf.config import ModelConfig
 from specter_gguf.sampling import SamplingParams
 from specter_gguf.sizes import parse_size
-from specter_gguf.synthetic import TINY_ARCH_PRESETS
+from specter_gguf.synthetic.shapes import TINY_ARCH_PRESETS
 
 GREEDY = SamplingParams(temperature=0.0)
 CTX = 128

@@ -19,6 +19,8 @@ from specter_gguf.bench.report import format_size
 from specter_gguf.errors import SpecterError
 from specter_gguf.gguf_file import FLOAT_TYPES, GGUFFile
 from specter_gguf.quantize import FTYPES, quantize_gguf, quantized_path
+from specter_gguf.synthetic.shapes import get_preset
+from specter_gguf.synthetic.writer import DTYPES, data_bytes
 
 DEFAULT_SDIST_DIR = Path("/tmp/llsrc")  # unpacked llama-cpp-python sdists (each with vendor/llama.cpp)
 
@@ -83,9 +85,7 @@ def _mark_done(path: Path, recipe: dict[str, Any]) -> None:
 
 
 def estimate_bytes(preset: str, layers: int | None, n_vocab: int, target_type: str = "f16") -> int:
-    """Tensor bytes of the synthetic `target_type` file of `preset` (specter_gguf.synthetic.DTYPES)."""
-    from specter_gguf.synthetic import data_bytes, get_preset
-
+    """Tensor bytes of the synthetic `target_type` file of `preset` (a type of `synthetic.writer.DTYPES`)."""
     shape = get_preset(preset)
     if layers:
         shape = shape.with_layers(layers)
@@ -97,8 +97,6 @@ def make_target(preset: str, layers: int | None, work_dir: Path, device: str, vo
     """The target of `preset` (random weights) in `work_dir`, written by scripts/make_synthetic.py unless an
     identical one is there already. `target_type`: f16 (default), bf16, f32, or q8_0 (written in Q8_0 directly,
     slab by slab: no F16 copy is ever on disk)."""
-    from specter_gguf.synthetic import DTYPES
-
     target_type = target_type.lower()
     if target_type not in DTYPES:
         raise SpecterError(f"unknown target type {target_type!r}; choose one of: {', '.join(DTYPES)}")
