@@ -312,10 +312,9 @@ def test_policies_match_the_plain_engine(tiny_models, tmp_path, policy: str) -> 
     kwargs = {}
     if policy == "static-hot":  # a profiling run with the routing observer, then the profile
         m = Model.load(path, device="cpu", ctx_size=CTX, progress=False)
-        counts = DeviceRoutingCounts(m.config.n_layer, m.config.n_expert, "cpu")
-        m.routing_observer = counts
+        m.record_routing()
         m.generate("A different prompt for profiling", n_predict=8, sampling=GREEDY).wait()
-        counts.profile().save(tmp_path / "profile.json")
+        m.routing_profile().save(tmp_path / "profile.json")
         kwargs["routing_profile"] = tmp_path / "profile.json"
     m = Model.load(path, device="cpu", ctx_size=CTX, progress=False, gpu_budget=_budget_for(path), offload="lru",
                    cache_policy=policy, **kwargs)
