@@ -14,11 +14,11 @@ under pytest's tmp dir and reused by every later test:
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
+
+from built_files import BuiltFiles
 
 from specter_gguf.engine import SHIPPED_MODEL
 from specter_gguf.synthetic.shapes import PRESETS, TINY_ARCH_PRESETS
@@ -30,25 +30,17 @@ TINY_KINDS = TINY_WRITTEN + TINY_QUANTIZED
 TINY_SEED = 0
 
 
-class TinyModels(Mapping):
+class TinyModels(BuiltFiles):
     """Lazily built, cached tiny models: ``[(arch, kind)] -> Path``."""
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self._paths: dict[tuple[str, str], Path] = {}
-        self._lock = threading.Lock()
+    archs = tuple(TINY_ARCH_PRESETS)
+    kinds = TINY_KINDS
 
-    def __getitem__(self, key: tuple[str, str]) -> Path:
-        arch, kind = key
+    def accepts(self, arch: str, kind: str) -> bool:
         # `arch` may also name a preset directly (e.g. "tiny-deepseek2-lite"); iteration covers the archs
-        if TINY_ARCH_PRESETS.get(arch, arch) not in PRESETS or kind not in TINY_KINDS:
-            raise KeyError(key)
-        with self._lock:
-            if key not in self._paths:
-                self._paths[key] = self._build(arch, kind)
-            return self._paths[key]
+        return TINY_ARCH_PRESETS.get(arch, arch) in PRESETS and kind in TINY_KINDS
 
-    def _build(self, arch: str, kind: str) -> Path:
+    def build(self, arch: str, kind: str) -> Path:
         preset = TINY_ARCH_PRESETS.get(arch, arch)
         path = self.root / f"{preset}-{kind}.gguf"
         if kind in TINY_WRITTEN:
@@ -57,17 +49,8 @@ class TinyModels(Mapping):
         pytest.importorskip("llama_cpp")
         from specter_gguf.quantize import quantize_gguf
 
-        src = self._paths.get((arch, "f16"))
-        if src is None:
-            src = self._paths[(arch, "f16")] = self._build(arch, "f16")
-        quantize_gguf(src, path, kind, n_threads=2)
+        quantize_gguf(self[(arch, "f16")], path, kind, n_threads=2)
         return path
-
-    def __iter__(self) -> Iterator[tuple[str, str]]:
-        return ((a, k) for a in TINY_ARCH_PRESETS for k in TINY_KINDS)
-
-    def __len__(self) -> int:
-        return len(TINY_ARCH_PRESETS) * len(TINY_KINDS)
 
 
 @pytest.fixture(scope="session")

@@ -29,6 +29,8 @@ torch = pytest.importorskip("torch")
 from gguf import GGMLQuantizationType as GT  # noqa: E402
 from gguf.quants import quantize as gguf_quantize  # noqa: E402
 
+from built_files import BuiltFiles  # noqa: E402
+
 from specter_gguf.bench import model_files  # noqa: E402
 from specter_gguf.bench.model_files import estimate_bytes, gguf_weight_type, make_draft, make_target  # noqa: E402
 from specter_gguf.errors import SpecterError  # noqa: E402
@@ -44,18 +46,14 @@ ARCHS = list(TINY_ARCH_PRESETS)  # qwen2moe, qwen3moe, llama (Mixtral), olmoe
 N_CTX = 64
 
 
-class Files:
+class Files(BuiltFiles):
     """Lazily written models: [(preset, dtype)] -> Path (seed 0)."""
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.paths: dict[tuple[str, str], Path] = {}
+    def accepts(self, preset: str, dtype: str) -> bool:
+        return True
 
-    def __getitem__(self, key: tuple[str, str]) -> Path:
-        if key not in self.paths:
-            preset, dtype = key
-            self.paths[key] = write_synthetic(self.root / f"{preset}-{dtype}.gguf", preset, dtype, seed=0).path
-        return self.paths[key]
+    def build(self, preset: str, dtype: str) -> Path:
+        return write_synthetic(self.root / f"{preset}-{dtype}.gguf", preset, dtype, seed=0).path
 
 
 @pytest.fixture(scope="module")
