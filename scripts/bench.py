@@ -6,9 +6,9 @@ On the GPU machine (carry .gpu; see ../shared/gpu/prepare.sh), from the reposito
   source .gpu/on-device.sh
   python3 scripts/bench.py --model-preset qwen1.5-moe-a2.7b --budgets 16GiB,20GiB --out $OUT/bench \\
       --n-predict 128 --prompts 20 --deadline 560
-It builds llama.cpp's tools unless /tmp/llama/build/bin has them (or --llama-bin), writes the random-weight
-target (F16; --target-type q8_0 writes Q8_0 directly, for disks that cannot hold an F16 copy) and its drafts
-(requantized from a Q8_0 target) into --work-dir unless they are there, then runs the systems one at a time and
+It builds llama.cpp's tools unless /tmp/llama/build/bin (--llama-dir) has them (or --llama-bin), writes the
+random-weight target (F16; --target-type q8_0 writes Q8_0 directly, for disks that cannot hold an F16 copy) and its
+drafts (requantized from a Q8_0 target) into --work-dir unless they are there, then runs the systems one at a time and
 writes into --out: results.json (raw, rewritten after every system), section.md (the report section), PNG
 plots and logs/. Render again or merge parts (e.g. after --part 1/2 and 2/2) without running anything:
   python scripts/bench.py --from-results a/results.json,b/results.json --out merged \\
