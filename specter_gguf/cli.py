@@ -369,7 +369,8 @@ def inspect(model: Path) -> None:
     click.echo(f"attention     {c.n_head} heads, {c.n_head_kv} KV heads, head dim {c.head_dim}")
     click.echo(f"experts       {c.n_expert} routed, {c.n_expert_used} used per token, {c.n_expert_shared} shared; "
                f"expert width {c.n_ff_exp}")
-    click.echo(f"tensors       {f.n_tensors}: " + ", ".join(f"{k} {format_size(v)}" for k, v in f.bytes_by_type.items()))
+    click.echo(f"tensors       {f.n_tensors}: "
+               + ", ".join(f"{k} {format_size(v)}" for k, v in f.bytes_by_type.items()))
     click.echo(f"routed experts {format_size(f.routed_expert_bytes)}; everything else {format_size(f.other_bytes)}")
 
 

@@ -8,7 +8,7 @@ from typing import Any, Callable
 from specter_gguf.tokenizer import IdsOnlyTokenizer, Tokenizer
 
 # a mode's loader: (the job, the tokenizer to load with or None for the file's own) -> a Model
-Loader = Callable[[dict[str, Any], "Tokenizer | IdsOnlyTokenizer | None"], Any]
+Loader = Callable[[dict[str, Any], Tokenizer | IdsOnlyTokenizer | None], Any]
 
 
 @dataclass(frozen=True)
