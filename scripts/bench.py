@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
 """Benchmark matrix: llama.cpp (all on GPU, -ncmoe, its own speculative decoding) and our engine's modes on the
-same model file, prompts, generated-token count and GPU budget. Library code: specter_gguf/benchmark.py.
+same model file, prompts, generated-token count and GPU budget. Library code: specter_gguf/bench/.
 
 On the GPU machine (carry .gpu; see ../shared/gpu/prepare.sh), from the repository root:
   source .gpu/on-device.sh
   python3 scripts/bench.py --model-preset qwen1.5-moe-a2.7b --budgets 16GiB,20GiB --out $OUT/bench \\
       --n-predict 128 --prompts 20 --deadline 560
-It builds llama.cpp's tools unless /tmp/llama/build/bin has them (or --llama-bin), writes the random-weight
-target (F16; --target-type q8_0 writes Q8_0 directly, for disks that cannot hold an F16 copy) and its drafts
-(requantized from a Q8_0 target) into --work-dir unless they are there, then runs the systems one at a time and
+It builds llama.cpp's tools unless /tmp/llama/build/bin (--llama-dir) has them (or --llama-bin), writes the
+random-weight target (F16; --target-type q8_0 writes Q8_0 directly, for disks that cannot hold an F16 copy) and its
+drafts (requantized from a Q8_0 target) into --work-dir unless they are there, then runs the systems one at a time and
 writes into --out: results.json (raw, rewritten after every system), section.md (the report section), PNG
 plots and logs/. Render again or merge parts (e.g. after --part 1/2 and 2/2) without running anything:
   python scripts/bench.py --from-results a/results.json,b/results.json --out merged \\
@@ -28,15 +28,33 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from specter_gguf import benchmark as B  # noqa: E402
+from specter_gguf.bench import REPO_ROOT  # noqa: E402
+from specter_gguf.bench.gpu import gpu_info  # noqa: E402
+from specter_gguf.bench.llamacpp import (DEFAULT_LLAMA_DIR, ModelSizes, find_llama_bin,  # noqa: E402
+                                         llama_build_bin, llama_version, start_llama_build, wait_llama_build)
+from specter_gguf.bench.matrix import (ALL_FAMILIES, MatrixConfig, build_matrix, parse_budgets,  # noqa: E402
+                                       select_families, split_part)
+from specter_gguf.bench.metrics import DECODINGS  # noqa: E402
+from specter_gguf.bench.model_files import (DEFAULT_SDIST_DIR, QTYPE_LLAMA, find_vocab,  # noqa: E402
+                                            llama_sources, make_draft, make_target)
+from specter_gguf.bench.ours import OURS_MODES  # noqa: E402
+from specter_gguf.bench.plots import write_plots  # noqa: E402
+from specter_gguf.bench.process import kill_group  # noqa: E402
+from specter_gguf.bench.prompts import (PROMPTS_FILE, load_prompts, server_tokenizer,  # noqa: E402
+                                        store_token_ids, tokenize_prompts)
+from specter_gguf.bench.report import (append_report, format_size, merge_docs, now_utc,  # noqa: E402
+                                       render_markdown, write_json)
+from specter_gguf.bench.runner import BenchContext, RunSettings, run_matrix  # noqa: E402
 from specter_gguf.errors import SpecterError  # noqa: E402
-from specter_gguf.synthetic import DTYPES  # noqa: E402
+from specter_gguf.sizes import parse_size  # noqa: E402
+from specter_gguf.synthetic.writer import DTYPES  # noqa: E402
+from specter_gguf.tokenizer import llama_cpp_available  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = ap.add_argument_group("model")
-    g.add_argument("--model-preset", help="synthetic model preset (specter_gguf.synthetic.PRESETS)")
+    g.add_argument("--model-preset", help="synthetic model preset (specter_gguf.synthetic.shapes.PRESETS)")
     g.add_argument("--layers", type=int, default=None, help="shrink the preset to N layers (quick runs)")
     g.add_argument("--model", type=Path, help="use this GGUF as the target instead of making one")
     g.add_argument("--draft", type=Path, help="use this GGUF as the draft instead of making one")
@@ -49,11 +67,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--work-dir", type=Path, default=Path("/tmp/specter-bench"), help="where models are made and kept")
     g.add_argument("--make-device", default=None, help="torch device making the random weights (default: --device)")
     g = ap.add_argument_group("matrix")
-    g.add_argument("--systems", default="*", help=f"comma list of names/globs from: {', '.join(B.ALL_FAMILIES)}")
+    g.add_argument("--systems", default="*", help=f"comma list of names/globs from: {', '.join(ALL_FAMILIES)}")
     g.add_argument("--budgets", default="", help="GPU budgets: 16GiB,20GiB or shares of the target file: 50%%,70%%")
     g.add_argument("--n-predict", type=int, default=128)
     g.add_argument("--prompts", type=int, default=20, help="how many prompts of the prompts file")
-    g.add_argument("--prompts-file", type=Path, default=B.PROMPTS_FILE)
+    g.add_argument("--prompts-file", type=Path, default=PROMPTS_FILE)
     g.add_argument("--decodings", default="greedy,sampled")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--ctx-size", type=int, default=1024, help="context of every system (KV cache size)")
@@ -73,8 +91,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--deadline", type=float, default=0.0,
                    help="seconds from start after which no system starts (0: none); results are always written")
     g = ap.add_argument_group("tools")
-    g.add_argument("--llama-bin", type=Path, help="directory holding llama-server (default /tmp/llama/build/bin)")
+    g.add_argument("--llama-bin", type=Path,
+                   help="directory holding llama-server and llama-quantize; given, they are never built "
+                        "(default: LLAMA_DIR/build/bin, built there when missing)")
     g.add_argument("--no-build", action="store_true", help="never build llama.cpp")
+    g.add_argument("--llama-dir", type=Path, default=DEFAULT_LLAMA_DIR,
+                   help="where build_llama_tools of GPU_DIR/on-device.sh unpacks llama.cpp (llama-src/) and builds "
+                        "it (build/bin, cmake.log, build.log): the folder that script builds in")
+    g.add_argument("--gpu-dir", type=Path, default=REPO_ROOT / ".gpu",
+                   help="the GPU machine's carried folder: on-device.sh (the llama.cpp build) and llama-src.tar.gz "
+                        "(llama.cpp's source, vocab GGUFs)")
+    g.add_argument("--sdist-dir", type=Path, default=DEFAULT_SDIST_DIR,
+                   help="where llama-cpp-python sdists are unpacked (their llama.cpp source has vocab GGUFs)")
     g = ap.add_argument_group("output")
     g.add_argument("--out", type=Path, help="output folder (results.json, section.md, plots, logs)")
     g.add_argument("--report", type=Path, help="also append the section to this Markdown file")
@@ -93,8 +121,8 @@ def log(msg: str) -> None:
 
 def render(doc: dict, out: Path, report: Path | None, img_dir: Path | None) -> None:
     stem = "bench-" + doc["meta"].get("stamp", "run")
-    plots = B.write_plots(doc, out, stem)
-    (out / "section.md").write_text(B.render_markdown(doc, [p.name for p in plots]))
+    plots = write_plots(doc, out, stem)
+    (out / "section.md").write_text(render_markdown(doc, [p.name for p in plots]))
     if report is not None:
         images = []
         for p in plots:
@@ -104,7 +132,7 @@ def render(doc: dict, out: Path, report: Path | None, img_dir: Path | None) -> N
                 dst = img_dir / p.name
                 shutil.copyfile(p, dst)
             images.append(os.path.relpath(dst, report.resolve().parent))
-        B.append_report(report, B.render_markdown(doc, images))
+        append_report(report, render_markdown(doc, images))
         log(f"appended to {report}")
     log(f"wrote {out / 'section.md'}" + (f" and {len(plots)} plot(s)" if plots else
                                          " (no plots: nothing measured, or matplotlib missing)"))
@@ -116,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     deadline = t_start + args.deadline if args.deadline > 0 else None
     try:
         if args.store_token_ids:
-            fp, n = B.store_token_ids(args.prompts_file, args.store_token_ids)
+            fp, n = store_token_ids(args.prompts_file, args.store_token_ids)
             log(f"stored ids of {n} prompts for vocab {fp} in {args.prompts_file}")
             return 0
         if args.out is None:
@@ -124,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         if args.from_results:
             docs = [json.loads(Path(p).read_text()) for p in args.from_results.split(",") if p.strip()]
-            doc = B.merge_docs(docs)
-            B.write_json(args.out / "results.json", doc)
+            doc = merge_docs(docs)
+            write_json(args.out / "results.json", doc)
             render(doc, args.out, args.report, args.img_dir)
             return 0
         return run(args, t_start, deadline)
@@ -135,70 +163,70 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace, t_start: float, deadline: float | None) -> int:
-    families = B.select_families(args.systems)
+    families = select_families(args.systems)
     wants_llama = any(f.startswith("llama") for f in families)
-    wants_draft = any(f in ("llama-spec", "llama-spec-synth") or (f in B.OURS_MODES and B.OURS_MODES[f].needs_draft)
+    wants_draft = any(f in ("llama-spec", "llama-spec-synth") or (f in OURS_MODES and OURS_MODES[f].needs_draft)
                       for f in families)
     if args.model is None and not args.model_preset:
         raise SpecterError("give --model-preset (or --model)")
 
     # -- tools (built in the background while the target is written)
-    llama_bin = B.find_llama_bin(args.llama_bin)
+    bin_dir = args.llama_bin or llama_build_bin(args.llama_dir)
+    llama_bin = find_llama_bin(bin_dir)
     build = None
-    need_tools = wants_llama or (wants_draft and args.draft is None and not _have_llama_cpp())
+    need_tools = wants_llama or (wants_draft and args.draft is None and not llama_cpp_available())
     if llama_bin is None and need_tools:
         if args.no_build or args.llama_bin:
-            raise SpecterError(f"llama-server not found in {args.llama_bin or B.LLAMA_BUILD_DIR}")
+            raise SpecterError(f"llama-server not found in {bin_dir}")
         log("building llama.cpp tools in the background (about 4 minutes)")
-        build = B.start_llama_build(("llama-server", "llama-bench"), args.out / "build-llama.log")
+        build = start_llama_build(args.gpu_dir, ("llama-server", "llama-bench"), args.out / "build-llama.log")
 
     # -- models
     try:
         if args.model is not None:
             target = args.model.resolve()
         else:
-            from specter_gguf.synthetic import SUGGESTED_VOCAB, get_preset
+            from specter_gguf.synthetic.shapes import SUGGESTED_VOCAB, get_preset
 
             get_preset(args.model_preset)
             vocab = args.vocab_from
             if vocab is None and args.model_preset in SUGGESTED_VOCAB:
-                vocab = B.find_vocab(SUGGESTED_VOCAB[args.model_preset], args.work_dir)
-            target = B.make_target(args.model_preset, args.layers, args.work_dir, args.make_device or args.device,
+                vocab = find_vocab(SUGGESTED_VOCAB[args.model_preset], args.work_dir, args.gpu_dir,
+                                   llama_sources(args.sdist_dir, args.llama_dir))
+            target = make_target(args.model_preset, args.layers, args.work_dir, args.make_device or args.device,
                                    vocab, log, target_type=args.target_type)
         if build is not None:
             log("waiting for the llama.cpp build")
-            llama_bin = B.wait_llama_build(build, timeout=1200)
+            llama_bin = wait_llama_build(build, args.llama_dir, timeout=1200)
             build = None
             log(f"llama.cpp tools in {llama_bin}")
     finally:
         if build is not None and build.poll() is None:
-            import signal
-
-            os.killpg(build.pid, signal.SIGKILL)
+            kill_group(build)
     draft = args.draft.resolve() if args.draft else None
     draft_types = [q.strip().lower() for q in args.draft_types.split(",") if q.strip()]
     if wants_draft and draft is None:
         for q in draft_types:
-            d = B.make_draft(target, q, llama_bin, log)
+            d = make_draft(target, q, llama_bin, log)
             draft = draft or d
     if args.prepare_only:
         log(f"prepared in {time.monotonic() - t_start:.0f} s: target {target}, draft {draft}, tools {llama_bin}")
         return 0
 
     # -- matrix
-    sizes = B.ModelSizes.from_gguf(target)
-    dsizes = B.ModelSizes.from_gguf(draft) if draft else None
-    budgets = B.parse_budgets(args.budgets, sizes.file_bytes)
-    cfg = B.MatrixConfig(sizes, dsizes, _draft_label(draft), budgets, args.ctx_size, B.parse_size(args.margin),
-                         B.parse_size(args.draft_margin), tuple(int(x) for x in args.ncmoe_sweep.split(",") if x.strip()),
-                         tuple(float(x) for x in args.synth_lens.split(",") if x.strip()), args.draft_n_max)
-    specs, notes = B.build_matrix(families, cfg)
-    specs = B.split_part(specs, args.part)
-    log(f"target {target.name}: {B.format_size(sizes.file_bytes)}, {sizes.n_layer} layers, non-expert "
-        f"{B.format_size(sizes.nonexpert_bytes)} (+{B.format_size(sizes.cpu_only_bytes)} embeddings on the CPU), "
-        f"experts {B.format_size(sum(sizes.expert_bytes))}")
+    sizes = ModelSizes.from_gguf(target)
+    dsizes = ModelSizes.from_gguf(draft) if draft else None
+    budgets = parse_budgets(args.budgets, sizes.file_bytes)
+    cfg = MatrixConfig(sizes, dsizes, _draft_label(draft), budgets, args.ctx_size, parse_size(args.margin),
+                       parse_size(args.draft_margin), tuple(int(x) for x in args.ncmoe_sweep.split(",") if x.strip()),
+                       tuple(float(x) for x in args.synth_lens.split(",") if x.strip()), args.draft_n_max)
+    specs, notes = build_matrix(families, cfg)
+    specs = split_part(specs, args.part)
+    log(f"target {target.name}: {format_size(sizes.file_bytes)}, {sizes.n_layer} layers, non-expert "
+        f"{format_size(sizes.nonexpert_bytes)} (+{format_size(sizes.cpu_only_bytes)} embeddings on the CPU), "
+        f"experts {format_size(sum(sizes.expert_bytes))}")
     for s in specs:
-        log(f"  {s.key:<70} est. GPU {B.format_size(s.est_gpu_bytes)}  {s.note}")
+        log(f"  {s.key:<70} est. GPU {format_size(s.est_gpu_bytes)}  {s.note}")
     for n in notes:
         log(f"  not run: {n}")
     if args.dry_run:
@@ -206,36 +234,36 @@ def run(args: argparse.Namespace, t_start: float, deadline: float | None) -> int
     if not specs:
         raise SpecterError("nothing to run: check --systems and --budgets")
 
-    prompts = B.load_prompts(args.prompts_file, args.prompts)
-    with B.server_tokenizer(llama_bin, target, args.out / "logs" / "tokenize.log") as stok:
-        how = B.tokenize_prompts(prompts, target, args.prompts_file, stok if llama_bin else None)
+    prompts = load_prompts(args.prompts_file, args.prompts)
+    with server_tokenizer(llama_bin, target, args.out / "logs" / "tokenize.log") as stok:
+        how = tokenize_prompts(prompts, target, args.prompts_file, stok if llama_bin else None)
     log(f"{len(prompts)} prompts tokenized by {how}: {[len(p.ids) for p in prompts]} tokens")
 
     decodings = tuple(d.strip() for d in args.decodings.split(",") if d.strip())
-    bad = [d for d in decodings if d not in B.DECODINGS]
+    bad = [d for d in decodings if d not in DECODINGS]
     if bad or not decodings:
-        raise SpecterError(f"--decodings: choose from {', '.join(B.DECODINGS)}")
-    settings = B.RunSettings(args.n_predict, decodings, args.seed, args.seconds_per_system)
-    ctx = B.BenchContext(str(target), _model_label(args, sizes), prompts, settings, args.out, args.ctx_size,
-                         args.device, llama_bin, args.threads, args.job_timeout, deadline, log)
+        raise SpecterError(f"--decodings: choose from {', '.join(DECODINGS)}")
+    settings = RunSettings(args.n_predict, decodings, args.seed, args.seconds_per_system)
+    ctx = BenchContext(str(target), _model_label(args, sizes), prompts, settings, args.out, args.ctx_size,
+                       args.device, llama_bin, args.threads, args.job_timeout, deadline, log)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     meta = {
-        "date": B.now_utc(), "stamp": stamp, "gpu": B.gpu_info(),
+        "date": now_utc(), "stamp": stamp, "gpu": gpu_info(),
         "model": str(target), "model_label": ctx.model_label, "model_bytes": sizes.file_bytes,
         "draft": str(draft) if draft else None, "draft_bytes": dsizes.file_bytes if dsizes else None,
         "budgets": {b.label: b.bytes for b in budgets}, "n_prompts": len(prompts), "n_predict": args.n_predict,
         "decodings": list(decodings), "seed": args.seed, "ctx_size": args.ctx_size, "tokenized_by": how,
-        "llama_version": B.llama_version(llama_bin) if llama_bin else None, "part": args.part,
+        "llama_version": llama_version(llama_bin) if llama_bin else None, "part": args.part,
         "command": "python3 scripts/bench.py " + shlex.join(sys.argv[1:] if argv_is_cli() else []),
     }
     doc = {"meta": meta, "notes": notes, "results": []}
 
     def on_result(r: dict) -> None:
         doc["results"].append(r)
-        B.write_json(args.out / "results.json", doc)
+        write_json(args.out / "results.json", doc)
 
-    B.write_json(args.out / "results.json", doc)
-    B.run_matrix(specs, ctx, on_result)
+    write_json(args.out / "results.json", doc)
+    run_matrix(specs, ctx, on_result)
     render(doc, args.out, args.report, args.img_dir)
     n_ok = sum(r["status"] == "ok" for r in doc["results"])
     log(f"done in {time.monotonic() - t_start:.0f} s: {n_ok} of {len(doc['results'])} systems ok")
@@ -246,27 +274,19 @@ def argv_is_cli() -> bool:
     return Path(sys.argv[0]).name == "bench.py"
 
 
-def _have_llama_cpp() -> bool:
-    try:
-        import llama_cpp  # noqa: F401
-        return True
-    except ImportError:
-        return False
-
-
 def _draft_label(draft: Path | None) -> str | None:
     if draft is None:
         return None
     stem = draft.stem.lower()
-    for q in sorted(B.QTYPE_LLAMA, key=len, reverse=True):
+    for q in sorted(QTYPE_LLAMA, key=len, reverse=True):
         if stem.endswith(q):
-            return B.QTYPE_LLAMA[q]
+            return QTYPE_LLAMA[q]
     return draft.name
 
 
-def _model_label(args: argparse.Namespace, sizes: B.ModelSizes) -> str:
+def _model_label(args: argparse.Namespace, sizes: ModelSizes) -> str:
     if args.model_preset and args.model is None:
-        from specter_gguf.synthetic import get_preset
+        from specter_gguf.synthetic.shapes import get_preset
 
         name = get_preset(args.model_preset).name or args.model_preset
         return (f"{name}, {sizes.n_layer} layers, {args.target_type.upper()}"

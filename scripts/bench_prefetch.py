@@ -29,11 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from specter_gguf import benchmark as B  # noqa: E402
+from specter_gguf.bench.metrics import SAMPLED  # noqa: E402
+from specter_gguf.bench.prompts import load_prompts  # noqa: E402
 from specter_gguf.engine import Model  # noqa: E402
 from specter_gguf.sampling import SamplingParams  # noqa: E402
 
-DECODINGS = {"greedy": SamplingParams(temperature=0.0), "sampled": SamplingParams(**B.SAMPLED, seed=1234)}
+DECODINGS = {"greedy": SamplingParams(temperature=0.0), "sampled": SamplingParams(**SAMPLED, seed=1234)}
 VARIANTS = [("wait", True, False), ("no wait", False, False), ("wait, bring-in", True, True),
             ("no wait, bring-in", False, True)]
 SUMMED = ("draft_tokens", "draft_accepted", "draft_rounds", "draft_s", "verify_s", "copy_exposed_s", "cache_hits",
@@ -50,7 +51,7 @@ def main() -> int:
     ap.add_argument("-n", "--n-predict", type=int, default=64)
     ap.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke test)")
     args = ap.parse_args()
-    prompts = B.load_prompts(n=args.prompts)
+    prompts = load_prompts(n=args.prompts)
     print("| draft | variant | decoding | TPOT ms | acceptance | hit rate | draft ms/iter | verify ms/iter | "
           "copy wait ms/iter | in place MiB/token | copied MiB/token | prefetched/iter | late/iter | "
           "refused/iter | recall |")

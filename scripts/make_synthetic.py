@@ -25,8 +25,9 @@ except ImportError:  # running from a checkout without installing
 
 from specter_gguf.errors import SpecterError  # noqa: E402
 from specter_gguf.quantize import FTYPES, quantize_gguf, quantized_path  # noqa: E402
-from specter_gguf.runtime.budget import format_size  # noqa: E402
-from specter_gguf.synthetic import DTYPES, PRESETS, get_preset, write_synthetic  # noqa: E402
+from specter_gguf.sizes import format_size  # noqa: E402
+from specter_gguf.synthetic.shapes import PRESETS, get_preset  # noqa: E402
+from specter_gguf.synthetic.writer import DTYPES, write_synthetic  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

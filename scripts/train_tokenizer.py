@@ -19,7 +19,7 @@ try:
 except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from specter_gguf.synthetic import CORPUS_PATH, train_bpe  # noqa: E402
+from specter_gguf.synthetic.bpe import CORPUS_PATH, train_bpe  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

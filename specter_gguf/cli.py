@@ -1,4 +1,5 @@
-"""The `specter-gguf` command line. Option names follow llama.cpp's where one exists."""
+"""The `specter-gguf` command line. Option names follow llama.cpp's where one exists. The commands use the engine's
+public API (`engine`, `sampling`, `chat`, `server`) and the tools built on it (`quantize`, `speculation.profile`)."""
 
 from __future__ import annotations
 
@@ -6,19 +7,16 @@ import functools
 import json
 import os
 import sys
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import click
 import numpy as np
 
+from specter_gguf.engine import MAX_DEPTH, OFFLOAD_CHOICES, POLICIES, parse_depth
 from specter_gguf.errors import SpecterError
 from specter_gguf.quantize import FTYPES
-from specter_gguf.runtime.budget import format_size
-from specter_gguf.runtime.cache import POLICIES
-from specter_gguf.runtime.offload import OFFLOAD_CHOICES
-from specter_gguf.speculation.depth import MAX_DEPTH
+from specter_gguf.sizes import format_size, parse_size
 
 
 class Cli(click.Group):
@@ -128,8 +126,6 @@ class DraftDepth(click.ParamType):
     name = "K|auto"
 
     def convert(self, value: Any, param: Any, ctx: Any) -> Any:
-        from specter_gguf.speculation.depth import parse_depth
-
         try:
             return parse_depth(value)
         except SpecterError as e:
@@ -176,13 +172,11 @@ def load_options(f: Any) -> Any:
                 n_draft: int | str | None, **kwargs: Any) -> Any:
         def load(model: Path | None, progress: bool) -> Any:
             from specter_gguf.engine import Model
-            from specter_gguf.runtime import parse_size
 
-            options = dict(device=device, ctx_size=ctx_size, progress=progress,
-                           gpu_budget=parse_size(gpu_budget) if gpu_budget is not None else None,
-                           offload=offload, cache_policy=cache_policy, routing_profile=routing_profile,
-                           cuda_graphs=cuda_graphs, draft=draft, n_draft=n_draft)
-            return Model.load(model, **options)
+            budget = parse_size(gpu_budget) if gpu_budget is not None else None  # a wrong size: before any work
+            return Model.load(model, device=device, ctx_size=ctx_size, progress=progress, gpu_budget=budget,
+                              offload=offload, cache_policy=cache_policy, routing_profile=routing_profile,
+                              cuda_graphs=cuda_graphs, draft=draft, n_draft=n_draft)
 
         return f(*args, load=load, **kwargs)
 
@@ -230,8 +224,6 @@ def run(model: Path | None, prompt: str | None, prompt_file: Path | None, n_pred
         stop: tuple[str, ...], as_json: bool, quiet: bool, load: Any, save_routing_profile: Path | None,
         show_stats: bool) -> None:
     """Generate text from MODEL (default: the small model shipped in models/)."""
-    from specter_gguf.runtime import DeviceRoutingCounts
-
     if prompt_file is not None:
         prompt = _read_prompt_file(prompt_file)
     if prompt is None:
@@ -239,14 +231,13 @@ def run(model: Path | None, prompt: str | None, prompt_file: Path | None, n_pred
     if save_routing_profile is not None:
         _check_output_file(save_routing_profile, "--save-routing-profile")
     m = load(model, progress=not (as_json or quiet))
-    counts = None
     if save_routing_profile is not None:
-        counts = DeviceRoutingCounts(m.config.n_layer, m.config.n_expert, m.device)
-        m.routing_observer = counts
+        m.record_routing()
     gen = m.generate(prompt, n_predict=n_predict, sampling=sampling, stop=stop)
     if as_json:
         gen.wait()
-        _save_profile(counts, m, save_routing_profile)
+        if save_routing_profile is not None:
+            m.routing_profile().save(save_routing_profile)
         click.echo(json.dumps({"text": gen.text, "tokens": gen.tokens, "prompt_tokens": gen.prompt_tokens,
                                "finish_reason": gen.finish_reason, "stats": gen.stats.to_dict()}))
         return
@@ -254,20 +245,14 @@ def run(model: Path | None, prompt: str | None, prompt_file: Path | None, n_pred
         click.echo(piece, nl=False)
         sys.stdout.flush()
     click.echo()
-    _save_profile(counts, m, save_routing_profile)
+    if save_routing_profile is not None:
+        m.routing_profile().save(save_routing_profile)
     if not quiet:
         click.echo(gen.stats.summary(), err=True)
     if show_stats:
         for key, value in gen.stats.to_dict().items():
             if value is not None:
                 click.echo(f"  {key:<24} {value:.6g}" if isinstance(value, float) else f"  {key:<24} {value}", err=True)
-
-
-def _save_profile(counts: Any, m: Any, path: Path | None) -> None:
-    if counts is not None and path is not None:
-        profile = counts.profile()
-        profile.model = str(m.path)
-        profile.save(path)
 
 
 DEPTH_PROMPT = ("The history of the printing press begins long before Gutenberg: in China, carved wooden blocks "
@@ -304,7 +289,8 @@ def profile_depth(model: Path, prompt: str, prompt_file: Path | None, n_predict:
         raise SpecterError(f"-n/--n-predict must be at least 2 to measure decoding, got {n_predict}")
     if repeats < 1:
         raise SpecterError(f"--repeats must be at least 1, got {repeats}")
-    if click.get_current_context().params.get("draft") is None:
+    draft = click.get_current_context().params.get("draft")
+    if draft is None:
         raise SpecterError("profile-depth needs a draft: give --draft DRAFT.gguf (e.g. made by "
                            "`specter-gguf quantize MODEL --type q4_k_m`)")
     _check_output_folder(out, "-o/--out")
@@ -314,7 +300,7 @@ def profile_depth(model: Path, prompt: str, prompt_file: Path | None, n_predict:
         rows = profile_depths(m, ids, n_predict, sampling, ks, repeats, lambda row: bar.update(1))
     budget = f", budget {m.memory_plan.budget / 2**30:.1f} GiB" if m.memory_plan is not None else ""
     decoding = "greedy" if sampling.greedy else f"temperature {sampling.temperature:g}"
-    title = (f"{m.path.name}, draft {m.decoder.name}{budget}, {m.device}, {decoding}, "
+    title = (f"{m.path.name}, draft {draft.name}{budget}, {m.device}, {decoding}, "
              f"{len(ids)}-token prompt, {n_predict} tokens x {repeats}")
     click.echo(f"{title}\n{markdown_table(rows)}")
     best, auto = best_fixed(rows), rows[-1]
@@ -335,14 +321,9 @@ def profile_depth(model: Path, prompt: str, prompt_file: Path | None, n_predict:
 def plan(model: Path, gpu_budget: str, draft: Path | None, ctx_size: int | None, device: str, as_json: bool) -> None:
     """Show how a GPU budget would be split for MODEL (nothing is loaded): non-expert weights, KV cache,
     workspace, draft experts, expert-cache slots; and the minimum budget. Exits 1 when the budget is below it."""
-    from specter_gguf.gguf_file import GGUFFile
-    from specter_gguf.models import check_architecture
-    from specter_gguf.runtime import parse_size, plan_memory
+    from specter_gguf.engine import plan_budget
 
-    parse_size(gpu_budget)  # a size the user got wrong fails before the file is read
-    f = GGUFFile(model)
-    check_architecture(f)
-    p = plan_memory(f, gpu_budget, ctx_size, device, GGUFFile(draft) if draft is not None else None)
+    p = plan_budget(model, gpu_budget, ctx_size, device, draft)
     click.echo(json.dumps(p.to_dict()) if as_json else p.describe())
     p.check()  # a budget below the minimum: the split is shown, then the error (exit 1) says what is missing
 
@@ -377,31 +358,20 @@ def logits(model: Path, tokens: str, out: Path, device: str | None) -> None:
 @model_argument(required=True)
 def inspect(model: Path) -> None:
     """Describe MODEL: architecture, shapes, experts, bytes per tensor type."""
-    from specter_gguf.config import ModelConfig
-    from specter_gguf.gguf_file import GGUFFile, is_routed_expert
-    from specter_gguf.models import check_architecture
+    from specter_gguf.engine import read_config, summarize_file
 
-    f = GGUFFile(model)
-    by_type: Counter[str] = Counter()
-    experts = other = 0
-    for t in f.tensors.values():
-        by_type[t.type.name] += t.n_bytes
-        if is_routed_expert(t.name):
-            experts += t.n_bytes
-        else:
-            other += t.n_bytes
-    click.echo(f"file          {f.path} ({format_size(f.path.stat().st_size)})")
-    click.echo(f"name          {f.get('general.name', '-')}")
+    f = summarize_file(model)
+    click.echo(f"file          {f.path} ({format_size(f.file_bytes)})")
+    click.echo(f"name          {'-' if f.name is None else f.name}")
     click.echo(f"architecture  {f.architecture}")
-    check_architecture(f)
-    c = ModelConfig.from_gguf(f)
+    c = read_config(model)
     click.echo(f"layers        {c.n_layer} (hidden {c.n_embd}, vocabulary {c.n_vocab}, context {c.n_ctx_train})")
     click.echo(f"attention     {c.n_head} heads, {c.n_head_kv} KV heads, head dim {c.head_dim}")
     click.echo(f"experts       {c.n_expert} routed, {c.n_expert_used} used per token, {c.n_expert_shared} shared; "
                f"expert width {c.n_ff_exp}")
-    click.echo(f"tensors       {len(f.tensors)}: "
-               + ", ".join(f"{k} {format_size(v)}" for k, v in by_type.most_common()))
-    click.echo(f"routed experts {format_size(experts)}; everything else {format_size(other)}")
+    click.echo(f"tensors       {f.n_tensors}: "
+               + ", ".join(f"{k} {format_size(v)}" for k, v in f.bytes_by_type.items()))
+    click.echo(f"routed experts {format_size(f.routed_expert_bytes)}; everything else {format_size(f.other_bytes)}")
 
 
 # -- serve, chat, quantize (specter_gguf/server.py, chat.py, quantize.py) --------------------------------------

@@ -1,9 +1,12 @@
-"""The public engine: load a GGUF MoE model once, then compute logits or generate text many times."""
+"""The public engine: load a GGUF MoE model once, then compute logits or generate text many times; read a model
+file's hyperparameters or plan its GPU memory without loading it. The CLI and the server use only this module's API
+(with `sampling`, `chat` and `api`)."""
 
 from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Literal, Sequence
@@ -13,13 +16,22 @@ import torch
 
 from specter_gguf.config import ModelConfig
 from specter_gguf.errors import SpecterError
-from specter_gguf.gguf_file import GGUFFile
 from specter_gguf.decoding import Decoder, GraphDecoder, PlainDecoder
+from specter_gguf.gguf_file import GGUFFile, is_routed_expert
 from specter_gguf.layers import ExpertSource, KVCache, RoutingObserver, Transformer
 from specter_gguf.models import check_architecture
-from specter_gguf.runtime.offload import load_offloaded
+from specter_gguf.runtime.budget import MemoryPlan, plan_memory
+from specter_gguf.runtime.cache import POLICIES  # the values of Model.load's cache_policy
+from specter_gguf.runtime.offload import OFFLOAD_CHOICES, load_offloaded  # ... and of its offload
+from specter_gguf.runtime.routing import DeviceRoutingCounts, RoutingProfile
 from specter_gguf.sampling import Sampler, SamplingParams
-from specter_gguf.tokenizer import Tokenizer
+from specter_gguf.sizes import parse_size
+from specter_gguf.speculation.depth import MAX_DEPTH, parse_depth  # ... and of its n_draft: 1 to MAX_DEPTH or "auto"
+from specter_gguf.tokenizer import IdsOnlyTokenizer, Tokenizer
+
+__all__ = ["Model", "Generation", "GenerationStats", "SHIPPED_MODEL", "resolve_device", "tpot_ms", "read_config",
+           "FileSummary", "summarize_file", "plan_budget", "MemoryPlan", "ModelConfig", "RoutingProfile",
+           "OFFLOAD_CHOICES", "POLICIES", "MAX_DEPTH", "parse_depth"]
 
 SHIPPED_MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-qwen2moe.gguf"
 
@@ -33,6 +45,57 @@ def resolve_device(device: str | None) -> torch.device:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SpecterError("--device cuda was asked for but PyTorch sees no CUDA GPU; use --device cpu")
     return torch.device(device)
+
+
+def _open_model(path: str | os.PathLike[str]) -> GGUFFile:
+    """`path` opened and checked, its architecture one we run."""
+    f = GGUFFile(path)
+    check_architecture(f)
+    return f
+
+
+def read_config(path: str | os.PathLike[str]) -> ModelConfig:
+    """The hyperparameters of the model in `path`, checked as `Model.load` checks them; nothing is loaded."""
+    return ModelConfig.from_gguf(_open_model(path))
+
+
+@dataclass(frozen=True)
+class FileSummary:
+    """What a GGUF file holds, from its header (no tensor data is read)."""
+
+    path: Path
+    file_bytes: int
+    name: str | None               # general.name
+    architecture: str              # general.architecture, whether we run it or not
+    n_tensors: int
+    bytes_by_type: dict[str, int]  # tensor bytes per GGML type name, the largest first
+    routed_expert_bytes: int
+    other_bytes: int               # every tensor that is not a routed expert
+
+
+def summarize_file(path: str | os.PathLike[str]) -> FileSummary:
+    """`path`'s `FileSummary`; its hyperparameters are `read_config`'s."""
+    f = GGUFFile(path)
+    by_type: Counter[str] = Counter()
+    experts = other = 0
+    for t in f.tensors.values():
+        by_type[t.type.name] += t.n_bytes
+        if is_routed_expert(t.name):
+            experts += t.n_bytes
+        else:
+            other += t.n_bytes
+    return FileSummary(f.path, f.path.stat().st_size, f.get("general.name"), f.architecture, len(f.tensors),
+                       dict(by_type.most_common()), experts, other)
+
+
+def plan_budget(path: str | os.PathLike[str], gpu_budget: int | str, ctx_size: int | None = None,
+                device: str = "cuda", draft: str | os.PathLike[str] | None = None) -> MemoryPlan:
+    """How `Model.load(path, gpu_budget=..., draft=...)` would split `gpu_budget` on `device` ("cuda" or "cpu"),
+    nothing loaded: non-expert weights, KV cache, workspace, draft experts, expert-cache slots
+    (`runtime.budget`). A budget below the minimum is planned too: `MemoryPlan.check()` refuses it."""
+    parse_size(gpu_budget)  # a size the user got wrong fails before the file is read
+    f = _open_model(path)
+    return plan_memory(f, gpu_budget, ctx_size, device, GGUFFile(draft) if draft is not None else None)
 
 
 def tpot_ms(decode_s: float, generated: int) -> float | None:
@@ -155,7 +218,7 @@ class GenerationStats:
         """One line: tokens, context, prefill, TPOT, tokens/s; with offloading the cache's hit rate, bytes copied per
         token and hidden copy share; with a draft its acceptance; on CUDA the peak memory (`to_dict` has every
         figure)."""
-        from specter_gguf.runtime.budget import format_size
+        from specter_gguf.sizes import format_size
 
         text = (f"prompt {self.prompt_tokens} tokens, generated {self.generated_tokens} tokens, context "
                 f"{self.ctx_size}, prefill {self.prefill_s * 1000:.1f} ms, TPOT {self.tpot_ms:.2f} ms, "
@@ -207,7 +270,8 @@ class Generation:
 class Model:
     """A GGUF Mixture-of-Experts model on one device. `Model.load(path)` then `generate` / `logits`."""
 
-    def __init__(self, path: Path, transformer: Transformer, tokenizer: Tokenizer, ctx_size: int) -> None:
+    def __init__(self, path: Path, transformer: Transformer, tokenizer: Tokenizer | IdsOnlyTokenizer,
+                 ctx_size: int) -> None:
         self.path, self.transformer, self.tokenizer, self.ctx_size = path, transformer, tokenizer, ctx_size
         self.config = transformer.config
         self.device = transformer.token_embd.device
@@ -228,7 +292,8 @@ class Model:
              ctx_size: int | None = None, progress: bool = True, gpu_budget: int | str | None = None,
              offload: str | None = None, cache_policy: str | None = None,
              routing_profile: str | os.PathLike[str] | Any = None, cuda_graphs: bool = True,
-             draft: str | os.PathLike[str] | None = None, n_draft: int | Literal["auto"] | None = None) -> Model:
+             draft: str | os.PathLike[str] | None = None, n_draft: int | Literal["auto"] | None = None,
+             tokenizer: Tokenizer | IdsOnlyTokenizer | None = None) -> Model:
         """Load `path` (default: the small model shipped in `models/`) onto `device` ("cpu", "cuda";
         default CUDA when present). `ctx_size`: tokens of context; default min(the model's training context,
         4096) as llama.cpp; 0: the model's training context.
@@ -244,24 +309,23 @@ class Model:
         `draft`: a quantized copy of the model (e.g. `specter-gguf quantize MODEL --type q4_k_m`) whose routed
         experts share the device and draft `n_draft` tokens per verification (`speculation`; default "auto":
         a depth chosen each iteration from the measured acceptance and costs, `speculation.depth`); the budget
-        counts them."""
+        counts them.
+        `tokenizer`: used instead of the file's own (read by llama.cpp through llama-cpp-python); an
+        `IdsOnlyTokenizer` serves callers that give and read token ids only where llama-cpp-python is missing."""
         path = Path(path) if path is not None else SHIPPED_MODEL
         dev = resolve_device(device)
-        f = GGUFFile(path)
-        check_architecture(f)
+        f = _open_model(path)
         ctx = ModelConfig.from_gguf(f).context_size(ctx_size)
         if draft is None and n_draft is not None:
             raise SpecterError("--n-draft needs a draft (--draft DRAFT.gguf)")
         if n_draft is not None:
-            from specter_gguf.speculation.depth import parse_depth
-
             n_draft = parse_depth(n_draft)
         draft_file = GGUFFile(draft) if draft is not None else None
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         transformer, runtime, plan = load_offloaded(f, dev, ctx, progress, gpu_budget, offload, cache_policy,
                                                     routing_profile, draft=draft_file)
-        model = cls(path, transformer, Tokenizer.from_gguf(path), ctx)
+        model = cls(path, transformer, tokenizer if tokenizer is not None else Tokenizer.from_gguf(path), ctx)
         model.offload, model.memory_plan = runtime, plan
         model.cuda_graphs = cuda_graphs and dev.type == "cuda" and (runtime is None or runtime.mode != "gate-prefetch")
         model.prefill_chunk = plan.prefill_chunk if plan is not None else None
@@ -272,6 +336,25 @@ class Model:
         elif model.cuda_graphs:
             model.decoder = GraphDecoder()
         return model
+
+    @property
+    def offload_mode(self) -> str | None:
+        """The offloading mode the routed experts run in ("lru", ...); None when they all sit on the device."""
+        return self.offload.mode if self.offload is not None else None
+
+    def record_routing(self) -> None:
+        """Count the experts each layer routes to in the generations from now on (`routing_profile` gives them)."""
+        self.routing_observer = DeviceRoutingCounts(self.config.n_layer, self.config.n_expert, self.device)
+
+    def routing_profile(self) -> RoutingProfile:
+        """The experts counted since `record_routing`, as a routing profile of this model's file (what
+        `Model.load(routing_profile=...)` takes for the static-hot cache policy)."""
+        counts = self.routing_observer
+        if not isinstance(counts, DeviceRoutingCounts):
+            raise SpecterError("no routing was recorded: call record_routing() before generating")
+        profile = counts.profile()
+        profile.model = str(self.path)
+        return profile
 
     @property
     def reusable_cache(self) -> KVCache | None:
@@ -316,16 +399,19 @@ class Model:
         return out
 
     def generate(self, prompt: str | Sequence[int], n_predict: int = 128,
-                 sampling: SamplingParams | None = None, stop: Sequence[str] = ()) -> Generation:
+                 sampling: SamplingParams | None = None, stop: Sequence[str] = (),
+                 ignore_eos: bool = False) -> Generation:
         """Generate up to `n_predict` tokens (-1: until the end of generation or a full context) after
-        `prompt` (text, or token ids used as they are). Iterate the result to stream text."""
+        `prompt` (text, or token ids used as they are). Iterate the result to stream text. `ignore_eos`: an
+        end-of-generation token does not end the generation (llama-server's option of that name; the benchmark
+        generates exactly `n_predict` tokens)."""
         prompt_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_tokens(prompt_ids)
         if len(prompt_ids) >= self.ctx_size:
             raise SpecterError(f"the prompt has {len(prompt_ids)} tokens but the context holds {self.ctx_size}; "
                                f"shorten it or raise -c/--ctx-size")
         gen = Generation(prompt_tokens=prompt_ids)
-        gen._pieces = self._run(gen, n_predict, Sampler(sampling or SamplingParams()), list(stop))
+        gen._pieces = self._run(gen, n_predict, Sampler(sampling or SamplingParams()), list(stop), ignore_eos)
         return gen
 
     # -- chat and llama-cpp-python–shaped results (specter_gguf/chat.py, specter_gguf/api.py) ------------
@@ -352,10 +438,11 @@ class Model:
     __call__ = create_completion
 
     @torch.inference_mode()
-    def _run(self, gen: Generation, n_predict: int, sampler: Sampler, stop: list[str]) -> Iterator[str]:
+    def _run(self, gen: Generation, n_predict: int, sampler: Sampler, stop: list[str],
+             ignore_eos: bool) -> Iterator[str]:
         cache = self._claim_cache()
         try:
-            yield from self._decode(gen, n_predict, sampler, stop, cache)
+            yield from self._decode(gen, n_predict, sampler, stop, ignore_eos, cache)
         finally:
             if cache is self._cache:
                 self._cache_in_use = False
@@ -370,7 +457,7 @@ class Model:
         self._cache_in_use = True
         return self._cache
 
-    def _decode(self, gen: Generation, n_predict: int, sampler: Sampler, stop: list[str],
+    def _decode(self, gen: Generation, n_predict: int, sampler: Sampler, stop: list[str], ignore_eos: bool,
                 cache: KVCache) -> Iterator[str]:
         limit = n_predict if n_predict >= 0 else self.ctx_size
         stats = gen.stats
@@ -400,7 +487,7 @@ class Model:
             if token is None:  # the context is full
                 gen.finish_reason = "length"
                 break
-            if self.tokenizer.is_eog(token):
+            if not ignore_eos and self.tokenizer.is_eog(token):
                 gen.finish_reason = "stop"
                 break
             gen.tokens.append(token)

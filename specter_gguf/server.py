@@ -538,9 +538,8 @@ def create_app(model: Model, model_name: str | None = None, api_key: str | None 
     def info() -> dict[str, str]:
         d = {"model": name, "device": str(model.device), "ctx_size": str(model.ctx_size),
              "chat_template": template.source}
-        offload = getattr(model, "offload", None)
-        if offload is not None:
-            d["offload"] = str(getattr(offload, "mode", "on"))
+        if model.offload_mode is not None:
+            d["offload"] = model.offload_mode
         return d
 
     async def health(request: Request) -> Any:

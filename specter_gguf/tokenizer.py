@@ -7,6 +7,9 @@ SentencePiece vocabs with ``add_space_prefix`` put a space before the first word
 ("Hello" -> "▁Hello"); unless ``continuation=True`` the ids are taken to start a text, and that one space is
 removed from the first non-control token's piece, so that ``decode(encode(s)) == s``. Tokens generated after
 a prompt are a continuation: decode or stream them with ``continuation=True`` to keep their leading space.
+
+``IdsOnlyTokenizer`` stands in where llama-cpp-python is missing and only token ids go in and out
+(``Model.load(..., tokenizer=IdsOnlyTokenizer())``: the benchmark worker and the GPU tests on the GPU machine).
 """
 
 from __future__ import annotations
@@ -21,10 +24,19 @@ from typing import Iterable, Sequence
 
 from .errors import SpecterError
 
-__all__ = ["Tokenizer", "StreamDecoder"]
+__all__ = ["Tokenizer", "StreamDecoder", "IdsOnlyTokenizer", "llama_cpp_available", "ids_only_unless_llama_cpp"]
 
 _log = logging.getLogger("specter_gguf.llama_cpp")
 _quiet_callback = None  # the ctypes callback must outlive every call into llama.cpp that may log
+
+
+def llama_cpp_available() -> bool:
+    """Whether llama-cpp-python imports here (`Tokenizer` needs it)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _import_llama_cpp():
@@ -236,3 +248,44 @@ class StreamDecoder:
     def flush(self) -> str:
         """End of stream: whatever is still held, a dangling partial sequence becoming U+FFFD."""
         return self._utf8.decode(b"", final=True)
+
+
+class IdsOnlyTokenizer:
+    """A tokenizer without a vocabulary, for callers that give token ids and read token ids: no text comes out
+    (every piece is empty), no token ends generation, and encoding text is refused."""
+
+    bos_id: int | None = None
+    eos_id: int | None = None
+    add_bos = False
+
+    def encode(self, text: str, add_bos: bool | None = None, special: bool = True) -> list[int]:  # noqa: ARG002
+        raise SpecterError("this model was loaded without a tokenizer (token ids only): give token ids, or load it "
+                           "with llama-cpp-python installed")
+
+    def token_bytes(self, token_id: int, special: bool = True) -> bytes:  # noqa: ARG002
+        return b""
+
+    def decode(self, ids: Iterable[int], special: bool = False, continuation: bool = False) -> str:  # noqa: ARG002
+        return ""
+
+    def is_eog(self, token_id: int) -> bool:  # noqa: ARG002
+        return False
+
+    def stream(self, special: bool = False, continuation: bool = False) -> "_NoText":  # noqa: ARG002
+        return _NoText()
+
+
+def ids_only_unless_llama_cpp() -> IdsOnlyTokenizer | None:
+    """`Model.load`'s `tokenizer` for callers that give and read token ids only: an `IdsOnlyTokenizer` where
+    llama-cpp-python is missing, else None (the file's own)."""
+    return None if llama_cpp_available() else IdsOnlyTokenizer()
+
+
+class _NoText:
+    """`IdsOnlyTokenizer`'s stream decoder: every token completes no text."""
+
+    def push(self, token_id: int) -> str:  # noqa: ARG002
+        return ""
+
+    def flush(self) -> str:
+        return ""

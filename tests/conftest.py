@@ -3,7 +3,7 @@
 ``tiny_models[(arch, kind)]`` is the path of a GGUF, built on first use into a session cache directory
 under pytest's tmp dir and reused by every later test:
 
-- ``arch``: a GGUF ``general.architecture`` of :data:`specter_gguf.synthetic.TINY_ARCH_PRESETS`
+- ``arch``: a GGUF ``general.architecture`` of :data:`specter_gguf.synthetic.shapes.TINY_ARCH_PRESETS`
   (``qwen2moe``, ``qwen3moe``, ``llama`` = Mixtral-style, ``olmoe``);
 - ``kind``: ``f32`` or ``f16`` (written by the synthetic writer, same seed: the F16 file is the F32 one
   rounded), or ``q8_0`` / ``q4_k_m`` / ``q2_k`` (llama.cpp's quantizer applied to the F16 file; these
@@ -14,13 +14,15 @@ under pytest's tmp dir and reused by every later test:
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
 
-from specter_gguf.synthetic import MODELS_DIR, PRESETS, TINY_ARCH_PRESETS, write_synthetic
+from built_files import BuiltFiles
+
+from specter_gguf.engine import SHIPPED_MODEL
+from specter_gguf.synthetic.shapes import PRESETS, TINY_ARCH_PRESETS
+from specter_gguf.synthetic.writer import write_synthetic
 
 TINY_WRITTEN = ("f32", "f16")
 TINY_QUANTIZED = ("q8_0", "q4_k_m", "q2_k")
@@ -28,25 +30,17 @@ TINY_KINDS = TINY_WRITTEN + TINY_QUANTIZED
 TINY_SEED = 0
 
 
-class TinyModels(Mapping):
+class TinyModels(BuiltFiles):
     """Lazily built, cached tiny models: ``[(arch, kind)] -> Path``."""
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self._paths: dict[tuple[str, str], Path] = {}
-        self._lock = threading.Lock()
+    archs = tuple(TINY_ARCH_PRESETS)
+    kinds = TINY_KINDS
 
-    def __getitem__(self, key: tuple[str, str]) -> Path:
-        arch, kind = key
+    def accepts(self, arch: str, kind: str) -> bool:
         # `arch` may also name a preset directly (e.g. "tiny-deepseek2-lite"); iteration covers the archs
-        if TINY_ARCH_PRESETS.get(arch, arch) not in PRESETS or kind not in TINY_KINDS:
-            raise KeyError(key)
-        with self._lock:
-            if key not in self._paths:
-                self._paths[key] = self._build(arch, kind)
-            return self._paths[key]
+        return TINY_ARCH_PRESETS.get(arch, arch) in PRESETS and kind in TINY_KINDS
 
-    def _build(self, arch: str, kind: str) -> Path:
+    def build(self, arch: str, kind: str) -> Path:
         preset = TINY_ARCH_PRESETS.get(arch, arch)
         path = self.root / f"{preset}-{kind}.gguf"
         if kind in TINY_WRITTEN:
@@ -55,17 +49,8 @@ class TinyModels(Mapping):
         pytest.importorskip("llama_cpp")
         from specter_gguf.quantize import quantize_gguf
 
-        src = self._paths.get((arch, "f16"))
-        if src is None:
-            src = self._paths[(arch, "f16")] = self._build(arch, "f16")
-        quantize_gguf(src, path, kind, n_threads=2)
+        quantize_gguf(self[(arch, "f16")], path, kind, n_threads=2)
         return path
-
-    def __iter__(self) -> Iterator[tuple[str, str]]:
-        return ((a, k) for a in TINY_ARCH_PRESETS for k in TINY_KINDS)
-
-    def __len__(self) -> int:
-        return len(TINY_ARCH_PRESETS) * len(TINY_KINDS)
 
 
 @pytest.fixture(scope="session")
@@ -75,35 +60,6 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
 
 @pytest.fixture(scope="session")
 def shipped_model() -> Path:
-    path = MODELS_DIR / "tiny-qwen2moe.gguf"
-    if not path.is_file():
-        pytest.fail(f"{path} is missing; make it with the command in models/README.md")
-    return path
-
-
-class _IdsOnlyTokenizer:
-    """Stands in for the llama.cpp tokenizer where llama-cpp-python is not installed (token ids in, token ids
-    out; no end-of-generation token, so every run generates all the tokens asked for)."""
-
-    def is_eog(self, token: int) -> bool:
-        return False
-
-    def stream(self, continuation: bool = True) -> "_IdsOnlyTokenizer":
-        return self
-
-    def push(self, token: int) -> str:
-        return ""
-
-    def flush(self) -> str:
-        return ""
-
-
-@pytest.fixture
-def ids_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
-    """GPU tests that feed token ids run where llama-cpp-python is missing (the GPU machine without its wheel)."""
-    import importlib.util
-
-    if importlib.util.find_spec("llama_cpp") is None:
-        from specter_gguf import engine
-
-        monkeypatch.setattr(engine.Tokenizer, "from_gguf", staticmethod(lambda path: _IdsOnlyTokenizer()))
+    if not SHIPPED_MODEL.is_file():
+        pytest.fail(f"{SHIPPED_MODEL} is missing; make it with the command in models/README.md")
+    return SHIPPED_MODEL

@@ -32,10 +32,10 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import zlib
-from collections.abc import Iterator, Mapping
 from pathlib import Path
+
+from built_files import BuiltFiles
 
 REPO = Path(__file__).resolve().parent.parent
 CORPUS = REPO / "models" / "tokenizer-corpus.txt"
@@ -53,7 +53,7 @@ N_VOCAB = 512  # the config's vocab_size; the trained tokenizers have TOKENIZER_
 TOKENIZER_SIZE = 500
 SPM_ARCHS = ("llama", "phimoe")  # SentencePiece tokenizers (Mixtral, Phi-3.5-MoE); the others BPE
 
-# Initialization (as the synthetic writer's, see specter_gguf/synthetic.py): matrices normal std 0.02, norms
+# Initialization (as the synthetic writer's, see specter_gguf/synthetic/writer.py): matrices normal std 0.02, norms
 # 1 + 0.1 * normal, biases normal std 0.02, routers so that their logits have std ~1.5, the LM head so that
 # logits have std ~2 (a peaked next-token distribution, less fragile greedy decoding).
 INIT_STD, NORM_NOISE, ROUTER_LOGIT_STD, LOGIT_STD = 0.02, 0.1, 1.5, 2.0
@@ -267,14 +267,15 @@ def convert(hf_dir: Path, out: Path, outtype: str) -> Path:
 # --------------------------------------------------------------------------------------------------
 
 
-class ConvertedModels(Mapping):
+class ConvertedModels(BuiltFiles):
     """Lazily built, cached converted models: ``[(arch, kind)] -> Path`` (files under `root`)."""
 
+    archs = ARCHS
+    kinds = KINDS
+
     def __init__(self, root: Path) -> None:
-        self.root = root
-        self._paths: dict[tuple[str, str], Path] = {}
+        super().__init__(root)
         self._hf: dict[str, Path] = {}
-        self._lock = threading.RLock()
 
     def hf_dir(self, arch: str) -> Path:
         """The HF model directory of `arch` (built on first use)."""
@@ -283,16 +284,7 @@ class ConvertedModels(Mapping):
                 self._hf[arch] = write_hf_model(arch, self.root / f"hf-{arch}")
             return self._hf[arch]
 
-    def __getitem__(self, key: tuple[str, str]) -> Path:
-        arch, kind = key
-        if arch not in ARCHS or kind not in KINDS:
-            raise KeyError(key)
-        with self._lock:
-            if key not in self._paths:
-                self._paths[key] = self._build(arch, kind)
-            return self._paths[key]
-
-    def _build(self, arch: str, kind: str) -> Path:
+    def build(self, arch: str, kind: str) -> Path:
         path = self.root / f"converted-{arch}-{kind}.gguf"
         if kind in FLOAT_KINDS:
             return convert(self.hf_dir(arch), path, kind)
@@ -300,9 +292,3 @@ class ConvertedModels(Mapping):
 
         quantize_gguf(self[(arch, "f16")], path, kind, n_threads=2)
         return path
-
-    def __iter__(self) -> Iterator[tuple[str, str]]:
-        return ((a, k) for a in ARCHS for k in KINDS)
-
-    def __len__(self) -> int:
-        return len(ARCHS) * len(KINDS)

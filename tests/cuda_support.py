@@ -27,3 +27,4 @@ def warm_up() -> None:
     a = torch.randn(64, 64, device="cuda", dtype=torch.float16)
     (a @ a).sum().item()
     free_device()
+

@@ -1,4 +1,4 @@
-"""The benchmark harness (specter_gguf/benchmark.py, scripts/bench.py), tested on the CPU.
+"""The benchmark harness (specter_gguf/bench/, scripts/bench.py), tested on the CPU.
 
 These tests check the harness's logic and formatting — budget parsing, the -ncmoe estimate from real GGUF
 files, medians, the systems matrix, llama-server process handling (against a stand-in server script), the
@@ -18,57 +18,58 @@ from pathlib import Path
 
 import pytest
 
-from specter_gguf import benchmark as B
+from specter_gguf.bench import prompts
+from specter_gguf.bench.llamacpp import EXPERT_RE, ModelSizes, llama_server_args, smallest_ncmoe
+from specter_gguf.bench.matrix import (LLAMA_FAMILIES, Budget, MatrixConfig, SystemSpec, build_matrix, parse_budgets,
+                                       select_families, split_part)
+from specter_gguf.bench.metrics import median, summarize_runs
+from specter_gguf.bench.model_files import find_vocab, llama_sources
+from specter_gguf.bench.ours import OURS_MODES
+from specter_gguf.bench.plots import write_plots
+from specter_gguf.bench.prompts import (PROMPTS_FILE, load_prompts, server_tokenizer, stored_token_ids,
+                                        tokenize_prompts, vocab_fingerprint)
+from specter_gguf.bench.report import SPEC_COLUMNS, SPEC_KEYS, append_report, format_size, merge_docs, render_markdown
+from specter_gguf.bench.runner import BenchContext, RunSettings, run_system
+from specter_gguf.engine import tpot_ms
 from specter_gguf.errors import SpecterError
-from specter_gguf.synthetic import PRESETS, tensor_specs, write_synthetic
+from specter_gguf.sizes import parse_size
+from specter_gguf.synthetic.architectures import tensor_specs
+from specter_gguf.synthetic.shapes import PRESETS
+from specter_gguf.synthetic.writer import write_synthetic
 
 REPO = Path(__file__).resolve().parent.parent
 QWEN2_VOCAB = sorted(Path("/tmp").glob("*/llama_cpp_python-*/vendor/llama.cpp/models/ggml-vocab-qwen2.gguf"))
 
 
-# ------------------------------------------------------------------------------------------- sizes
-@pytest.mark.parametrize("text,expect", [
-    ("16GiB", 16 * 2**30), ("16G", 16 * 2**30), ("16 GiB", 16 * 2**30), ("16GB", 16 * 10**9),
-    ("512MiB", 512 * 2**20), ("1.5GiB", int(1.5 * 2**30)), ("1024", 1024), ("2TiB", 2 * 2**40), ("16gib", 16 * 2**30),
-])
-def test_parse_size(text, expect):
-    assert B.parse_size(text) == expect
-
-
-@pytest.mark.parametrize("text", ["", "GiB", "16 parsecs", "-3GiB", "16XB"])
-def test_parse_size_rejects(text):
-    with pytest.raises(SpecterError):
-        B.parse_size(text)
-
-
+# ----------------------------------------------------------------------------------------- budgets
 def test_parse_budgets():
-    bs = B.parse_budgets("16GiB, 20GiB")
+    bs = parse_budgets("16GiB, 20GiB")
     assert [(b.label, b.bytes) for b in bs] == [("16GiB", 16 * 2**30), ("20GiB", 20 * 2**30)]
     assert bs[0].gib == 16
-    rel = B.parse_budgets("50%,75%", model_bytes=1000)
+    rel = parse_budgets("50%,75%", model_bytes=1000)
     assert [(b.label, b.bytes) for b in rel] == [("50%", 500), ("75%", 750)]
     with pytest.raises(SpecterError):
-        B.parse_budgets("50%")  # relative without a model size
+        parse_budgets("50%")  # relative without a model size
     with pytest.raises(SpecterError):
-        B.parse_budgets("0GiB")
-    assert B.parse_budgets("") == []
+        parse_budgets("0GiB")
+    assert parse_budgets("") == []
 
 
 def test_format_size():
-    assert B.format_size(None) == "—"
-    assert B.format_size(3 * 2**30) == "3.0 GiB"
-    assert B.format_size(300 * 2**20) == "300.0 MiB"
+    assert format_size(None) == "—"
+    assert format_size(3 * 2**30) == "3.0 GiB"
+    assert format_size(300 * 2**20) == "300.0 MiB"
 
 
 # ----------------------------------------------------------------------------------------- metrics
 def test_median_and_tpot():
-    assert B.median([3.0, 1.0, 2.0]) == 2.0
-    assert B.median([4.0, 1.0, 2.0, 3.0]) == 2.5
-    assert B.median([None, 5.0, float("nan")]) == 5.0
-    assert B.median([]) is None
+    assert median([3.0, 1.0, 2.0]) == 2.0
+    assert median([4.0, 1.0, 2.0, 3.0]) == 2.5
+    assert median([None, 5.0, float("nan")]) == 5.0
+    assert median([]) is None
     # 128 generated tokens: 127 decode steps after the first token (llama-server's and our definition)
-    assert B.tpot_ms(1.27, 128) == pytest.approx(10.0)
-    assert B.tpot_ms(0.5, 1) is None
+    assert tpot_ms(1.27, 128) == pytest.approx(10.0)
+    assert tpot_ms(0.5, 1) is None
 
 
 def _run(dec, tpot, n=128, warmup=False, **extra):
@@ -85,7 +86,7 @@ def test_summarize_runs_medians_counts_and_rates():
         _run("sampled", 40.0, cache_hit_rate=0.5, hidden_copy_share=0.9),
         _run("sampled", 50.0, cache_hit_rate=0.7, hidden_copy_share=0.7),
     ]
-    s = B.summarize_runs(runs)
+    s = summarize_runs(runs)
     g, m = s["greedy"], s["sampled"]
     assert g["n_prompts"] == 3 and m["n_prompts"] == 2
     assert g["tpot_ms"] == 20.0 and g["tokens_per_s"] == pytest.approx(50.0)
@@ -109,7 +110,7 @@ def test_summarize_runs_speculation_and_data_movement():
              copy_exposed_s=0.3, prefetched=10, prefetched_used=2, verify_missing=40, bytes_copied=2000,
              prefetch_precision=0.2, draft_step_ms=5.0),
     ]
-    g = B.summarize_runs(spec)["greedy"]
+    g = summarize_runs(spec)["greedy"]
     assert g["prefetch_precision"] == pytest.approx(32 / 50)  # not the median 0.475 of the per-prompt ratios
     assert g["prefetch_recall"] == pytest.approx(32 / 100)
     assert g["bytes_moved_per_token"] == pytest.approx((3000 + 600) / 320)  # zero-copy missing on one prompt: 0
@@ -121,26 +122,26 @@ def test_summarize_runs_speculation_and_data_movement():
     rates = [dict(_run("sampled", 10.0, prefetch_precision=p, prefetch_recall=0.5, draft_step_ms=d,
                        bytes_moved_per_token=b, draft_rounds=10, draft_s=0.2, verify_s=0.5), decode_ms=900.0)
              for p, d, b in ((0.6, 4.0, 100.0), (0.8, 6.0, 300.0), (0.9, 8.0, 200.0))]
-    m = B.summarize_runs(rates)["sampled"]
+    m = summarize_runs(rates)["sampled"]
     assert m["prefetch_precision"] == pytest.approx(0.8) and m["prefetch_recall"] == pytest.approx(0.5)
     assert m["draft_step_ms"] == pytest.approx(6.0) and m["bytes_moved_per_token"] == pytest.approx(200.0)
     assert m["iter_other_ms"] == pytest.approx(1000 * 3 * 0.2 / 30)  # (0.9 - 0.2 - 0.5) s per prompt, 10 rounds
     assert "iter_copy_exposed_ms" not in m and "bytes_per_token" not in m
     # a system without any of it (llama.cpp): no such keys at all
-    assert not set(B.SPEC_KEYS) & set(B.summarize_runs([_run("greedy", 5.0)])["greedy"])
+    assert not set(SPEC_KEYS) & set(summarize_runs([_run("greedy", 5.0)])["greedy"])
 
 
 # ----------------------------------------------------------------------------------------- prompts
 def test_prompts_file_is_varied_and_round_robin():
-    data = json.loads(B.PROMPTS_FILE.read_text())
+    data = json.loads(PROMPTS_FILE.read_text())
     kinds = [p["kind"] for p in data["prompts"]]
     assert len(kinds) >= 20 and {"code", "math", "prose", "chat"} <= set(kinds)
     assert len({p["id"] for p in data["prompts"]}) == len(kinds)
-    first = B.load_prompts(n=4)
+    first = load_prompts(n=4)
     assert sorted(p.kind for p in first) == ["chat", "code", "math", "prose"]
-    assert len(B.load_prompts()) == len(kinds)
+    assert len(load_prompts()) == len(kinds)
     with pytest.raises(SpecterError):
-        B.load_prompts(n=0)
+        load_prompts(n=0)
 
 
 @pytest.mark.skipif(not QWEN2_VOCAB, reason="llama.cpp's ggml-vocab-qwen2.gguf (llama-cpp-python sdist) not found")
@@ -150,8 +151,8 @@ def test_prompt_lengths_and_stored_ids_match_llama_cpp_tokenizer():
 
     vocab = QWEN2_VOCAB[0]
     tok = Tokenizer.from_gguf(vocab)
-    stored = B.stored_token_ids(B.PROMPTS_FILE, B.vocab_fingerprint(vocab))
-    for p in B.load_prompts():
+    stored = stored_token_ids(PROMPTS_FILE, vocab_fingerprint(vocab))
+    for p in load_prompts():
         ids = tok.encode(p.text)
         assert 16 <= len(ids) <= 128, (p.id, len(ids))
         assert stored[p.id] == ids, p.id  # the ids used where llama-cpp-python is missing
@@ -169,7 +170,7 @@ def qwen_like(tmp_path_factory):
 
 def test_model_sizes_from_real_gguf(qwen_like):
     path, s = qwen_like
-    sizes = B.ModelSizes.from_gguf(path)
+    sizes = ModelSizes.from_gguf(path)
     assert sizes.arch == "qwen2moe" and sizes.n_layer == 4
     per_layer = 3 * s.n_expert * s.n_embd * s.n_ff_exp * 2  # gate, up, down in F16
     assert sizes.expert_bytes == [per_layer] * 4
@@ -187,21 +188,21 @@ def test_model_sizes_from_real_gguf(qwen_like):
 
 
 def test_smallest_ncmoe_boundaries(qwen_like):
-    sizes = B.ModelSizes.from_gguf(qwen_like[0])
+    sizes = ModelSizes.from_gguf(qwen_like[0])
     ctx, margin = 256, 1000
     for n in range(sizes.n_layer + 1):
         exact = sizes.gpu_bytes(n, ctx) + margin
-        assert B.smallest_ncmoe(exact, sizes, ctx, margin) == n
+        assert smallest_ncmoe(exact, sizes, ctx, margin) == n
         if n < sizes.n_layer:
-            assert B.smallest_ncmoe(exact - 1, sizes, ctx, margin) == n + 1
-    assert B.smallest_ncmoe(10**15, sizes, ctx, margin) == 0
-    assert B.smallest_ncmoe(sizes.gpu_bytes(sizes.n_layer, ctx) + margin - 1, sizes, ctx, margin) is None
+            assert smallest_ncmoe(exact - 1, sizes, ctx, margin) == n + 1
+    assert smallest_ncmoe(10**15, sizes, ctx, margin) == 0
+    assert smallest_ncmoe(sizes.gpu_bytes(sizes.n_layer, ctx) + margin - 1, sizes, ctx, margin) is None
     # with a draft fully on the GPU, the target must give up more layers
-    draft = B.ModelSizes.from_gguf(qwen_like[0])
+    draft = ModelSizes.from_gguf(qwen_like[0])
     budget = sizes.gpu_bytes(2, ctx) + margin + draft.gpu_bytes(0, ctx) + 500
-    assert B.smallest_ncmoe(budget, sizes, ctx, margin, draft, 500) == 2
-    assert B.smallest_ncmoe(budget - 1, sizes, ctx, margin, draft, 500) == 3
-    assert B.smallest_ncmoe(budget, sizes, ctx, margin) == 0
+    assert smallest_ncmoe(budget, sizes, ctx, margin, draft, 500) == 2
+    assert smallest_ncmoe(budget - 1, sizes, ctx, margin, draft, 500) == 3
+    assert smallest_ncmoe(budget, sizes, ctx, margin) == 0
 
 
 def test_expert_regex_on_real_qwen_shape():
@@ -210,7 +211,7 @@ def test_expert_regex_on_real_qwen_shape():
     shape = PRESETS["qwen1.5-moe-a2.7b"]
     per_layer = [0] * shape.n_layer
     for sp in tensor_specs(shape, 151936):
-        m = B.EXPERT_RE.match(sp.name)
+        m = EXPERT_RE.match(sp.name)
         if m:
             per_layer[int(m.group(1))] += sp.n_elements * 2
     assert per_layer == [60 * 3 * 2048 * 1408 * 2] * 24
@@ -222,26 +223,26 @@ def test_synthetic_model_has_the_vocab_fingerprint_of_its_vocab(tmp_path):
     """A model written with --vocab-from tokenizes like the vocab GGUF, so the stored prompt ids apply."""
     path = tmp_path / "q.gguf"
     write_synthetic(path, PRESETS["tiny-qwen2moe"].with_layers(1), "f16", vocab_from=QWEN2_VOCAB[0])
-    assert B.vocab_fingerprint(path) == B.vocab_fingerprint(QWEN2_VOCAB[0])
-    assert B.ModelSizes.from_gguf(path).cpu_only_bytes == 151936 * 256 * 2
-    assert B.stored_token_ids(B.PROMPTS_FILE, B.vocab_fingerprint(path))  # ids for this vocab are stored
+    assert vocab_fingerprint(path) == vocab_fingerprint(QWEN2_VOCAB[0])
+    assert ModelSizes.from_gguf(path).cpu_only_bytes == 151936 * 256 * 2
+    assert stored_token_ids(PROMPTS_FILE, vocab_fingerprint(path))  # ids for this vocab are stored
 
 
 # ------------------------------------------------------------------------------------------- matrix
 def _fake_sizes(n_layer=24, expert=2**30, nonexpert=3 * 2**30, path="t.gguf"):
-    return B.ModelSizes(path, "qwen2moe", n_layer, nonexpert + n_layer * expert, 2**29, nonexpert,
+    return ModelSizes(path, "qwen2moe", n_layer, nonexpert + n_layer * expert, 2**29, nonexpert,
                         [expert] * n_layer, 2**17)
 
 
 def test_build_matrix_and_parts():
     t, d = _fake_sizes(), _fake_sizes(expert=2**28, nonexpert=2**30, path="d.gguf")
-    cfg = B.MatrixConfig(t, d, "Q4_K_M", B.parse_budgets("16GiB,20GiB"), ctx_size=1024, margin_bytes=2**30,
+    cfg = MatrixConfig(t, d, "Q4_K_M", parse_budgets("16GiB,20GiB"), ctx_size=1024, margin_bytes=2**30,
                          draft_margin_bytes=2**29, ncmoe_sweep=(-1, 0, 1), synth_lens=(2, 4))
-    specs, notes = B.build_matrix(B.select_families("*"), cfg)
+    specs, notes = build_matrix(select_families("*"), cfg)
     fams = [s.family for s in specs]
     assert fams[0] == "llama-gpu" and "ours" in fams
     nc16 = [s for s in specs if s.family == "llama-ncmoe" and s.budget.label == "16GiB"]
-    n0 = B.smallest_ncmoe(16 * 2**30, t, 1024, 2**30)
+    n0 = smallest_ncmoe(16 * 2**30, t, 1024, 2**30)
     assert [s.params["n_cpu_moe"] for s in nc16] == [n0 - 1, n0, n0 + 1]
     assert [s.est_gpu_bytes <= 16 * 2**30 for s in nc16] == [False, True, True]
     spec = [s for s in specs if s.family == "llama-spec"]
@@ -250,39 +251,39 @@ def test_build_matrix_and_parts():
     assert all(s.params["n_cpu_moe"] > n0 for s in spec if s.budget.label == "16GiB")
     assert {s.params["synth_len"] for s in synth} == {2.0, 4.0}
     # each of our modes runs (once, or once per budget) or is reported as not available here
-    for name, mode in B.OURS_MODES.items():
+    for name, mode in OURS_MODES.items():
         runs = [s for s in specs if s.family == name]
         noted = any(n.startswith(name + ":") for n in notes)
         assert noted != bool(runs), name
         if runs:
             assert len(runs) == (1 if not mode.budget_bound else 2 * (2 if mode.synthetic else 1)), name
             assert all((s.budget is None) == (not mode.budget_bound) for s in runs)
-    assert len(B.split_part(specs, "1/2")) + len(B.split_part(specs, "2/2")) == len(specs)
-    assert set(map(id, B.split_part(specs, "1/2"))).isdisjoint(map(id, B.split_part(specs, "2/2")))
+    assert len(split_part(specs, "1/2")) + len(split_part(specs, "2/2")) == len(specs)
+    assert set(map(id, split_part(specs, "1/2"))).isdisjoint(map(id, split_part(specs, "2/2")))
     for bad in ("0/2", "3/2", "x"):
         with pytest.raises(SpecterError):
-            B.split_part(specs, bad)
+            split_part(specs, bad)
 
 
 def test_matrix_when_nothing_fits():
     t = _fake_sizes()
-    cfg = B.MatrixConfig(t, None, None, B.parse_budgets("1GiB"), ncmoe_sweep=(0, 1))
-    specs, notes = B.build_matrix(["llama-ncmoe", "llama-spec"], cfg)
+    cfg = MatrixConfig(t, None, None, parse_budgets("1GiB"), ncmoe_sweep=(0, 1))
+    specs, notes = build_matrix(["llama-ncmoe", "llama-spec"], cfg)
     assert [s.params["n_cpu_moe"] for s in specs] == [24]
     assert "does not fit" in specs[0].note and notes == ["llama-spec: no draft model"]
 
 
 def test_select_families():
-    assert B.select_families("ours") == ["ours"]
-    assert B.select_families("llama-*") == list(B.LLAMA_FAMILIES)
+    assert select_families("ours") == ["ours"]
+    assert select_families("llama-*") == list(LLAMA_FAMILIES)
     with pytest.raises(SpecterError):
-        B.select_families("vllm")
+        select_families("vllm")
 
 
 def test_llama_server_args_use_flags_of_this_llama_cpp():
-    spec = B.SystemSpec("llama-spec-synth", "llama", "x", B.Budget("16GiB", 16 * 2**30),
+    spec = SystemSpec("llama-spec-synth", "llama", "x", Budget("16GiB", 16 * 2**30),
                         {"n_cpu_moe": 13, "draft": "/m/d.gguf", "draft_n_max": 8, "synth_len": 4.0})
-    a = B.llama_server_args(spec, "/m/t.gguf", 1024, None)
+    a = llama_server_args(spec, "/m/t.gguf", 1024, None)
     s = " ".join(a)
     for frag in ("-m /m/t.gguf", "-ngl 999", "--fit off", "-c 1024", "-np 1", "-ncmoe 13", "--model-draft /m/d.gguf",
                  "--spec-type draft-simple", "--spec-draft-n-max 8", "-ngld 999", "--spec-synth-len 4"):
@@ -338,18 +339,18 @@ def fake_bin(tmp_path):
 
 
 def _ctx(tmp_path, llama_bin, prompts=3, **kw):
-    ps = B.load_prompts(n=prompts)
+    ps = load_prompts(n=prompts)
     for i, p in enumerate(ps):
         p.ids = list(range(1, 10 + i))
-    settings = B.RunSettings(n_predict=8, decodings=("greedy", "sampled"), seed=7, seconds_per_system=60)
-    return B.BenchContext("/m/t.gguf", "fake", ps, settings, tmp_path / "out", llama_bin=llama_bin,
+    settings = RunSettings(n_predict=8, decodings=("greedy", "sampled"), seed=7, seconds_per_system=60)
+    return BenchContext("/m/t.gguf", "fake", ps, settings, tmp_path / "out", llama_bin=llama_bin,
                           log=lambda s: None, **kw)
 
 
 def test_llama_system_against_stand_in_server(tmp_path, fake_bin):
-    spec = B.SystemSpec("llama-spec", "llama", "draft", B.Budget("16GiB", 16 * 2**30),
+    spec = SystemSpec("llama-spec", "llama", "draft", Budget("16GiB", 16 * 2**30),
                         {"n_cpu_moe": 3, "draft": "/m/d.gguf", "draft_n_max": 8})
-    r = B.run_system(spec, _ctx(tmp_path, fake_bin))
+    r = run_system(spec, _ctx(tmp_path, fake_bin))
     assert r["status"] == "ok", r["error"]
     measured = [x for x in r["runs"] if not x.get("warmup")]
     assert len(measured) == 6 and r["runs"][0]["warmup"] and r["runs"][0]["generated_tokens"] == 8
@@ -360,32 +361,32 @@ def test_llama_system_against_stand_in_server(tmp_path, fake_bin):
 
 
 def test_llama_system_failures_are_recorded(tmp_path, fake_bin, monkeypatch):
-    spec = B.SystemSpec("llama-gpu", "llama", "all on GPU", None, {"n_cpu_moe": 0})
+    spec = SystemSpec("llama-gpu", "llama", "all on GPU", None, {"n_cpu_moe": 0})
     monkeypatch.setenv("FAKE_MODE", "crash")
-    r = B.run_system(spec, _ctx(tmp_path, fake_bin))
+    r = run_system(spec, _ctx(tmp_path, fake_bin))
     assert r["status"] == "error" and "exited with code 3" in r["error"] and "failed to load" in r["error"]
     monkeypatch.setenv("FAKE_MODE", "hang")
-    r = B.run_system(spec, _ctx(tmp_path, fake_bin, job_timeout=8))
+    r = run_system(spec, _ctx(tmp_path, fake_bin, job_timeout=8))
     assert r["status"] == "error" and r["wall_s"] < 30
-    r = B.run_system(spec, _ctx(tmp_path, tmp_path / "nowhere"))
+    r = run_system(spec, _ctx(tmp_path, tmp_path / "nowhere"))
     assert r["status"] == "error" and "not found" in r["error"]
     import time
 
-    r = B.run_system(spec, _ctx(tmp_path, fake_bin, deadline=time.monotonic()))
+    r = run_system(spec, _ctx(tmp_path, fake_bin, deadline=time.monotonic()))
     assert r["status"] == "skipped"
 
 
 def test_server_tokenizer_and_stored_ids(tmp_path, fake_bin, monkeypatch):
-    with B.server_tokenizer(fake_bin, "/m/t.gguf", tmp_path / "tok.log") as tok:
+    with server_tokenizer(fake_bin, "/m/t.gguf", tmp_path / "tok.log") as tok:
         assert tok("abc") == [97, 98, 99]
     # without llama-cpp-python, stored ids of the same vocabulary are used, else the server
     monkeypatch.setitem(sys.modules, "llama_cpp", None)
-    ps = B.load_prompts(n=2)
-    monkeypatch.setattr(B, "vocab_fingerprint", lambda p: "none")
-    assert B.tokenize_prompts(ps, "/m/t.gguf", server_tokenize=lambda s: [1, 2]) == "llama-server /tokenize"
+    ps = load_prompts(n=2)
+    monkeypatch.setattr(prompts, "vocab_fingerprint", lambda p: "none")
+    assert tokenize_prompts(ps, "/m/t.gguf", server_tokenize=lambda s: [1, 2]) == "llama-server /tokenize"
     assert ps[0].ids == [1, 2]
     with pytest.raises(SpecterError):
-        B.tokenize_prompts(ps, "/m/t.gguf")
+        tokenize_prompts(ps, "/m/t.gguf")
 
 
 # --------------------------------------------------------------------------- report (formatting only)
@@ -395,10 +396,10 @@ def _fake_doc():
         runs = [{"decoding": d, "tpot_ms": tpot * (1.1 if d == "sampled" else 1), "generated_tokens": 64,
                  "prefill_ms": 1.0, "extra": extra} for d in ("greedy", "sampled") for _ in range(3)]
         return {"family": family, "kind": "llama" if family.startswith("llama") else "ours", "setting": setting,
-                "budget": budget, "budget_bytes": B.parse_size(budget) if budget else None,
+                "budget": budget, "budget_bytes": parse_size(budget) if budget else None,
                 "params": {"synth_len": float(setting[-1])} if "L=" in setting else {}, "note": "",
                 "status": status, "error": error, "runs": runs if status == "ok" else [],
-                "summary": B.summarize_runs(runs) if status == "ok" else {}, "peak_gpu_bytes": peak,
+                "summary": summarize_runs(runs) if status == "ok" else {}, "peak_gpu_bytes": peak,
                 "torch_peak_bytes": None}
     G = 2**30
     results = [
@@ -426,7 +427,7 @@ def _fake_doc():
 
 def test_report_formatting_from_fake_results():
     doc = _fake_doc()
-    md = B.render_markdown(doc, ["img/x.png"])
+    md = render_markdown(doc, ["img/x.png"])
     lines = md.splitlines()
     header = next(i for i, ln in enumerate(lines) if ln.startswith("| System"))
     rows = list(itertools.takewhile(lambda ln: ln.startswith("| "), lines[header + 2:]))  # the main table
@@ -447,11 +448,11 @@ def test_report_speculation_table_from_fake_results():
     """The second table: speculative systems (llama.cpp's with empty cells) and offload rows, with the figures of
     the fake counts (3 prompts per decoding, 64 generated tokens each, no prompt tokens recorded)."""
     doc = _fake_doc()
-    lines = B.render_markdown(doc).splitlines()
+    lines = render_markdown(doc).splitlines()
     header = next(i for i, ln in enumerate(lines) if ln.startswith("| System | Setting | Budget | Tokens/iter"))
     assert header > next(i for i, ln in enumerate(lines) if ln.startswith("| System | Setting | Budget | TPOT"))
     cols = [c.strip() for c in lines[header].strip("|").split("|")]
-    assert cols[3:] == [h for h, _, _ in B.SPEC_COLUMNS]
+    assert cols[3:] == [h for h, _, _ in SPEC_COLUMNS]
     assert "Prefetch precision" in cols and "Verify ms/iter" in cols and "Other ms/iter" in cols
     rows = {}
     for ln in lines[header + 2:]:
@@ -469,7 +470,7 @@ def test_report_speculation_table_from_fake_results():
     assert ours["Draft ms/iter"] == "5.00 / 5.00" and ours["Verify ms/iter"] == "15.00 / 15.00"
     assert ours["Copy wait ms/iter"] == "1.00 / 1.00" and ours["Other ms/iter"] == "2.50 / 2.50"
     llama = rows[("llama-spec", "draft Q4_K_M, -ncmoe 16")]
-    assert all(llama[h] == "—" for h, _, _ in B.SPEC_COLUMNS)  # llama.cpp reports none of it
+    assert all(llama[h] == "—" for h, _, _ in SPEC_COLUMNS)  # llama.cpp reports none of it
     lru = rows[("ours-lru", "experts in host memory, LRU expert cache")]
     assert lru["Moved/token"] == "16 KiB / 16 KiB"  # 3 × 1 MiB over 3 × 64 tokens
     assert lru["Prefetch precision"] == "—" and lru["Draft ms/iter"] == "—"
@@ -483,15 +484,15 @@ def test_report_speculation_table_from_fake_results():
 
 def test_plots_from_fake_results(tmp_path):
     pytest.importorskip("matplotlib")
-    files = B.write_plots(_fake_doc(), tmp_path, "t")
+    files = write_plots(_fake_doc(), tmp_path, "t")
     assert [f.name for f in files] == ["t-tpot.png", "t-synth.png"]
     assert all(f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for f in files)
 
 
 def test_append_report_and_merge(tmp_path):
     rep = tmp_path / "docs" / "B.md"
-    B.append_report(rep, "### one\n")
-    B.append_report(rep, "### two\n")
+    append_report(rep, "### one\n")
+    append_report(rep, "### two\n")
     text = rep.read_text()
     assert text.startswith("# Benchmarks") and text.index("### one") < text.index("### two")
     a, b = _fake_doc(), _fake_doc()
@@ -499,7 +500,7 @@ def test_append_report_and_merge(tmp_path):
     first, second = a["results"][0], dict(a["results"][0], budget="20GiB")  # one measured, one left for part 2
     a["results"] = [first, dict(second, status="skipped", summary={})]
     b["results"] = [second, dict(first, family="ours-lru")]
-    m = B.merge_docs([a, b])
+    m = merge_docs([a, b])
     assert "--part 2/2" in m["meta"]["command"]
     assert [(r["family"], r["budget"], r["status"]) for r in m["results"]] == [
         (first["family"], first["budget"], "ok"), (first["family"], "20GiB", "ok"), ("ours-lru", first["budget"], "ok")]
@@ -565,9 +566,9 @@ def test_ours_worker_without_llama_cpp_tokenizer(tmp_path, shipped_model):
     """On the GPU machine llama-cpp-python is missing: the worker then loads the model with an ids-only
     tokenizer; greedy tokens must equal those of a run with the real tokenizer."""
     pytest.importorskip("llama_cpp")
-    prompts = B.load_prompts(n=1)
+    prompts = load_prompts(n=1)
     prompts[0].ids = [39, 730, 78, 266, 282, 339]
-    settings = B.RunSettings(n_predict=5, decodings=("greedy",), seed=3, seconds_per_system=60, warmup_tokens=2)
+    settings = RunSettings(n_predict=5, decodings=("greedy",), seed=3, seconds_per_system=60, warmup_tokens=2)
     tokens = []
     for force in ("", "1"):
         job = {"mode": "ours", "model": str(shipped_model), "device": "cpu", "ctx_size": 256, "budget_bytes": None,
@@ -576,7 +577,7 @@ def test_ours_worker_without_llama_cpp_tokenizer(tmp_path, shipped_model):
                "result": str(tmp_path / f"r{force}.json")}
         (tmp_path / "job.json").write_text(json.dumps(job))
         env = dict(os.environ, SPECTER_BENCH_NO_LLAMA_CPP=force, PYTHONPATH=str(REPO))
-        p = subprocess.run([sys.executable, "-m", "specter_gguf.benchmark", "worker", str(tmp_path / "job.json")],
+        p = subprocess.run([sys.executable, "-m", "specter_gguf.bench.worker", str(tmp_path / "job.json")],
                            capture_output=True, text=True, env=env, timeout=120, cwd=str(REPO))
         assert p.returncode == 0, p.stdout + p.stderr
         res = json.loads((tmp_path / f"r{force}.json").read_text())
@@ -597,17 +598,27 @@ def test_dry_run_prints_matrix(tmp_path, qwen_like):
     assert "ours [" in p.stdout
 
 
-def test_find_vocab_extracts_from_the_carried_tarball(tmp_path, monkeypatch):
+def test_find_vocab_extracts_from_the_carried_tarball(tmp_path):
     import tarfile
 
-    repo = tmp_path / "repo"
-    (repo / ".gpu").mkdir(parents=True)
+    gpu_dir = tmp_path / "repo" / ".gpu"
+    gpu_dir.mkdir(parents=True)
     src = tmp_path / "v.gguf"
     src.write_bytes(b"GGUF fake vocab")
-    with tarfile.open(repo / ".gpu" / "llama-src.tar.gz", "w:gz") as tf:
+    with tarfile.open(gpu_dir / "llama-src.tar.gz", "w:gz") as tf:
         tf.add(src, arcname="llama-src/vendor/llama.cpp/models/ggml-vocab-test.gguf")
-    monkeypatch.setattr(B, "REPO_ROOT", repo)
-    got = B.find_vocab("ggml-vocab-test.gguf", tmp_path / "work")
+    got = find_vocab("ggml-vocab-test.gguf", tmp_path / "work", gpu_dir, [])
     assert got == tmp_path / "work" / "ggml-vocab-test.gguf" and got.read_bytes() == b"GGUF fake vocab"
     with pytest.raises(SpecterError):
-        B.find_vocab("ggml-vocab-none.gguf", tmp_path / "work")
+        find_vocab("ggml-vocab-none.gguf", tmp_path / "work", gpu_dir, [])
+
+
+def test_find_vocab_in_llama_cpp_source_trees(tmp_path):
+    """Without the carried tarball: the source trees of unpacked llama-cpp-python sdists, then build_llama_tools'."""
+    sdists, llama_dir = tmp_path / "llsrc", tmp_path / "llama"
+    built = llama_dir / "llama-src" / "vendor" / "llama.cpp" / "models"
+    built.mkdir(parents=True)
+    (built / "ggml-vocab-test.gguf").write_bytes(b"GGUF")
+    sources = llama_sources(sdists, llama_dir)
+    assert find_vocab("ggml-vocab-test.gguf", tmp_path / "work", tmp_path / "no-gpu-dir", sources) == (
+        built / "ggml-vocab-test.gguf")

@@ -1,12 +1,17 @@
-"""The engine's KV cache reuse on the CPU: generation after generation on one cache, and a generation started
-while another is running (it gets a cache of its own), give the tokens of a fresh model."""
+"""The engine on the CPU: KV cache reuse (generation after generation on one cache, and a generation started while
+another is running, which gets a cache of its own, give the tokens of a fresh model); a model loaded with an ids-only
+tokenizer, and generations that ignore end-of-generation tokens."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from specter_gguf.engine import Model
+from specter_gguf.errors import SpecterError
 from specter_gguf.sampling import SamplingParams
+from specter_gguf.tokenizer import IdsOnlyTokenizer
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -33,3 +38,28 @@ def test_interleaved_generations_do_not_share_the_cache(shipped_model: Path) -> 
         pass
     assert inner.tokens == outer.tokens == alone
     assert not m._cache_in_use
+
+
+class _EndsAt(IdsOnlyTokenizer):
+    """Ids only, and `token` ends generation."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def is_eog(self, token_id: int) -> bool:
+        return token_id == self.token
+
+
+def test_ids_only_tokenizer_and_ignore_eos(shipped_model: Path) -> None:
+    m = Model.load(shipped_model, device="cpu", progress=False)
+    ids = m.tokenize("Once upon a time")
+    real = m.generate(ids, 8, GREEDY).wait()
+    ids_only = Model.load(shipped_model, device="cpu", progress=False, tokenizer=IdsOnlyTokenizer())
+    g = ids_only.generate(ids, 8, GREEDY).wait()
+    assert g.tokens == real.tokens and g.text == "" and g.finish_reason == "length"
+    with pytest.raises(SpecterError, match="token ids only"):
+        ids_only.generate("Once upon a time", 8, GREEDY)
+    ends = Model.load(shipped_model, device="cpu", progress=False, tokenizer=_EndsAt(real.tokens[0]))
+    stopped = ends.generate(ids, 8, GREEDY).wait()
+    assert stopped.tokens == [] and stopped.finish_reason == "stop"
+    assert ends.generate(ids, 8, GREEDY, ignore_eos=True).wait().tokens == real.tokens

@@ -29,7 +29,8 @@ from llama_reference import QUANT_MAX, QUANT_MEDIAN, LlamaRefs, parity_tokens, p
 from specter_gguf import native  # noqa: E402
 from specter_gguf.engine import Model  # noqa: E402
 from specter_gguf.quantize import quantize_gguf  # noqa: E402
-from specter_gguf.synthetic import PRESETS, ModelShape, write_synthetic  # noqa: E402
+from specter_gguf.synthetic.shapes import PRESETS, ModelShape  # noqa: E402
+from specter_gguf.synthetic.writer import write_synthetic  # noqa: E402
 
 CUDA_MEDIAN, CUDA_MAX = 5e-3, 1e-2
 N_CTX = 64

@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 from gguf import GGUFReader
 
-from specter_gguf.synthetic import TINY_ARCH_PRESETS, get_preset, write_synthetic
+from specter_gguf.synthetic.shapes import TINY_ARCH_PRESETS, get_preset
+from specter_gguf.synthetic.writer import write_synthetic
 
 N_CASES = int(os.environ.get("SPECTER_FUZZ_CASES", "400"))
 SEED = int(os.environ.get("SPECTER_FUZZ_SEED", "0"))

@@ -20,11 +20,11 @@ from cuda_support import free_device, require_native_cuda, warm_up
 from specter_gguf.engine import Model
 from specter_gguf.gguf_file import GGUFFile
 from specter_gguf.runtime import plan_memory
-from specter_gguf.runtime.budget import format_size
+from specter_gguf.sizes import format_size
 from specter_gguf.sampling import SamplingParams
+from specter_gguf.tokenizer import ids_only_unless_llama_cpp
 
-pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch's allocator)"),
-              pytest.mark.usefixtures("ids_tokenizer")]
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch's allocator)")]
 
 CONTEXTS = (4096, 32768)
 DECODED = 16
@@ -35,7 +35,8 @@ TINY = [("qwen2moe", "f16"), ("qwen3moe", "f16"), ("llama", "f16"), ("olmoe", "f
 @pytest.fixture(scope="module")
 def qwen3_shaped(tmp_path_factory) -> str:
     """Two layers of Qwen3-30B-A3B (128 experts of 2048x768, top-8, grouped-query attention 32/4), F16."""
-    from specter_gguf.synthetic import get_preset, write_synthetic
+    from specter_gguf.synthetic.shapes import get_preset
+    from specter_gguf.synthetic.writer import write_synthetic
 
     path = tmp_path_factory.mktemp("gpu-models") / "qwen3-30b-a3b-2layers-f16.gguf"
     write_synthetic(path, get_preset("qwen3-30b-a3b").with_layers(2), "f16", seed=0, device="cuda")
@@ -51,7 +52,8 @@ def _measure(path, ctx: int) -> None:
     warm_up()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    m = Model.load(path, device="cuda", ctx_size=ctx, progress=False, gpu_budget=budget, offload="lru")
+    m = Model.load(path, device="cuda", ctx_size=ctx, progress=False, gpu_budget=budget, offload="lru",
+                   tokenizer=ids_only_unless_llama_cpp())
     try:
         m.offload.store.wait()
         loaded = torch.cuda.memory_allocated() - base
@@ -104,13 +106,14 @@ def test_a_model_larger_than_the_free_memory_runs_without_flags(tiny_models, mon
     whole = plan_memory(GGUFFile(path), 1 << 40, 256, "cuda")
     free = budget.FIT_MARGIN + whole.minimum + whole.n_moe_layers * whole.slot_bytes  # fits, offloaded
     assert free - budget.FIT_MARGIN < whole.fixed + whole.resident_expert_bytes
-    plain = Model.load(path, device="cuda", ctx_size=256, progress=False, cuda_graphs=False)
+    plain = Model.load(path, device="cuda", ctx_size=256, progress=False, cuda_graphs=False,
+                       tokenizer=ids_only_unless_llama_cpp())
     expected = plain.generate([5, 17, 300, 42], n_predict=12, sampling=SamplingParams(temperature=0)).wait().tokens
     del plain
     free_device()
     monkeypatch.setattr(budget, "free_device_memory", lambda device: free)
     with caplog.at_level("WARNING", logger="specter_gguf"):
-        m = Model.load(path, device="cuda", ctx_size=256, progress=False)
+        m = Model.load(path, device="cuda", ctx_size=256, progress=False, tokenizer=ids_only_unless_llama_cpp())
     assert m.offload is not None and m.memory_plan.budget == free - budget.FIT_MARGIN
     assert any("offloaded within a budget" in r.getMessage() for r in caplog.records)
     assert m.generate([5, 17, 300, 42], n_predict=12, sampling=SamplingParams(temperature=0)).wait().tokens == expected

@@ -18,13 +18,13 @@ from cuda_support import free_device, require_native_cuda, warm_up
 from specter_gguf.engine import Model
 from specter_gguf.gguf_file import GGUFFile
 from specter_gguf.runtime import MODES, plan_memory
-from specter_gguf.runtime.budget import format_size
+from specter_gguf.sizes import format_size
 from specter_gguf.sampling import SamplingParams
+from specter_gguf.tokenizer import ids_only_unless_llama_cpp
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(),
                                  reason="needs a CUDA GPU: the offload runtime's CUDA path (copy stream, events, "
-                                        "device budget) runs on the GPU machine; tests/test_runtime.py covers the CPU"),
-              pytest.mark.usefixtures("ids_tokenizer")]
+                                        "device budget) runs on the GPU machine; tests/test_runtime.py covers the CPU")]
 
 GREEDY = SamplingParams(temperature=0.0)
 CTX = 256
@@ -37,7 +37,8 @@ def _plain_tokens(path, graphs: bool = True) -> list[int]:
     (CUDA graphs, or eager for gate-prefetch): graphs attend with another kernel (a masked window), whose f16
     rounding can flip a near-tie of random weights (seen on the H200: two logits 0.004 apart); graphs against
     eager steps is `test_cuda_graphs`' business."""
-    m = Model.load(path, device="cuda", ctx_size=CTX, progress=False, cuda_graphs=graphs)
+    m = Model.load(path, device="cuda", ctx_size=CTX, progress=False, cuda_graphs=graphs,
+                   tokenizer=ids_only_unless_llama_cpp())
     tokens = m.generate(PROMPT, n_predict=N_TOKENS, sampling=GREEDY).wait().tokens
     del m
     free_device()
@@ -51,7 +52,8 @@ def _run_within_budget(path, budget: int, **load) -> tuple[list[int], object, in
     base_alloc = torch.cuda.memory_allocated()
     free_before, _ = torch.cuda.mem_get_info()
     torch.cuda.reset_peak_memory_stats()
-    m = Model.load(path, device="cuda", ctx_size=CTX, progress=False, gpu_budget=budget, **load)
+    m = Model.load(path, device="cuda", ctx_size=CTX, progress=False, gpu_budget=budget,
+                   tokenizer=ids_only_unless_llama_cpp(), **load)
     m.offload.store.wait()
     g = m.generate(PROMPT, n_predict=N_TOKENS, sampling=GREEDY).wait()
     torch.cuda.synchronize()
@@ -66,7 +68,8 @@ def _run_within_budget(path, budget: int, **load) -> tuple[list[int], object, in
 @pytest.fixture(scope="module")
 def qwen_shaped(tmp_path_factory) -> str:
     """Two layers of Qwen1.5-MoE-A2.7B (60 experts of 2048x1408, top-4, shared expert), F16, random weights."""
-    from specter_gguf.synthetic import get_preset, write_synthetic
+    from specter_gguf.synthetic.shapes import get_preset
+    from specter_gguf.synthetic.writer import write_synthetic
 
     path = tmp_path_factory.mktemp("gpu-models") / "qwen1.5-moe-2layers-f16.gguf"
     write_synthetic(path, get_preset("qwen1.5-moe-a2.7b").with_layers(2), "f16", seed=0, device="cuda")

@@ -14,13 +14,13 @@ from specter_gguf.cli import cli
 from specter_gguf.engine import Model
 from specter_gguf.errors import SpecterError
 from specter_gguf.gguf_file import GGUFFile
-from specter_gguf.runtime import (MODES, DeviceRoutingCounts, ExpertCache, OffloadCounters, RoutingProfile,
-                                  parse_size, plan_memory)
+from specter_gguf.runtime import MODES, DeviceRoutingCounts, ExpertCache, OffloadCounters, RoutingProfile, plan_memory
 from specter_gguf.runtime.budget import moe_layers, record_layout
 from specter_gguf.runtime.store import ExpertStore
 from specter_gguf.config import ModelConfig
 from specter_gguf.sampling import SamplingParams
-from specter_gguf.synthetic import TINY_ARCH_PRESETS
+from specter_gguf.sizes import parse_size
+from specter_gguf.synthetic.shapes import TINY_ARCH_PRESETS
 
 GREEDY = SamplingParams(temperature=0.0)
 CTX = 128
@@ -30,12 +30,14 @@ PROMPT = "The expert cache"
 
 # ---------------------------------------------------------------------------------------------- sizes, plan
 @pytest.mark.parametrize("text,expected", [("16GiB", 16 << 30), ("12000MiB", 12000 << 20), ("1.5GB", 1_500_000_000),
-                                           ("16G", 16 << 30), ("1024", 1024), ("512 MiB", 512 << 20)])
+                                           ("16G", 16 << 30), ("1024", 1024), ("512 MiB", 512 << 20),
+                                           ("16 GiB", 16 << 30), ("16GB", 16 * 10**9), ("1.5GiB", int(1.5 * 2**30)),
+                                           ("2TiB", 2 << 40), ("16gib", 16 << 30)])
 def test_parse_size(text: str, expected: int) -> None:
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["", "16 parsecs", "GiB", "-1GiB"])
+@pytest.mark.parametrize("bad", ["", "16 parsecs", "GiB", "-1GiB", "16XB"])
 def test_parse_size_rejects(bad: str) -> None:
     with pytest.raises(SpecterError, match="cannot read the size"):
         parse_size(bad)
@@ -310,10 +312,9 @@ def test_policies_match_the_plain_engine(tiny_models, tmp_path, policy: str) -> 
     kwargs = {}
     if policy == "static-hot":  # a profiling run with the routing observer, then the profile
         m = Model.load(path, device="cpu", ctx_size=CTX, progress=False)
-        counts = DeviceRoutingCounts(m.config.n_layer, m.config.n_expert, "cpu")
-        m.routing_observer = counts
+        m.record_routing()
         m.generate("A different prompt for profiling", n_predict=8, sampling=GREEDY).wait()
-        counts.profile().save(tmp_path / "profile.json")
+        m.routing_profile().save(tmp_path / "profile.json")
         kwargs["routing_profile"] = tmp_path / "profile.json"
     m = Model.load(path, device="cpu", ctx_size=CTX, progress=False, gpu_budget=_budget_for(path), offload="lru",
                    cache_policy=policy, **kwargs)

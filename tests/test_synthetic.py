@@ -16,12 +16,16 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from specter_gguf import synthetic as syn  # noqa: E402
 from specter_gguf.errors import SpecterError  # noqa: E402
 from specter_gguf.quantize import FTYPES, ftype_for, quantize_gguf, quantized_path  # noqa: E402
+from specter_gguf.synthetic import writer  # noqa: E402
+from specter_gguf.synthetic.architectures import tensor_specs  # noqa: E402
+from specter_gguf.synthetic.bpe import SPECIAL_TOKENS, bytes_to_unicode, tiny_tokenizer, train_bpe  # noqa: E402
+from specter_gguf.synthetic.shapes import PRESETS, TINY_ARCH_PRESETS, TINY_PRESETS, get_preset  # noqa: E402
+from specter_gguf.synthetic.writer import write_synthetic  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-ARCHS = list(syn.TINY_ARCH_PRESETS)
+ARCHS = list(TINY_ARCH_PRESETS)
 GT = gguf.GGMLQuantizationType
 TEXTS = [
     "Hello world! The quick brown fox jumps over the lazy dog.",
@@ -47,10 +51,10 @@ def _llama_cpp():
 # ---------------------------------------------------------------------------------------------- shapes
 
 
-@pytest.mark.parametrize("preset", [*syn.TINY_PRESETS, "tiny-qwen3moe-hd128"])
+@pytest.mark.parametrize("preset", [*TINY_PRESETS, "tiny-qwen3moe-hd128"])
 def test_tiny_presets_are_k_quant_friendly(preset):
-    shape = syn.PRESETS[preset]
-    for spec in syn.tensor_specs(shape, n_vocab=1000):
+    shape = PRESETS[preset]
+    for spec in tensor_specs(shape, n_vocab=1000):
         if len(spec.ne) >= 2:
             assert spec.ne[0] % 256 == 0, spec
 
@@ -60,18 +64,38 @@ def test_real_presets_match_published_sizes():
     expect = {"qwen1.5-moe-a2.7b": 14.3e9, "qwen3-30b-a3b": 30.5e9, "mixtral-8x7b": 46.7e9,
               "olmoe-1b-7b": 6.9e9}
     for name, n in expect.items():
-        shape = syn.PRESETS[name]
-        total = sum(s.n_elements for s in syn.tensor_specs(shape, shape.n_vocab_hint))
+        shape = PRESETS[name]
+        total = sum(s.n_elements for s in tensor_specs(shape, shape.n_vocab_hint))
         assert abs(total - n) / n < 0.02, (name, total)
-    assert syn.PRESETS["qwen3-30b-a3b"].n_layer == 48
-    assert syn.PRESETS["mixtral-8x7b"].n_layer == 32
+    assert PRESETS["qwen3-30b-a3b"].n_layer == 48
+    assert PRESETS["mixtral-8x7b"].n_layer == 32
+
+
+@pytest.mark.parametrize("preset", [p for p in PRESETS if p.startswith("tiny-")])
+def test_model_config_reads_back_the_shape(tmp_path, preset):
+    """A `ModelShape` is what the writer writes and a `ModelConfig` what the engine reads: the fields both describe
+    agree (MLA files keep one latent KV head of width kv_lora_rank + qk_rope_dim, as llama.cpp reads them)."""
+    from specter_gguf.config import ModelConfig
+    from specter_gguf.gguf_file import GGUFFile
+
+    s = PRESETS[preset].with_layers(2)
+    c = ModelConfig.from_gguf(GGUFFile(write_synthetic(tmp_path / "m.gguf", s, "f16").path))
+    assert (c.arch, c.n_layer, c.n_embd, c.n_head, c.n_ctx_train) == (s.arch, s.n_layer, s.n_embd, s.n_head, s.n_ctx)
+    assert (c.n_expert, c.n_expert_used, c.n_ff_exp, c.n_leading_dense) == (
+        s.n_expert, s.n_expert_used, s.n_ff_exp, s.n_leading_dense)
+    assert c.rms_eps == pytest.approx(s.rms_eps) and c.rope_base == pytest.approx(s.rope_theta)
+    assert c.n_expert_shared == (s.n_expert_shared or int(s.n_ff_shexp > 0))
+    if s.arch == "deepseek2" and not s.mla_legacy:
+        assert (c.n_head_kv, c.head_dim, c.n_lora_kv) == (1, s.kv_lora_rank + s.qk_rope_dim, s.kv_lora_rank)
+    else:
+        assert (c.n_head_kv, c.head_dim) == (s.n_head_kv if s.arch != "deepseek2" else s.n_head, s.head_dim)
 
 
 def test_unknown_preset_and_dtype(tmp_path):
     with pytest.raises(SpecterError, match="tiny-qwen2moe"):
-        syn.get_preset("nope")
+        get_preset("nope")
     with pytest.raises(SpecterError, match="bf16"):
-        syn.write_synthetic(tmp_path / "x.gguf", "tiny-mixtral", "q4_0")
+        write_synthetic(tmp_path / "x.gguf", "tiny-mixtral", "q4_0")
 
 
 # ------------------------------------------------------------------------------------ file contents
@@ -128,7 +152,7 @@ def test_written_layout_types_and_metadata(tiny_models, arch, kind):
     r = gguf.GGUFReader(tiny_models[(arch, kind)])
     f = _fields(r)
     t = _tensors(r)
-    shape = syn.PRESETS[syn.TINY_ARCH_PRESETS[arch]]
+    shape = PRESETS[TINY_ARCH_PRESETS[arch]]
     n_vocab = len(f["tokenizer.ggml.tokens"])
 
     assert f["general.architecture"] == arch
@@ -156,7 +180,7 @@ def test_written_layout_types_and_metadata(tiny_models, arch, kind):
 
 
 def test_bf16_file_is_rounded_f32(tmp_path, tiny_models):
-    p = syn.write_synthetic(tmp_path / "m-bf16.gguf", "tiny-mixtral", "bf16", seed=0).path
+    p = write_synthetic(tmp_path / "m-bf16.gguf", "tiny-mixtral", "bf16", seed=0).path
     t16 = _tensors(gguf.GGUFReader(p))
     t32 = _tensors(gguf.GGUFReader(tiny_models[("llama", "f32")]))
     assert gguf.GGUFReader(p).fields["general.file_type"].contents() == 32
@@ -181,7 +205,7 @@ def test_f16_file_is_rounded_f32(tiny_models):
 
 def test_init_statistics(tiny_models):
     t = _tensors(gguf.GGUFReader(tiny_models[("qwen3moe", "f32")]))
-    shape = syn.PRESETS["tiny-qwen3moe"]
+    shape = PRESETS["tiny-qwen3moe"]
     exps = np.asarray(t["blk.0.ffn_gate_exps.weight"].data)
     assert abs(exps.std() - shape.init_std) < 0.001 and abs(exps.mean()) < 0.001
     norm = np.asarray(t["blk.2.ffn_norm.weight"].data)
@@ -196,10 +220,10 @@ def test_init_statistics(tiny_models):
 
 
 def test_deterministic_and_layer_override(tmp_path):
-    a = syn.write_synthetic(tmp_path / "a.gguf", "tiny-olmoe", "f16", seed=3).path
-    b = syn.write_synthetic(tmp_path / "b.gguf", "tiny-olmoe", "f16", seed=3).path
-    c = syn.write_synthetic(tmp_path / "c.gguf", "tiny-olmoe", "f16", seed=4).path
-    d = syn.write_synthetic(tmp_path / "d.gguf", syn.PRESETS["tiny-olmoe"].with_layers(1), "f16", seed=3).path
+    a = write_synthetic(tmp_path / "a.gguf", "tiny-olmoe", "f16", seed=3).path
+    b = write_synthetic(tmp_path / "b.gguf", "tiny-olmoe", "f16", seed=3).path
+    c = write_synthetic(tmp_path / "c.gguf", "tiny-olmoe", "f16", seed=4).path
+    d = write_synthetic(tmp_path / "d.gguf", PRESETS["tiny-olmoe"].with_layers(1), "f16", seed=3).path
     assert a.read_bytes() == b.read_bytes()
     ta, tc, td = (_tensors(gguf.GGUFReader(p)) for p in (a, c, d))
     name = "blk.0.ffn_down_exps.weight"
@@ -211,8 +235,8 @@ def test_deterministic_and_layer_override(tmp_path):
 
 def test_bounded_streaming_of_large_tensors(tmp_path, monkeypatch):
     # force many slabs per tensor; the file must still be a valid, complete GGUF with the same shapes
-    monkeypatch.setattr(syn, "_SLAB_ELEMS", 1000)
-    p = syn.write_synthetic(tmp_path / "s.gguf", "tiny-mixtral", "f16", progress=True).path
+    monkeypatch.setattr(writer, "_SLAB_ELEMS", 1000)
+    p = write_synthetic(tmp_path / "s.gguf", "tiny-mixtral", "f16", progress=True).path
     t = _tensors(gguf.GGUFReader(p))
     assert tuple(t["blk.0.ffn_up_exps.weight"].shape) == (256, 256, 8)
     assert np.isfinite(np.asarray(t["output.weight"].data, np.float32)).all()
@@ -222,16 +246,16 @@ def test_bounded_streaming_of_large_tensors(tmp_path, monkeypatch):
 
 
 def test_bpe_trainer_properties():
-    tok = syn.tiny_tokenizer()
+    tok = tiny_tokenizer()
     assert 900 <= len(tok.tokens) <= 1024
     assert len(set(tok.tokens)) == len(tok.tokens)
-    assert set(syn.bytes_to_unicode().values()) <= set(tok.tokens[:256])
+    assert set(bytes_to_unicode().values()) <= set(tok.tokens[:256])
     vocab = set(tok.tokens)
     for m in tok.merges:
         a, b = m.split(" ")
         assert a in vocab and b in vocab and a + b in vocab
-    assert tok.tokens[-3:] == syn.SPECIAL_TOKENS
-    assert syn.train_bpe("ab ab ab", vocab_size=300) == syn.train_bpe("ab ab ab", vocab_size=300)
+    assert tok.tokens[-3:] == SPECIAL_TOKENS
+    assert train_bpe("ab ab ab", vocab_size=300) == train_bpe("ab ab ab", vocab_size=300)
 
 
 def test_vocab_only_roundtrip(tiny_models):
@@ -255,13 +279,13 @@ def test_vocab_only_roundtrip(tiny_models):
 
 def test_vocab_from_copies_all_tokenizer_keys(tmp_path, tiny_models):
     src = tiny_models[("qwen2moe", "f16")]
-    p = syn.write_synthetic(tmp_path / "v.gguf", syn.PRESETS["tiny-mixtral"].with_layers(1), "f16",
+    p = write_synthetic(tmp_path / "v.gguf", PRESETS["tiny-mixtral"].with_layers(1), "f16",
                             vocab_from=src).path
     fa, fb = _fields(gguf.GGUFReader(src)), _fields(gguf.GGUFReader(p))
     keys = [k for k in fa if k.startswith("tokenizer.")]
     assert keys and all(fa[k] == fb[k] for k in keys)
     with pytest.raises(SpecterError, match="not found"):
-        syn.write_synthetic(tmp_path / "w.gguf", "tiny-mixtral", vocab_from=tmp_path / "missing.gguf")
+        write_synthetic(tmp_path / "w.gguf", "tiny-mixtral", vocab_from=tmp_path / "missing.gguf")
 
 
 def test_vocab_from_llama_cpp_vocab(tmp_path):
@@ -269,8 +293,8 @@ def test_vocab_from_llama_cpp_vocab(tmp_path):
     if not vocab_dir or not (Path(vocab_dir) / "ggml-vocab-gpt-2.gguf").is_file():
         pytest.skip("set LLAMA_CPP_VOCAB_DIR to llama.cpp's models/ folder")
     llama_cpp = _llama_cpp()
-    shape = syn.PRESETS["tiny-qwen3moe"].with_layers(1)
-    r = syn.write_synthetic(tmp_path / "g.gguf", shape, "f16", vocab_from=Path(vocab_dir) / "ggml-vocab-gpt-2.gguf")
+    shape = PRESETS["tiny-qwen3moe"].with_layers(1)
+    r = write_synthetic(tmp_path / "g.gguf", shape, "f16", vocab_from=Path(vocab_dir) / "ggml-vocab-gpt-2.gguf")
     assert r.n_vocab == 50257
     m = llama_cpp.Llama(str(r.path), n_ctx=32, verbose=False)
     toks = m.tokenize(b"Hello world", add_bos=False)
@@ -298,7 +322,7 @@ def test_llama_cpp_evaluates(tiny_models, arch, kind):
 
 def test_llama_cpp_evaluates_key_length_preset(tmp_path):
     llama_cpp = _llama_cpp()
-    p = syn.write_synthetic(tmp_path / "hd.gguf", "tiny-qwen3moe-hd128", "f16").path
+    p = write_synthetic(tmp_path / "hd.gguf", "tiny-qwen3moe-hd128", "f16").path
     f = _fields(gguf.GGUFReader(p))
     assert f["qwen3moe.attention.key_length"] == 128
     m = llama_cpp.Llama(str(p), n_ctx=32, verbose=False)
@@ -314,7 +338,7 @@ def test_quantized_copies_use_the_requested_types(tiny_models):
             r = gguf.GGUFReader(tiny_models[(arch, kind)])
             t = _tensors(r)
             assert r.fields["general.file_type"].contents() == FTYPES[kind]
-            for i in range(syn.PRESETS[syn.TINY_ARCH_PRESETS[arch]].n_layer):
+            for i in range(PRESETS[TINY_ARCH_PRESETS[arch]].n_layer):
                 for w in ("ffn_gate_exps", "ffn_up_exps"):
                     assert t[f"blk.{i}.{w}.weight"].tensor_type == main, (arch, kind, i, w)
                 assert t[f"blk.{i}.ffn_gate_inp.weight"].tensor_type == GT.F32
@@ -366,6 +390,6 @@ def test_shipped_model_is_what_the_readme_command_makes(shipped_model, tmp_path)
     assert shipped_model.stat().st_size < 10 * 1024 * 1024
     assert "scripts/make_synthetic.py --preset tiny-qwen2moe --dtype f16 --seed 0" in (
         REPO / "models/README.md").read_text()
-    r = syn.write_synthetic(tmp_path / "again.gguf", "tiny-qwen2moe", "f16", seed=0)
+    r = write_synthetic(tmp_path / "again.gguf", "tiny-qwen2moe", "f16", seed=0)
     assert r.path.read_bytes() == shipped_model.read_bytes(), (
         "models/tiny-qwen2moe.gguf differs from a fresh build: regenerate it with models/README.md's command")

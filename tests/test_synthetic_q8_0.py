@@ -3,7 +3,7 @@
 
 - the file's tensor types are the documented ones (matrices Q8_0; routers and 1-D tensors F32; matrices whose
   rows are not a multiple of 32 F16) and general.file_type is LLAMA_FTYPE_MOSTLY_Q8_0;
-- our vectorized quantizer (`synthetic.q8_0_blocks`) equals gguf's reference (`gguf.quants.quantize`, which is
+- our vectorized quantizer (`synthetic.q8_0.q8_0_blocks`) equals gguf's reference (`gguf.quants.quantize`, which is
   ggml's quantize_row_q8_0_ref) bit for bit, and the file's blocks are exactly gguf's quantization of the F32
   file of the same seed;
 - our engine loads the file and its CPU logits match llama.cpp's on it within the quantized bounds of
@@ -29,27 +29,31 @@ torch = pytest.importorskip("torch")
 from gguf import GGMLQuantizationType as GT  # noqa: E402
 from gguf.quants import quantize as gguf_quantize  # noqa: E402
 
-from specter_gguf import benchmark as B  # noqa: E402
-from specter_gguf import synthetic as syn  # noqa: E402
+from built_files import BuiltFiles  # noqa: E402
+
+from specter_gguf.bench import model_files  # noqa: E402
+from specter_gguf.bench.model_files import estimate_bytes, gguf_weight_type, make_draft, make_target  # noqa: E402
 from specter_gguf.errors import SpecterError  # noqa: E402
+from specter_gguf.synthetic import q8_0  # noqa: E402
+from specter_gguf.synthetic.architectures import tensor_specs  # noqa: E402
+from specter_gguf.synthetic.bpe import tiny_tokenizer  # noqa: E402
+from specter_gguf.synthetic.q8_0 import q8_0_blocks, quantize_q8_0  # noqa: E402
+from specter_gguf.synthetic.shapes import PRESETS, TINY_ARCH_PRESETS  # noqa: E402
+from specter_gguf.synthetic.writer import data_bytes, tensor_type, write_synthetic  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-ARCHS = list(syn.TINY_ARCH_PRESETS)  # qwen2moe, qwen3moe, llama (Mixtral), olmoe
+ARCHS = list(TINY_ARCH_PRESETS)  # qwen2moe, qwen3moe, llama (Mixtral), olmoe
 N_CTX = 64
 
 
-class Files:
+class Files(BuiltFiles):
     """Lazily written models: [(preset, dtype)] -> Path (seed 0)."""
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.paths: dict[tuple[str, str], Path] = {}
+    def accepts(self, preset: str, dtype: str) -> bool:
+        return True
 
-    def __getitem__(self, key: tuple[str, str]) -> Path:
-        if key not in self.paths:
-            preset, dtype = key
-            self.paths[key] = syn.write_synthetic(self.root / f"{preset}-{dtype}.gguf", preset, dtype, seed=0).path
-        return self.paths[key]
+    def build(self, preset: str, dtype: str) -> Path:
+        return write_synthetic(self.root / f"{preset}-{dtype}.gguf", preset, dtype, seed=0).path
 
 
 @pytest.fixture(scope="module")
@@ -83,26 +87,26 @@ def _cases() -> list[np.ndarray]:
 def test_q8_0_quantizer_equals_gguf_reference(i: int) -> None:
     a = _cases()[i]
     ref = gguf_quantize(a, GT.Q8_0)
-    ours = syn.quantize_q8_0(a)
+    ours = quantize_q8_0(a)
     assert ours.dtype == ref.dtype == np.uint8 and ours.shape == ref.shape
     assert np.array_equal(ours, ref), f"{int((ours != ref).sum())} bytes differ"
     # the same through the torch entry point the writer uses
-    assert np.array_equal(syn.q8_0_blocks(torch.from_numpy(a)).numpy(), ref)
+    assert np.array_equal(q8_0_blocks(torch.from_numpy(a)).numpy(), ref)
 
 
 def test_q8_0_quantizer_chunks_and_devices(monkeypatch: pytest.MonkeyPatch) -> None:
     a = np.random.default_rng(3).standard_normal((37, 320), dtype=np.float32)
     ref = gguf_quantize(a, GT.Q8_0)
-    monkeypatch.setattr(syn, "_Q8_0_CHUNK_BLOCKS", 7)  # chunk borders inside rows
-    assert np.array_equal(syn.quantize_q8_0(a), ref)
+    monkeypatch.setattr(q8_0, "_Q8_0_CHUNK_BLOCKS", 7)  # chunk borders inside rows
+    assert np.array_equal(quantize_q8_0(a), ref)
     if torch.cuda.is_available():  # the writer quantizes on its generating device
         big = np.random.default_rng(4).standard_normal((1 << 12, 1024), dtype=np.float32) * 0.02
         for c in [a, big, *_cases()]:
-            got = syn.q8_0_blocks(torch.from_numpy(c).cuda()).cpu().numpy()
+            got = q8_0_blocks(torch.from_numpy(c).cuda()).cpu().numpy()
             ref_c = gguf_quantize(c, GT.Q8_0)
             assert np.array_equal(got, ref_c), f"CUDA: {int((got != ref_c).sum())} bytes differ"
     with pytest.raises(SpecterError, match="multiple of 32"):
-        syn.quantize_q8_0(np.zeros((2, 48), np.float32))
+        quantize_q8_0(np.zeros((2, 48), np.float32))
 
 
 # ------------------------------------------------------------------------------------------ the file
@@ -110,27 +114,27 @@ def test_q8_0_quantizer_chunks_and_devices(monkeypatch: pytest.MonkeyPatch) -> N
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_q8_0_file_types(files: Files, arch: str) -> None:
-    preset = syn.TINY_ARCH_PRESETS[arch]
+    preset = TINY_ARCH_PRESETS[arch]
     path = files[(preset, "q8_0")]
     r = gguf.GGUFReader(path)
     assert r.fields["general.file_type"].contents() == 7  # LLAMA_FTYPE_MOSTLY_Q8_0
     types = _types(path)
-    specs = syn.tensor_specs(syn.PRESETS[preset], len(syn.tiny_tokenizer().tokens))
+    specs = tensor_specs(PRESETS[preset], len(tiny_tokenizer().tokens))
     assert set(types) == {s.name for s in specs}
     for s in specs:
         want = GT.F32 if (len(s.ne) == 1 or "ffn_gate_inp." in s.name) else GT.Q8_0
         assert types[s.name] == want, (s.name, s.ne, types[s.name])
-        assert syn.tensor_type(s, "q8_0") == want.name
+        assert tensor_type(s, "q8_0") == want.name
     assert {"token_embd.weight", "output.weight"} <= {n for n, t in types.items() if t == GT.Q8_0}
     assert any("ffn_gate_exps" in n and t == GT.Q8_0 for n, t in types.items())
     data = sum(int(t.n_bytes) for t in r.tensors)
-    assert data == syn.data_bytes(syn.PRESETS[preset], len(syn.tiny_tokenizer().tokens), "q8_0")
+    assert data == data_bytes(PRESETS[preset], len(tiny_tokenizer().tokens), "q8_0")
     assert path.stat().st_size < files[(preset, "f16")].stat().st_size * 0.6
 
 
 def test_rows_not_a_multiple_of_32_stay_f16(tmp_path: Path) -> None:
-    shape = dataclasses.replace(syn.PRESETS["tiny-qwen3moe"], n_layer=1, n_ff_exp=48, name="ff48")
-    types = _types(syn.write_synthetic(tmp_path / "ff48.gguf", shape, "q8_0").path)
+    shape = dataclasses.replace(PRESETS["tiny-qwen3moe"], n_layer=1, n_ff_exp=48, name="ff48")
+    types = _types(write_synthetic(tmp_path / "ff48.gguf", shape, "q8_0").path)
     assert types["blk.0.ffn_down_exps.weight"] == GT.F16  # rows of n_ff_exp = 48
     assert types["blk.0.ffn_gate_exps.weight"] == types["blk.0.ffn_up_exps.weight"] == GT.Q8_0  # rows of 256
     assert types["blk.0.ffn_gate_inp.weight"] == types["blk.0.attn_norm.weight"] == GT.F32
@@ -138,7 +142,7 @@ def test_rows_not_a_multiple_of_32_stay_f16(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("arch", ["qwen2moe", "qwen3moe"])
 def test_q8_0_file_is_gguf_quantization_of_the_f32_file(files: Files, arch: str) -> None:
-    preset = syn.TINY_ARCH_PRESETS[arch]
+    preset = TINY_ARCH_PRESETS[arch]
     q8 = {t.name: t for t in gguf.GGUFReader(files[(preset, "q8_0")]).tensors}
     f32 = {t.name: t for t in gguf.GGUFReader(files[(preset, "f32")]).tensors}
     n_q = 0
@@ -172,7 +176,7 @@ def test_engine_logits_match_llama_cpp_on_q8_0_file(files: Files, llamas, arch: 
 
     from specter_gguf.engine import Model
 
-    path = files[(syn.TINY_ARCH_PRESETS[arch], "q8_0")]
+    path = files[(TINY_ARCH_PRESETS[arch], "q8_0")]
     m = Model.load(path, device="cpu", progress=False)
     v = m.config.n_vocab
     tokens = parity_tokens(m, 24, llamas[path], fixed=[0, v - 1, 7, 7], seed=1234)
@@ -203,36 +207,36 @@ def test_make_synthetic_q8_0_with_requantized_draft(tmp_path: Path) -> None:
 
 
 def test_estimate_bytes_by_type() -> None:
-    f16 = B.estimate_bytes("qwen3-30b-a3b", None, 151936, "f16")
-    q8 = B.estimate_bytes("qwen3-30b-a3b", None, 151936, "q8_0")
+    f16 = estimate_bytes("qwen3-30b-a3b", None, 151936, "f16")
+    q8 = estimate_bytes("qwen3-30b-a3b", None, 151936, "q8_0")
     assert 30e9 < q8 < 34e9 and 0.53 < q8 / f16 < 0.54  # ~32 GB: 34 bytes per 32 values, routers/norms F32
 
 
 def test_bench_makes_q8_0_target_and_requantized_draft(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("llama_cpp")
     logs: list[str] = []
-    target = B.make_target("tiny-qwen3moe", 1, tmp_path, "cpu", None, logs.append, target_type="q8_0")
+    target = make_target("tiny-qwen3moe", 1, tmp_path, "cpu", None, logs.append, target_type="q8_0")
     assert target.name == "tiny-qwen3moe-l1-q8_0.gguf" and "--dtype q8_0" in logs[0]
-    assert B.gguf_weight_type(target) == ("q8_0", True)
-    assert B.make_target("tiny-qwen3moe", 1, tmp_path, "cpu", None, logs.append, target_type="q8_0") == target
+    assert gguf_weight_type(target) == ("q8_0", True)
+    assert make_target("tiny-qwen3moe", 1, tmp_path, "cpu", None, logs.append, target_type="q8_0") == target
     assert logs[-1].startswith("reusing")
     with pytest.raises(SpecterError, match="target type"):
-        B.make_target("tiny-qwen3moe", 1, tmp_path, "cpu", None, logs.append, target_type="q4_k")
+        make_target("tiny-qwen3moe", 1, tmp_path, "cpu", None, logs.append, target_type="q4_k")
 
     # llama-cpp-python's quantizer (no llama-quantize built): requantized from Q8_0
-    draft = B.make_draft(target, "q2_k", None, logs.append)
+    draft = make_draft(target, "q2_k", None, logs.append)
     assert draft.name == "tiny-qwen3moe-l1-q8_0-q2_k.gguf" and "requantizing" in logs[-2]
     assert _types(draft)["blk.0.ffn_up_exps.weight"] == GT.Q2_K
 
     # the llama-quantize tool gets --allow-requantize for a quantized source, and not for an F16 one
     calls: list[list[str]] = []
-    monkeypatch.setattr(B, "_check_call", lambda cmd, timeout: (calls.append(list(cmd)),
-                                                                Path(cmd[-3]).write_bytes(b"x")))
+    monkeypatch.setattr(model_files, "check_call", lambda cmd, timeout: (calls.append(list(cmd)),
+                                                                          Path(cmd[-3]).write_bytes(b"x")))
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "llama-quantize").write_text("")
-    B.make_draft(target, "q4_k_m", tmp_path / "bin", logs.append)
-    f16 = syn.write_synthetic(tmp_path / "t-f16.gguf", syn.PRESETS["tiny-qwen3moe"].with_layers(1), "f16").path
-    B.make_draft(f16, "q4_k_m", tmp_path / "bin", logs.append)
+    make_draft(target, "q4_k_m", tmp_path / "bin", logs.append)
+    f16 = write_synthetic(tmp_path / "t-f16.gguf", PRESETS["tiny-qwen3moe"].with_layers(1), "f16").path
+    make_draft(f16, "q4_k_m", tmp_path / "bin", logs.append)
     assert calls[0][1:] == ["--allow-requantize", str(target), str(tmp_path / "tiny-qwen3moe-l1-q8_0-q4_k_m.gguf"),
                             "Q4_K_M", calls[0][-1]]
     assert "--allow-requantize" not in calls[1] and calls[1][1] == str(f16)

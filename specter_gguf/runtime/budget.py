@@ -29,8 +29,6 @@ refused before loading, naming this minimum.
 
 from __future__ import annotations
 
-import math
-import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -43,68 +41,14 @@ from specter_gguf.gguf_file import (EXPERT_PARTS, FLOAT_TYPES, GGUFFile, GGUFTen
                                     is_routed_expert)
 from specter_gguf.kernels import moe_workspace_size
 from specter_gguf.layers import ResidentExperts
+from specter_gguf.sizes import GiB, format_size, parse_size
 
-KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SLOT_ALIGN = 256          # bytes: slot and part offsets (vector loads, any element type)
 WORKSPACE_SLACK = 1.1     # small tensors the estimate leaves out (measured on the H200: tests/test_memory_gpu.py)
 CUDA_RUNTIME = 1 * GiB
 VERIFY_ROWS = 17          # logits rows a forward returns at most: a verification of 16 drafted tokens
 FIT_MARGIN = 1 * GiB      # left free when the budget is the device's free memory (llama.cpp's --fit leaves 1 GiB)
 DEFAULT_PREFILL_CHUNK = 256
-
-_SIZE_RE = re.compile(r"^\s*([+-]?)\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?|nan|inf(?:inity)?)\s*([A-Za-z]*)\s*$",
-                      re.IGNORECASE)
-MAX_SIZE = 1 << 60        # bytes (1 EiB): no device or host holds more; larger figures are typos
-_UNITS = {"": 1, "b": 1, "k": KiB, "kb": 1000, "kib": KiB, "m": MiB, "mb": 10**6, "mib": MiB,
-          "g": GiB, "gb": 10**9, "gib": GiB, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes of "16GiB", "16G" (= GiB), "1.5GB" (= 1.5e9), "12000MiB", "1024" (bytes) — the same reading
-    as the benchmark harness. Anything else (empty, negative, NaN, infinite, above `MAX_SIZE`, an unknown
-    unit) raises a SpecterError that names the problem."""
-    if isinstance(text, int):
-        return text
-    example = "write e.g. 16GiB, 12000MiB, 1.5GB"
-    m = _SIZE_RE.match(str(text))
-    shown = repr(text) if len(str(text)) <= 40 else repr(f"{str(text)[:16]}...{str(text)[-8:]}")
-    if not str(text).strip():
-        raise SpecterError(f"cannot read the size {shown}: it is empty; {example}")
-    if not m:
-        raise SpecterError(f"cannot read the size {shown}: {example}")
-    sign, number, unit = m.group(1), m.group(2), m.group(3)
-    if unit.lower() not in _UNITS:
-        raise SpecterError(f"cannot read the size {shown}: unknown unit {unit!r}; use B, KiB, MiB, GiB, TiB "
-                           "(powers of 1024; K, M, G, T mean the same), or KB, MB, GB, TB (powers of 1000)")
-    value = float(number)
-    if number.lower().startswith(("nan", "inf")):  # digits past float's range: too large, below
-        raise SpecterError(f"cannot read the size {shown}: it is not a finite number; {example}")
-    if sign == "-" and value != 0:
-        raise SpecterError(f"cannot read the size {shown}: a size cannot be negative; {example}")
-    n = value * _UNITS[unit.lower()]
-    if not math.isfinite(n) or n > MAX_SIZE:
-        raise SpecterError(f"cannot read the size {shown}: it is too large (more than {MAX_SIZE >> 60} EiB, "
-                           f"more memory than any machine has); {example}")
-    return int(n)
-
-
-_SIZE_UNITS = (("GiB", GiB), ("MiB", MiB), ("KiB", KiB), ("B", 1))
-
-
-def format_size(n: float | None, spec: str = ".2f", *, smallest: str = "B", none: str = "-") -> str:
-    """`n` bytes in the largest binary unit it reaches, down to `smallest`, the number written with `spec`:
-    "1.50 GiB", "512 B"; `spec=".3g"` gives three significant digits (the benchmark's per-token sizes) and
-    `smallest="MiB"` writes everything under 1 GiB in MiB. Bytes print whole for a fixed-point `spec`; `none`
-    stands for None."""
-    if n is None:
-        return none
-    for unit, scale in _SIZE_UNITS:
-        if abs(n) >= scale or unit == smallest:
-            if scale == 1 and spec.endswith("f"):
-                return f"{int(n)} B"
-            return f"{n / scale:{spec}} {unit}"
-    raise ValueError(f"unknown unit {smallest!r}")
-
 
 def _align(n: int) -> int:
     return (n + SLOT_ALIGN - 1) // SLOT_ALIGN * SLOT_ALIGN
@@ -342,5 +286,5 @@ def slots_after_load(plan: MemoryPlan, measured_non_expert: int) -> int:
     return max(0, min(plan.n_experts_total, free // plan.slot_bytes)) if plan.slot_bytes else 0
 
 
-__all__ = ["parse_size", "format_size", "MemoryPlan", "plan_memory", "fitted_budget", "free_device_memory",
+__all__ = ["MemoryPlan", "plan_memory", "fitted_budget", "free_device_memory",
            "record_layout", "RecordLayout", "PartLayout", "moe_layers", "slots_after_load"]

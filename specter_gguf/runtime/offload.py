@@ -37,12 +37,13 @@ from specter_gguf.errors import SpecterError
 from specter_gguf.gguf_file import EXPERT_PARTS, GGUFFile, expert_tensor_name
 from specter_gguf.kernels import ExpertTable, QuantizedTensor, moe_ffn
 from specter_gguf.layers import FeedForward, MoE, ResidentExperts, Router, Transformer
-from specter_gguf.runtime.budget import (FIT_MARGIN, MemoryPlan, RecordLayout, fitted_budget, format_size,
-                                         moe_layers, plan_memory, record_layout, slots_after_load)
+from specter_gguf.runtime.budget import (FIT_MARGIN, MemoryPlan, RecordLayout, fitted_budget, moe_layers,
+                                         plan_memory, record_layout, slots_after_load)
 from specter_gguf.runtime.cache import POLICIES, ExpertCache
 from specter_gguf.runtime.metrics import OffloadCounters
 from specter_gguf.runtime.routing import RoutingProfile
 from specter_gguf.runtime.store import ExpertStore
+from specter_gguf.sizes import format_size
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,73 @@
+"""Our engine's modes in the matrix: what each is called and how it loads the model for a job (run by `worker`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from specter_gguf.tokenizer import IdsOnlyTokenizer, Tokenizer
+
+# a mode's loader: (the job, the tokenizer to load with or None for the file's own) -> a Model
+Loader = Callable[[dict[str, Any], Tokenizer | IdsOnlyTokenizer | None], Any]
+
+
+@dataclass(frozen=True)
+class OursMode:
+    """One mode of our engine. `load(job, tokenizer)` returns a Model (``generate(ids, n_predict, sampling,
+    ignore_eos=True)`` returns a Generation: ``.wait()``, ``.tokens``, ``.stats``). `budget_bound` modes run once per
+    budget and get ``job["budget_bytes"]``; `synthetic` modes run once per synthetic acceptance length L
+    (``job["synth_len"]``); `needs_draft` modes get ``job["draft"]``."""
+
+    name: str
+    description: str
+    load: Loader
+    budget_bound: bool = False
+    synthetic: bool = False
+    needs_draft: bool = False
+
+
+def _load_plain(job: dict[str, Any], tokenizer: Tokenizer | IdsOnlyTokenizer | None) -> Any:
+    from specter_gguf.engine import Model
+
+    return Model.load(job["model"], device=job["device"], ctx_size=job["ctx_size"], progress=False,
+                      tokenizer=tokenizer)
+
+
+def _load_offload(mode: str) -> Loader:
+    def load(job: dict[str, Any], tokenizer: Tokenizer | IdsOnlyTokenizer | None) -> Any:
+        from specter_gguf.engine import Model
+
+        return Model.load(job["model"], device=job["device"], ctx_size=job["ctx_size"], progress=False,
+                          offload=mode, gpu_budget=job["budget_bytes"], tokenizer=tokenizer)
+    return load
+
+
+def _load_spec(job: dict[str, Any], tokenizer: Tokenizer | IdsOnlyTokenizer | None) -> Any:
+    from specter_gguf import speculation
+    from specter_gguf.engine import Model
+
+    # real acceptance: our default depth ("auto", at most speculation.MAX_DEPTH); synthetic: llama.cpp's fixed
+    # --spec-draft-n-max of the same matrix
+    synthetic = job.get("synth_len") is not None
+    model = Model.load(job["model"], draft=job["draft"], device=job["device"], ctx_size=job["ctx_size"],
+                       gpu_budget=job["budget_bytes"], progress=False, tokenizer=tokenizer,
+                       n_draft=(job.get("draft_n_max") or speculation.DEFAULT_N_DRAFT) if synthetic else "auto")
+    if synthetic:
+        speculation.synthetic_acceptance(model, job["synth_len"])
+    return model
+
+
+# The registry of our modes: adding a mode is one entry.
+OURS_MODES: dict[str, OursMode] = {m.name: m for m in [
+    OursMode("ours", "whole model on the device", _load_plain),
+    OursMode("ours-on-demand", "experts in host memory, copied on demand",
+             _load_offload("on-demand"), budget_bound=True),
+    OursMode("ours-lru", "experts in host memory, LRU expert cache",
+             _load_offload("lru"), budget_bound=True),
+    OursMode("ours-gate-prefetch", "LRU expert cache + next-layer gate prefetch",
+             _load_offload("gate-prefetch"), budget_bound=True),
+    OursMode("ours-spec", "speculative decoding with the draft's experts, depth auto", _load_spec, budget_bound=True,
+             needs_draft=True),
+    OursMode("ours-spec-synth", "speculative decoding, synthetic acceptance", _load_spec, budget_bound=True,
+             synthetic=True, needs_draft=True),
+]}

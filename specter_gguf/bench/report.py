@@ -1,0 +1,203 @@
+"""Results documents (JSON: the meta, notes and per-system results of a run; parts merged) and the report: one
+Markdown section per run, appended to ``docs/BENCHMARKS.md`` (plots: `plots`)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+from specter_gguf.errors import SpecterError
+from specter_gguf.sizes import format_size as _format_size
+
+
+def format_size(n: float | None) -> str:
+    """The report's sizes: "12.3 GiB" (sizes under 1 GiB in MiB); "—" for None."""
+    return _format_size(n, ".1f", smallest="MiB", none="—")
+
+
+def write_json(path: str | Path, doc: dict[str, Any]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=str))
+    tmp.replace(path)
+
+
+def merge_docs(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Several results documents (e.g. the parts of a split run) as one. A system skipped in one part (its
+    deadline) and measured in a later one (a rerun of what was left) appears once, measured."""
+    if not docs:
+        raise SpecterError("nothing to merge")
+    meta = dict(docs[0]["meta"])
+    cmds = [d["meta"].get("command") for d in docs if d["meta"].get("command")]
+    meta["command"] = " ; ".join(dict.fromkeys(cmds))
+    results: dict[tuple[str, str, str | None], dict[str, Any]] = {}
+    for r in (r for d in docs for r in d["results"]):
+        key = (r["family"], r["setting"], r["budget"])
+        if key not in results or results[key]["status"] == "skipped":
+            results[key] = r
+    return {"meta": meta, "notes": list(dict.fromkeys(n for d in docs for n in d.get("notes", []))),
+            "results": list(results.values())}
+
+
+def _fmt(v: float | None, spec: str = ".2f", pct: bool = False, size: bool = False) -> str:
+    if v is None:
+        return "—"
+    if size:  # three significant digits in the largest unit under the value (per-token sizes are small)
+        return _format_size(v, ".3g")
+    return f"{100 * v:.1f}%" if pct else format(v, spec)
+
+
+def _pair(summary: dict[str, Any], key: str, decs: Sequence[str], **kw: Any) -> str:
+    vals = [_fmt((summary.get(d) or {}).get(key), **kw) for d in decs]
+    return " / ".join(vals) if any(v != "—" for v in vals) else "—"
+
+
+def best_llama_setting(results: Sequence[dict[str, Any]], budget: str, decoding: str = "greedy") -> dict | None:
+    """The fastest llama.cpp configuration of a budget whose measured peak (when known) fits it."""
+    cands = [r for r in results if r["kind"] == "llama" and r["budget"] == budget and r["status"] == "ok"
+             and r["family"] != "llama-spec-synth"
+             and (r["peak_gpu_bytes"] is None or r["peak_gpu_bytes"] <= (r["budget_bytes"] or math.inf))
+             and (r["summary"].get(decoding) or {}).get("tpot_ms")]
+    return min(cands, key=lambda r: r["summary"][decoding]["tpot_ms"], default=None)
+
+
+# The second table's columns: (header, summary key, _fmt options); `ITER_KEYS` make up the iteration breakdown.
+SPEC_COLUMNS = (
+    ("Tokens/iter", "mean_accepted_len", {}),
+    ("Draft step ms", "draft_step_ms", {}),
+    ("Prefetch precision", "prefetch_precision", {"pct": True}),
+    ("Prefetch recall", "prefetch_recall", {"pct": True}),
+    ("Late prefetches", "prefetch_late_share", {"pct": True}),
+    ("Refused/iter", "prefetch_refused_per_iter", {"spec": ".1f"}),
+    ("Moved/token", "bytes_moved_per_token", {"size": True}),
+    ("Draft ms/iter", "iter_draft_ms", {}),
+    ("Verify ms/iter", "iter_verify_ms", {}),
+    ("Copy wait ms/iter", "iter_copy_exposed_ms", {}),
+    ("Other ms/iter", "iter_other_ms", {}),
+)
+SPEC_KEYS = tuple(key for _, key, _ in SPEC_COLUMNS if key != "mean_accepted_len")
+
+
+def _speculation_table(res: Sequence[dict[str, Any]], decs: Sequence[str]) -> list[str]:
+    """Lines of the report's second table: the speculative systems (llama.cpp's with empty cells where it
+    reports nothing) and any system with one of our engine's prefetch, data-movement or iteration figures."""
+    rows = [r for r in res if r["status"] == "ok" and ("spec" in r["family"] or any(
+        ((r.get("summary") or {}).get(d) or {}).get(k) is not None for d in decs for k in SPEC_KEYS))]
+    if not rows:
+        return []
+    lines = [
+        (f"Speculation and data movement (values `{' / '.join(decs)}`; our engine's counts summed over prompts, "
+         "then divided; llama.cpp reports none of these). Tokens/iter: tokens committed per verification pass, the "
+         "target's own included. Draft step: one drafted token's forward. Prefetch precision: prefetched experts "
+         "the verification used / experts prefetched; recall: the same / experts the verifications used that were "
+         "prefetched or read in place (what they would have missed without the lookahead). Late prefetches: "
+         "prefetched experts whose copy had not landed when the verification began (read in place). Refused/iter: "
+         "experts the lookahead counted that found no evictable slot, per iteration. "
+         "Moved/token: expert bytes over PCIe (copied plus read in place) per prompt or generated token. Per "
+         "iteration (verification pass): drafting, verification, other decode time (host work between them, plain "
+         "steps); copy wait: compute waiting for expert copies (whole generation, prefill included), mostly inside "
+         "verification."),
+        "",
+        "| System | Setting | Budget | " + " | ".join(h for h, _, _ in SPEC_COLUMNS) + " |",
+        "|---|---|---|" + "---|" * len(SPEC_COLUMNS),
+    ]
+    for r in rows:
+        s = r.get("summary") or {}
+        lines.append("| " + " | ".join([r["family"], r["setting"].replace("|", "\\|"), r.get("budget") or "no limit",
+                                         *(_pair(s, key, decs, **kw) for _, key, kw in SPEC_COLUMNS)]) + " |")
+    return [*lines, ""]
+
+
+def render_markdown(doc: dict[str, Any], images: Sequence[str] = ()) -> str:
+    """One report section: a header (date, GPU, model, budgets, command), the main table, the speculation and
+    data-movement table, notes and plots."""
+    m = doc["meta"]
+    res = doc["results"]
+    decs = m.get("decodings", ["greedy", "sampled"])
+    lines = [f"### {m.get('date', '?')} — {m.get('model_label', m.get('model', '?'))}", ""]
+    gpu = m.get("gpu") or {}
+    lines += [
+        f"- GPU: {gpu.get('gpu') or 'none'}" + (f" ({gpu.get('gpu_memory')}, driver {gpu.get('driver')})" if gpu.get("gpu") else "")
+        + f"; host CPU: {gpu.get('cpu', '?')}",
+        f"- Model: `{Path(m.get('model', '?')).name}` ({format_size(m.get('model_bytes'))}, random weights)"
+        + (f"; draft: `{Path(m['draft']).name}` ({format_size(m.get('draft_bytes'))})" if m.get("draft") else ""),
+        f"- Budgets: {', '.join(f'{b} ({format_size(v)})' for b, v in (m.get('budgets') or {}).items()) or 'none'}",
+        f"- Prompts: {m.get('n_prompts')} (ids via {m.get('tokenized_by', '?')}), {m.get('n_predict')} generated "
+        f"tokens each, after one warm-up; decodings: {' / '.join(decs)} (sampled: temperature 1, top-k 40, "
+        f"top-p 0.95, min-p 0.05, seed {m.get('seed')} + prompt index)",
+        f"- llama.cpp: {m.get('llama_version', '—')}; context {m.get('ctx_size')} tokens",
+        f"- Command: `{m.get('command', '?')}`",
+        "",
+        f"Values are `{' / '.join(decs)}`. TPOT: median over prompts of decode time per generated token after the "
+        "first; tok/s = 1000 / TPOT. Peak GPU: device memory in use above idle (nvidia-smi; includes the CUDA "
+        "context); for ours, torch's peak allocation in brackets. Fits: measured peak within the budget.",
+        "",
+        "| System | Setting | Budget | TPOT ms | tok/s | Peak GPU | Fits | Acceptance | Hit rate | Bytes/token "
+        "| Hidden copy | Prompts | Note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in res:
+        s = r.get("summary") or {}
+        peak = format_size(r.get("peak_gpu_bytes"))
+        if r.get("torch_peak_bytes") is not None:
+            peak += f" ({format_size(r['torch_peak_bytes'])})"
+        fits = "—"
+        if r.get("peak_gpu_bytes") is not None and r.get("budget_bytes"):
+            fits = "yes" if r["peak_gpu_bytes"] <= r["budget_bytes"] else "**no**"
+        elif r.get("peak_gpu_bytes") is not None and r.get("budget") is None:
+            fitting = [b for b, v in (m.get("budgets") or {}).items() if r["peak_gpu_bytes"] <= v]
+            fits = ", ".join(fitting) if fitting else "none"
+        nprompts = "/".join(str((s.get(d) or {}).get("n_prompts", 0)) for d in decs)
+        note = r.get("note") or ""
+        if r["status"] != "ok":
+            err = (r.get("error") or r["status"]).strip().splitlines()
+            note = f"**{r['status']}**: {err[0][:200] if err else ''}" + (f" ({note})" if note else "")
+        bpt = _pair(s, "bytes_per_token", decs, spec=".3g")
+        lines.append("| " + " | ".join([
+            r["family"], r["setting"].replace("|", "\\|"), r.get("budget") or "no limit",
+            _pair(s, "tpot_ms", decs), _pair(s, "tokens_per_s", decs, spec=".1f"), peak, fits,
+            _pair(s, "acceptance", decs, pct=True), _pair(s, "cache_hit_rate", decs, pct=True), bpt,
+            _pair(s, "hidden_copy_share", decs, pct=True), nprompts, note.replace("|", "\\|").replace("\n", " "),
+        ]) + " |")
+    lines.append("")
+    lines += _speculation_table(res, decs)
+    real = [r for r in res if r["family"] == "llama-spec" and r["status"] == "ok"]
+    synth = [r for r in res if r["family"].endswith("spec-synth")]
+    if synth:
+        acc = ", ".join(f"{r['budget']}: {_pair(r['summary'], 'acceptance', decs, pct=True)}" for r in real) or "not measured"
+        lines.append("Rows with `L=` use synthetic acceptance (llama.cpp `--spec-synth-len L`: drafted tokens are "
+                     "accepted at random so that the mean accepted length per verification, target token included, "
+                     "is L; the output is invalid, the compute and data movement are real). Real acceptance of "
+                     f"the same draft on this model ({' / '.join(decs)}): {acc}.")
+        lines.append("")
+    for b in m.get("budgets") or {}:
+        best = best_llama_setting(res, b)
+        if best:
+            lines.append(f"Best llama.cpp setting within {b} (greedy): {best['family']} {best['setting']}, "
+                         f"TPOT {best['summary']['greedy']['tpot_ms']:.2f} ms.")
+    for n in doc.get("notes", []):
+        lines.append(f"- Not run: {n}")
+    lines.append("")
+    for img in images:
+        lines.append(f"![{Path(img).stem}]({img})")
+    if images:
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def append_report(report: str | Path, section: str) -> None:
+    """Append a section to the report (created with a header if missing)."""
+    report = Path(report)
+    report.parent.mkdir(parents=True, exist_ok=True)
+    if not report.exists():
+        report.write_text("# Benchmarks\n\nSections are appended by `scripts/bench.py`.\n\n")
+    with open(report, "a", encoding="utf-8") as f:
+        f.write("\n" + section)
+
+
+def now_utc() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

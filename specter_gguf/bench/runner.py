@@ -1,0 +1,216 @@
+"""Running the systems of a matrix, one after another, each over the same prompts (`run_prompt_set`): a llama.cpp
+system is a llama-server started, waited for (``/health``) and killed in a ``finally``; one of ours runs in a worker
+subprocess (``python -m specter_gguf.bench.worker JOB.json``) so that a crash, a hang or CUDA memory left behind
+cannot affect the next system. A failing system records its error and the matrix goes on."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from specter_gguf.bench import REPO_ROOT
+from specter_gguf.bench.gpu import GpuMemoryMonitor
+from specter_gguf.bench.llamacpp import LlamaServer, llama_server_args
+from specter_gguf.bench.matrix import SystemSpec
+from specter_gguf.bench.metrics import summarize_runs
+from specter_gguf.bench.process import kill_group, tail
+from specter_gguf.bench.prompts import Prompt
+from specter_gguf.bench.report import format_size
+from specter_gguf.errors import SpecterError
+
+
+@dataclass
+class RunSettings:
+    n_predict: int
+    decodings: tuple[str, ...] = ("greedy", "sampled")
+    seed: int = 1234
+    seconds_per_system: float = 60.0  # decode time after which no further prompt is started
+    warmup_tokens: int = 32
+
+
+def run_prompt_set(generate: Callable[[list[int], int, str, int], dict[str, Any]], prompts: Sequence[Prompt],
+                   rs: RunSettings, log: Callable[[str], None] = lambda s: None) -> tuple[list[dict], str]:
+    """One warm-up generation, then every prompt under every decoding, until the time allowance is spent
+    (at least one prompt always runs). Returns the run records and a note when prompts were left out."""
+    runs: list[dict] = []
+    w = generate(prompts[0].ids, min(rs.n_predict, rs.warmup_tokens), rs.decodings[0], rs.seed)
+    w.update(prompt_id=prompts[0].id, decoding=rs.decodings[0], warmup=True, tokens=[])
+    runs.append(w)
+    start = time.monotonic()
+    done = 0
+    for i, p in enumerate(prompts):
+        if i > 0 and time.monotonic() - start > rs.seconds_per_system:
+            break
+        for dec in rs.decodings:
+            seed = rs.seed + i
+            r = generate(p.ids, rs.n_predict, dec, seed)
+            r.update(prompt_id=p.id, decoding=dec, seed=seed, warmup=False)
+            if dec != "greedy":
+                r["tokens"] = []  # keep greedy outputs only (for cross-system checks)
+            runs.append(r)
+            log(f"    {p.id:<18} {dec:<8} {r['generated_tokens']:4d} tok  TPOT {r.get('tpot_ms') or 0:8.2f} ms")
+        done += 1
+    note = "" if done == len(prompts) else f"time allowance: {done} of {len(prompts)} prompts"
+    return runs, note
+
+
+@dataclass
+class BenchContext:
+    model: str
+    model_label: str
+    prompts: list[Prompt]
+    settings: RunSettings
+    out_dir: Path
+    ctx_size: int = 1024
+    device: str = "cuda"
+    llama_bin: Path | None = None
+    threads: int | None = None
+    job_timeout: float = 600.0
+    deadline: float | None = None  # time.monotonic() value after which no system starts
+    log: Callable[[str], None] = print
+
+    def remaining(self) -> float:
+        return math.inf if self.deadline is None else self.deadline - time.monotonic()
+
+
+def _result(spec: SystemSpec) -> dict[str, Any]:
+    return {"family": spec.family, "kind": spec.kind, "setting": spec.setting,
+            "budget": spec.budget.label if spec.budget else None,
+            "budget_bytes": spec.budget.bytes if spec.budget else None,
+            "params": spec.params, "est_gpu_bytes": spec.est_gpu_bytes, "note": spec.note,
+            "status": "ok", "error": None, "runs": [], "summary": {}, "peak_gpu_bytes": None,
+            "torch_peak_bytes": None, "load_s": None, "wall_s": None}
+
+
+def run_system(spec: SystemSpec, ctx: BenchContext) -> dict[str, Any]:
+    """Run one system; never raises (errors are recorded in the result)."""
+    res = _result(spec)
+    t0 = time.monotonic()
+    if ctx.remaining() < 30:
+        res.update(status="skipped", error="skipped: the run's --deadline was reached")
+        return res
+    ctx.log(f"== {spec.key}")
+    try:
+        if spec.kind == "llama":
+            _run_llama(spec, ctx, res)
+        else:
+            _run_ours(spec, ctx, res)
+        if not any(not r.get("warmup") for r in res["runs"]):
+            raise SpecterError("no measured run")
+    except Exception as e:  # noqa: BLE001 - a failed system must not stop the matrix
+        msg = str(e).strip() or type(e).__name__
+        res.update(status="error", error=f"{type(e).__name__}: {msg}" if not isinstance(e, SpecterError) else msg)
+        ctx.log(f"   FAILED: {res['error'][:2000]}")
+    res["summary"] = summarize_runs([r for r in res["runs"] if not r.get("warmup")])
+    res["wall_s"] = time.monotonic() - t0
+    for dec, s in res["summary"].items():
+        ctx.log(f"   {dec}: TPOT {s['tpot_ms'] or 0:.2f} ms, {s['tokens_per_s'] or 0:.1f} tok/s over {s['n_prompts']} prompts"
+                + (f", acceptance {s['acceptance']:.1%}" if s.get("acceptance") is not None else ""))
+    if res["peak_gpu_bytes"] is not None:
+        ctx.log(f"   peak GPU memory {format_size(res['peak_gpu_bytes'])}")
+    return res
+
+
+def _run_llama(spec: SystemSpec, ctx: BenchContext, res: dict[str, Any]) -> None:
+    if ctx.llama_bin is None:
+        raise SpecterError("no llama.cpp tools (give --llama-bin or let bench.py build them)")
+    binary = ctx.llama_bin / "llama-server"
+    if not binary.exists():
+        raise SpecterError(f"{binary} not found")
+    args = llama_server_args(spec, ctx.model, ctx.ctx_size, ctx.threads)
+    slug = re.sub(r"[^A-Za-z0-9_.=-]+", "_", spec.key)[:120]
+    budget_s = min(ctx.job_timeout, ctx.remaining())
+    t_start = time.monotonic()
+    mon = GpuMemoryMonitor().start()
+    try:
+        with LlamaServer(binary, args, ctx.out_dir / "logs" / f"{slug}.log",
+                         ready_timeout=min(300.0, budget_s)) as srv:
+            res["command"] = shlex.join(srv.command[:-4])
+            res["load_s"] = time.monotonic() - t_start
+
+            def gen(ids: list[int], n: int, dec: str, seed: int) -> dict[str, Any]:
+                left = budget_s - (time.monotonic() - t_start)
+                if left <= 5:
+                    raise SpecterError(f"job timeout ({ctx.job_timeout:.0f} s or the deadline) reached")
+                return srv.complete(ids, n, dec, seed, timeout=left)
+
+            runs, note = run_prompt_set(gen, ctx.prompts, _clip_settings(ctx, budget_s, t_start), ctx.log)
+            res["runs"] = runs
+            if note:
+                res["note"] = "; ".join(x for x in (res["note"], note) if x)
+            mon.sample()
+    finally:
+        res["peak_gpu_bytes"] = mon.stop()
+
+
+def _clip_settings(ctx: BenchContext, budget_s: float, t_start: float) -> RunSettings:
+    """The per-system time allowance, shortened so that the job ends well within its timeout."""
+    left = budget_s - (time.monotonic() - t_start)
+    return dataclasses.replace(ctx.settings, seconds_per_system=min(ctx.settings.seconds_per_system, 0.5 * left))
+
+
+def _run_ours(spec: SystemSpec, ctx: BenchContext, res: dict[str, Any]) -> None:
+    budget_s = min(ctx.job_timeout, ctx.remaining())
+    work = ctx.out_dir / "logs"
+    work.mkdir(parents=True, exist_ok=True)
+    slug = re.sub(r"[^A-Za-z0-9_.=-]+", "_", spec.key)[:120]
+    job = {"mode": spec.params["mode"], "model": ctx.model, "device": ctx.device, "ctx_size": ctx.ctx_size,
+           "budget_bytes": spec.budget.bytes if spec.budget else None, "draft": spec.params.get("draft"),
+           "synth_len": spec.params.get("synth_len"), "draft_n_max": spec.params.get("draft_n_max"),
+           "prompts": [dataclasses.asdict(p) for p in ctx.prompts],
+           "settings": dataclasses.asdict(ctx.settings) | {"decodings": list(ctx.settings.decodings)},
+           "time_budget_s": budget_s, "result": str(work / f"{slug}.result.json")}
+    job_path = work / f"{slug}.job.json"
+    job_path.write_text(json.dumps(job))
+    log_path = work / f"{slug}.log"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    cmd = [sys.executable, "-m", "specter_gguf.bench.worker", str(job_path)]
+    res["command"] = f"specter_gguf.bench.worker ({spec.params['mode']}, device {ctx.device})"
+    mon = GpuMemoryMonitor(enabled=ctx.device.startswith("cuda")).start()
+    try:
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    cwd=str(REPO_ROOT), env=env, start_new_session=True)
+            try:
+                proc.wait(timeout=budget_s)
+            except subprocess.TimeoutExpired:
+                kill_group(proc)
+                proc.wait(timeout=30)
+                raise SpecterError(f"worker killed after {budget_s:.0f} s (job timeout or deadline):\n{tail(log_path)}")
+            finally:
+                if proc.poll() is None:
+                    kill_group(proc)
+    finally:
+        res["peak_gpu_bytes"] = mon.stop()
+    out = Path(job["result"])
+    if not out.exists():
+        raise SpecterError(f"worker exited with code {proc.returncode} and no result:\n{tail(log_path)}")
+    w = json.loads(out.read_text())
+    res["runs"] = w.get("runs", [])
+    res["torch_peak_bytes"] = w.get("torch_peak_bytes")
+    res["load_s"] = w.get("load_s")
+    if w.get("note"):
+        res["note"] = "; ".join(x for x in (res["note"], w["note"]) if x)
+    if w.get("error"):
+        raise SpecterError(w["error"])
+
+
+def run_matrix(specs: Sequence[SystemSpec], ctx: BenchContext,
+               on_result: Callable[[dict[str, Any]], None] = lambda r: None) -> list[dict[str, Any]]:
+    results = []
+    for spec in specs:
+        r = run_system(spec, ctx)
+        results.append(r)
+        on_result(r)
+    return results
