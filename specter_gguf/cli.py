@@ -200,7 +200,8 @@ def load_options(f: Any) -> Any:
                      "`specter-gguf quantize MODEL --type q4_k_m`); the output is the model's own."),
         click.option("--n-draft", type=DraftDepth(), default=None, show_default=False,
                      help="Tokens drafted per verification (with --draft). Default auto: chosen each iteration, from "
-                     f"1 to {MAX_DEPTH}, from the measured acceptance and costs of drafting and verifying."),
+                     f"0 (a plain step, when drafting does not pay) to {MAX_DEPTH}, from the measured acceptance "
+                     "and costs of drafting and verifying."),
     ])
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections import Counter
 
 import pytest
 from click.testing import CliRunner
@@ -20,13 +21,17 @@ from specter_gguf.speculation import DepthChooser
 from specter_gguf.speculation.depth import expected_tokens, parse_depth
 
 
-def _simulate(acceptance: float, step_s: float, verify_s, iterations: int = 400) -> DepthChooser:
+def _simulate(acceptance: float, step_s: float, verify_s, iterations: int = 400,
+              chosen: list[int] | None = None) -> DepthChooser:
     """Iterations where each drafted token is kept with probability `acceptance` until the first rejection, a
-    draft step costs `step_s` and a verification of depth k `verify_s(k)` (with ±5% noise)."""
+    draft step costs `step_s` and a verification of depth k `verify_s(k)` (with ±5% noise); `chosen` gets the
+    depths."""
     rng = random.Random(0)
     chooser = DepthChooser(first=4)
     for _ in range(iterations):
         k = chooser.choose()
+        if chosen is not None:
+            chosen.append(k)
         n = 0
         while n < k and rng.random() < acceptance:
             n += 1
@@ -36,7 +41,7 @@ def _simulate(acceptance: float, step_s: float, verify_s, iterations: int = 400)
 
 
 def _best(acceptance: float, step_s: float, verify_s) -> int:
-    return min(range(1, 9), key=lambda k: (k * step_s + verify_s(k) + 0.0002) / expected_tokens(k, acceptance))
+    return min(range(0, 9), key=lambda k: (k * step_s + verify_s(k) + 0.0002) / expected_tokens(k, acceptance))
 
 
 @pytest.mark.parametrize("acceptance, step_s", [(0.9, 0.0005), (0.8, 0.001), (0.5, 0.001), (0.3, 0.002)])
@@ -44,9 +49,10 @@ def test_the_chooser_settles_on_the_fastest_depth(acceptance: float, step_s: flo
     def verify(k: int) -> float:  # a fixed cost and more experts for more tokens, as an offloaded verification
         return 0.004 + 0.0008 * (k + 1)
 
-    chooser = _simulate(acceptance, step_s, verify)
+    chosen: list[int] = []
+    chooser = _simulate(acceptance, step_s, verify, chosen=chosen)
     best = _best(acceptance, step_s, verify)
-    k = chooser.choose()
+    k = Counter(chosen[-100:]).most_common(1)[0][0]  # where it settled (probes aside)
     true = lambda d: (d * step_s + verify(d) + 0.0002) / expected_tokens(d, acceptance)  # noqa: E731
     assert true(k) <= 1.03 * true(best), (k, best)  # a neighbour within 3% of the optimum is as good
     assert abs(chooser.acceptance - acceptance) < 0.12
@@ -57,7 +63,23 @@ def test_high_acceptance_drafts_deep_and_low_acceptance_shallow() -> None:
         return 0.004 + 0.0002 * (k + 1)
 
     assert _simulate(0.95, 0.0003, verify).choose() >= 6
-    assert _simulate(0.2, 0.002, verify).choose() == 1
+    assert _simulate(0.4, 0.0004, verify).choose() == 1
+
+
+def test_a_draft_that_does_not_pay_is_left_aside_and_probed() -> None:
+    """Acceptance 0.1 and a dear draft step: plain steps of the target (depth 0) are faster, so the chooser
+    takes them, and after PROBE_AFTER of them in a row drafts once again to measure the acceptance anew."""
+    from specter_gguf.speculation.depth import PROBE_AFTER
+
+    def verify(k: int) -> float:
+        return 0.004 + 0.0002 * (k + 1)
+
+    chosen: list[int] = []
+    _simulate(0.1, 0.002, verify, iterations=400, chosen=chosen)
+    late = chosen[100:]
+    assert late.count(0) >= 0.9 * len(late)
+    probes = [i for i, k in enumerate(late) if k > 0]
+    assert probes and all(late[i - PROBE_AFTER:i] == [0] * PROBE_AFTER for i in probes if i >= PROBE_AFTER)
 
 
 def test_untried_depths_are_predicted_optimistically() -> None:
@@ -65,6 +87,8 @@ def test_untried_depths_are_predicted_optimistically() -> None:
     chooser.record(4, 4, 0.004, 0.010, 0.0)
     assert chooser.verification_s(8) == pytest.approx(0.010)  # deeper: no dearer than the tried depth
     assert chooser.verification_s(1) == pytest.approx(0.010 * 2 / 5)  # shallower: in proportion to tokens
+    assert chooser.choose() == 0  # a plain step predicted at a fifth of the verification: it could win, tried
+    chooser.record(0, 0, 0.0, 0.008, 0.0)  # it did not: a step of one token costs most of one of five
     assert chooser.choose() > 4  # everything kept so far: a deeper depth could win, so it is tried
 
 
@@ -128,3 +152,18 @@ def test_profile_depth_errors(tiny_models, tmp_path, args, message) -> None:
     r = CliRunner().invoke(cli, ["profile-depth", str(target), *with_draft, "--device", "cpu", "-n", "8", *args,
                                  "-o", str(tmp_path / "p")])
     assert r.exit_code == 1 and message in r.output and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0),
+                                      SamplingParams(temperature=0, repeat_penalty=1.3)], ids=["device", "host"])
+def test_depth_zero_iterations_are_plain_steps(tiny_models, sampling: SamplingParams) -> None:
+    """Iterations of depth 0 (auto's choice when drafting does not pay) mixed with drafting ones, on the
+    device-chained path and on the host path (penalties): the output is the target's own."""
+    target, draft = tiny_models[("qwen2moe", "f16")], tiny_models[("qwen2moe", "q2_k")]
+    want = Model.load(target, device="cpu", progress=False, ctx_size=256).generate([5, 17, 300], 40, sampling).wait()
+    spec = Model.load(target, draft=draft, device="cpu", progress=False, ctx_size=256)
+    depths = iter([0, 3, 0, 0, 2, 1, 0] * 20)
+    spec.decoder.depth.choose = lambda: next(depths)
+    got = spec.generate([5, 17, 300], 40, sampling).wait()
+    assert got.tokens == want.tokens
+    assert got.stats.draft_rounds > got.stats.draft_tokens / 3  # the plain steps count as verification passes

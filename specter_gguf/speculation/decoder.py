@@ -177,6 +177,11 @@ class SpeculativeDecoder:
             uniforms = sampler.uniforms(2 * k + 1)  # k draws, then the verification's k tests and one draw
             uniforms = (uniforms.pin_memory() if steps.cuda else uniforms).to(model.device, non_blocking=True)
             verify.verdict.uniforms.copy_(uniforms[k:])
+        if k == 0:  # a plain step of the target: nothing drafted
+            if not isinstance(first, int):
+                return first[:1].clone()
+            host = torch.tensor([first])
+            return (host.pin_memory() if steps.cuda else host).to(model.device, non_blocking=True)
         out = []
         for j in range(k):
             if sampled is not None:

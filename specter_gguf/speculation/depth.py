@@ -3,7 +3,9 @@
 With a per-token acceptance a (drafted tokens kept / drafted tokens tested: those up to and including the
 first rejected one), an iteration of depth k commits E(k) = (1 - a^(k+1)) / (1 - a) tokens on average (the
 accepted drafts and the target's own) and costs T(k) = k * draft step + verification(k) + other, so the chooser
-takes the k in 1 .. `max_depth` with the least T(k) / E(k). Every figure is measured on the iterations so far:
+takes the k in 0 .. `max_depth` with the least T(k) / E(k); k = 0 is a plain step of the target (nothing
+drafted: the draft does not pay), and after `PROBE_AFTER` of those in a row one iteration drafts again at the
+best k ≥ 1, so the acceptance is measured anew (the text changes). Every figure is measured on the iterations so far:
 the draft step and the host's time around the steps (`other`) as running means, the verification per depth
 (it grows with k: more tokens, more distinct experts, more misses), the acceptance as decayed counts (the text
 changes). A depth not tried yet is predicted from the nearest tried one, optimistically (the same verification
@@ -21,6 +23,7 @@ MAX_DEPTH = 8
 MEAN = 0.2  # weight of the newest measurement in the running means
 DECAY = 0.95  # per iteration, of the acceptance counts
 PRIOR = (1.6, 2.0)  # (kept, tested) before any iteration: an acceptance of 0.8 worth two tokens
+PROBE_AFTER = 16  # plain steps (depth 0) in a row before one iteration drafts again
 
 
 def parse_depth(value: int | str) -> int | Literal["auto"]:
@@ -53,6 +56,7 @@ class DepthChooser:
     verify_s: dict[int, float] = field(default_factory=dict)  # depth -> one verification
     kept: float = PRIOR[0]
     tested: float = PRIOR[1]
+    plain_run: int = 0                           # depth-0 iterations in a row
 
     @property
     def acceptance(self) -> float:
@@ -73,13 +77,16 @@ class DepthChooser:
         """The depth of the next iteration."""
         if self.step_s is None or not self.verify_s:
             return min(self.first, self.max_depth)
-        return min(range(1, self.max_depth + 1), key=self.seconds_per_token)
+        lowest = 1 if self.plain_run >= PROBE_AFTER else 0
+        return min(range(lowest, self.max_depth + 1), key=self.seconds_per_token)
 
     def record(self, k: int, n_accepted: int, draft_s: float, verify_s: float, other_s: float) -> None:
         """An iteration of depth k kept `n_accepted` drafts; its drafting, verification and other time."""
-        self.kept = DECAY * self.kept + n_accepted
-        self.tested = DECAY * self.tested + n_accepted + (n_accepted < k)
-        self.step_s = _mean(self.step_s, draft_s / k)
+        self.plain_run = self.plain_run + 1 if k == 0 else 0
+        if k:
+            self.kept = DECAY * self.kept + n_accepted
+            self.tested = DECAY * self.tested + n_accepted + (n_accepted < k)
+            self.step_s = _mean(self.step_s, draft_s / k)
         self.verify_s[k] = _mean(self.verify_s.get(k), verify_s)
         self.other_s = _mean(self.other_s, other_s)
 
