@@ -138,17 +138,24 @@ def _with_options(f: Any, options: list[Any]) -> Any:
     return f
 
 
+SAMPLING_FLAGS = {"temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p",
+                  "repeat_penalty": "--repeat-penalty", "repeat_last_n": "--repeat-last-n", "seed": "--seed"}
+
+
 def sampling_options(f: Any) -> Any:
     """llama.cpp's sampling options; the command receives them as one `sampling: SamplingParams`."""
 
     @functools.wraps(f)
     def command(*args: Any, temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float,
                 repeat_last_n: int, seed: int | None, **kwargs: Any) -> Any:
-        from specter_gguf.sampling import SamplingParams
+        from specter_gguf.sampling import SamplingOptionError, SamplingParams
 
-        sampling = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
-                                  repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
-                                  seed=None if seed == -1 else seed)  # -1: random, as llama.cpp
+        try:
+            sampling = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
+                                      repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
+                                      seed=None if seed == -1 else seed)  # -1: random, as llama.cpp
+        except SamplingOptionError as e:  # named by the flag the user gave
+            raise SpecterError(f"invalid {SAMPLING_FLAGS.get(e.option, e.option)} {e.value!r}: {e.fix}") from None
         return f(*args, sampling=sampling, **kwargs)
 
     return _with_options(command, [

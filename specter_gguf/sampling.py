@@ -38,7 +38,7 @@ import torch
 
 from .errors import SpecterError
 
-__all__ = ["SamplingParams", "Sampler", "chain_knobs", "chain_probabilities", "draw_rows", "probabilities_at"]
+__all__ = ["SamplingParams", "SamplingOptionError", "Sampler", "chain_knobs", "chain_probabilities", "draw_rows", "probabilities_at"]
 
 
 def _is_int(v) -> bool:
@@ -47,6 +47,15 @@ def _is_int(v) -> bool:
 
 def _is_real(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+class SamplingOptionError(SpecterError):
+    """An invalid `SamplingParams` field: `option` (the field's name), `value`, and `fix` (what to give instead),
+    so that a caller can name the option as its user wrote it (the CLI: its flag)."""
+
+    def __init__(self, option: str, value: object, fix: str) -> None:
+        super().__init__(f"invalid sampling option {option}={value!r}: {fix}")
+        self.option, self.value, self.fix = option, value, fix
 
 
 @dataclass
@@ -74,8 +83,8 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        def bad(name: str, fix: str) -> SpecterError:
-            return SpecterError(f"invalid sampling option {name}={getattr(self, name)!r}: {fix}")
+        def bad(name: str, fix: str) -> SamplingOptionError:
+            return SamplingOptionError(name, getattr(self, name), fix)
 
         if not _is_real(self.temperature):
             raise bad("temperature", "use a finite number (<= 0 means greedy, e.g. 0.8)")

@@ -271,9 +271,10 @@ def test_model_missing_or_a_folder(shipped_model: Path, tmp_path: Path, command:
 
 
 @pytest.mark.parametrize("args,expected", [
-    (["--top-p", "2"], "top_p"), (["--temp", "nan"], "temperature"), (["--seed", "-2"], "seed"),
-    (["--ctx-size", "-1"], "context size"), (["--repeat-last-n", "-2"], "repeat_last_n"),
-    (["--min-p", "-1"], "min_p"), (["--repeat-penalty", "0"], "repeat_penalty"),
+    (["--top-p", "2"], "invalid --top-p 2.0"), (["--temp", "nan"], "invalid --temp nan"),
+    (["--seed", "-2"], "invalid --seed -2"), (["--ctx-size", "-1"], "context size"),
+    (["--repeat-last-n", "-2"], "invalid --repeat-last-n -2"), (["--min-p", "-1"], "invalid --min-p -1.0"),
+    (["--repeat-penalty", "0"], "invalid --repeat-penalty 0.0"),
 ])
 def test_bad_sampling_and_context_options(shipped_model: Path, args: list[str], expected: str) -> None:
     line = user_error(invoke("run", str(shipped_model), "-p", PROMPT, "--device", "cpu", *args))
