@@ -12,7 +12,7 @@
         [--prompts 2] [-n 64]
 
 The bench prompts (scripts/bench_prompts.json), greedy and sampled (temperature 1, top-k 40, top-p 0.95, min-p
-0.05), after one warm-up generation; prints a Markdown table: TPOT (median over prompts), acceptance, hit rate,
+0.05), after one warm-up generation per decoding; prints a Markdown table: TPOT (median over prompts), acceptance, hit rate,
 per iteration drafting, verification and copy-wait ms, expert MiB per token read in place and copied,
 prefetched, late and refused experts per iteration, prefetch recall.
 """
@@ -60,7 +60,8 @@ def main() -> int:
         m = Model.load(args.target, draft=draft, device=args.device, gpu_budget=args.gpu_budget, ctx_size=1024,
                        progress=False)
         ids = [m.tokenize(p.text) for p in prompts]
-        m.generate(ids[0], 32, DECODINGS["greedy"]).wait()  # warm-up: graphs captured
+        for params in DECODINGS.values():  # warm-up: the graphs of each decoding captured
+            m.generate(ids[0], 32, params).wait()
         for name, wait, bring_in in VARIANTS:
             m.decoder.wait_for_prefetches, m.offload.options.lookahead = wait, not bring_in
             for dec, params in DECODINGS.items():

@@ -353,7 +353,8 @@ def test_llama_system_against_stand_in_server(tmp_path, fake_bin):
     r = run_system(spec, _ctx(tmp_path, fake_bin))
     assert r["status"] == "ok", r["error"]
     measured = [x for x in r["runs"] if not x.get("warmup")]
-    assert len(measured) == 6 and r["runs"][0]["warmup"] and r["runs"][0]["generated_tokens"] == 8
+    assert len(measured) == 6 and r["runs"][0]["generated_tokens"] == 8
+    assert [(x["decoding"], x["warmup"]) for x in r["runs"][:2]] == [("greedy", True), ("sampled", True)]
     assert r["summary"]["greedy"]["tpot_ms"] == 2.0 and r["summary"]["sampled"]["tpot_ms"] == 3.0
     assert r["summary"]["greedy"]["acceptance"] == pytest.approx(0.4)
     assert all(x["tokens"] == [] for x in measured if x["decoding"] == "sampled")

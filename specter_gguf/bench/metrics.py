@@ -5,7 +5,7 @@ how a system's runs are summarized:
   the same number of generated tokens (end-of-generation tokens are ignored everywhere, so every run
   generates exactly ``n_predict`` tokens), greedy and sampled decoding (temperature 1, top-k 40, top-p 0.95,
   min-p 0.05 on both sides, seed ``seed + prompt index``);
-- one warm-up generation first (not counted), then TPOT per prompt = decode time / (generated - 1), the
+- one warm-up generation per decoding first (not counted), then TPOT per prompt = decode time / (generated - 1), the
   same definition as llama-server's ``predicted_per_token_ms`` and our ``GenerationStats.tpot_ms``;
   a system's TPOT is the median over prompts, its tokens/s is ``1000 / TPOT``;
 - peak GPU memory: ``nvidia-smi`` device memory in use above the idle level measured just before the

@@ -127,7 +127,7 @@ def render_markdown(doc: dict[str, Any], images: Sequence[str] = ()) -> str:
         + (f"; draft: `{Path(m['draft']).name}` ({format_size(m.get('draft_bytes'))})" if m.get("draft") else ""),
         f"- Budgets: {', '.join(f'{b} ({format_size(v)})' for b, v in (m.get('budgets') or {}).items()) or 'none'}",
         f"- Prompts: {m.get('n_prompts')} (ids via {m.get('tokenized_by', '?')}), {m.get('n_predict')} generated "
-        f"tokens each, after one warm-up; decodings: {' / '.join(decs)} (sampled: temperature 1, top-k 40, "
+        f"tokens each, after one warm-up per decoding; decodings: {' / '.join(decs)} (sampled: temperature 1, top-k 40, "
         f"top-p 0.95, min-p 0.05, seed {m.get('seed')} + prompt index)",
         f"- llama.cpp: {m.get('llama_version', '—')}; context {m.get('ctx_size')} tokens",
         f"- Command: `{m.get('command', '?')}`",

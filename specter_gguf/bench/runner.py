@@ -40,12 +40,14 @@ class RunSettings:
 
 def run_prompt_set(generate: Callable[[list[int], int, str, int], dict[str, Any]], prompts: Sequence[Prompt],
                    rs: RunSettings, log: Callable[[str], None] = lambda s: None) -> tuple[list[dict], str]:
-    """One warm-up generation, then every prompt under every decoding, until the time allowance is spent
-    (at least one prompt always runs). Returns the run records and a note when prompts were left out."""
+    """One warm-up generation per decoding (ours captures the CUDA graphs of each: sampled steps are other
+    graphs than greedy ones), then every prompt under every decoding, until the time allowance is spent (at
+    least one prompt always runs). Returns the run records and a note when prompts were left out."""
     runs: list[dict] = []
-    w = generate(prompts[0].ids, min(rs.n_predict, rs.warmup_tokens), rs.decodings[0], rs.seed)
-    w.update(prompt_id=prompts[0].id, decoding=rs.decodings[0], warmup=True, tokens=[])
-    runs.append(w)
+    for dec in rs.decodings:
+        w = generate(prompts[0].ids, min(rs.n_predict, rs.warmup_tokens), dec, rs.seed)
+        w.update(prompt_id=prompts[0].id, decoding=dec, warmup=True, tokens=[])
+        runs.append(w)
     start = time.monotonic()
     done = 0
     for i, p in enumerate(prompts):
