@@ -213,12 +213,12 @@ Greedy continuations by our engine (48 tokens after each prompt):
 
 ## Recipe
 
-- Model: `{s['arch']}`, {s['n_layer']} layers, hidden {s['n_embd']}, {s['n_head']} query heads and {s['n_head_kv']}
-  key/value heads of {s['head_dim']}, {s['n_expert']} routed experts of width {s['n_ff_exp']} with top-{s['n_expert_used']}
-  softmax routing (not renormalized), one shared expert of width {s['n_ff_shexp']} behind a sigmoid gate, NeoX RoPE
-  (base {s['rope_theta']:g}), context {s['n_ctx']}, untied LM head; {r['n_vocab']}-token byte-level BPE
-  (`synthetic/bpe.py`, trained on {c['bpe_sample_bytes'] / 1e6:.1f} MB of the training files). {r['n_params'] / 1e6:.2f} M
-  parameters; the F16 file is {r['file_bytes'] / 1e6:.1f} MB. Every weight's input dimension is a multiple of 256,
+- Model: `{s['arch']}`, {s['n_layer']} layers, hidden {s['n_embd']}, {s['n_head']} query heads and
+  {s['n_head_kv']} key/value heads of {s['head_dim']}, {s['n_expert']} routed experts of width {s['n_ff_exp']} with
+  top-{s['n_expert_used']} softmax routing (not renormalized), one shared expert of width {s['n_ff_shexp']} behind a
+  sigmoid gate, NeoX RoPE (base {s['rope_theta']:g}), context {s['n_ctx']}, untied LM head; {r['n_vocab']}-token
+  byte-level BPE (`synthetic/bpe.py`, trained on {c['bpe_sample_bytes'] / 1e6:.1f} MB of the training files).
+  {r['n_params'] / 1e6:.2f} M parameters; the F16 file is {r['file_bytes'] / 1e6:.1f} MB. Every weight's input dimension is a multiple of 256,
   so llama.cpp's K-quants apply to every matrix. The PyTorch model (`synthetic/tiny_moe.py`) holds the GGUF tensors
   as its parameters and computes what `models/qwen2moe.py` computes; `tests/test_tiny_moe.py` checks its logits
   against our engine and llama.cpp on the exported file.
