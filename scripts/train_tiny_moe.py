@@ -73,6 +73,8 @@ def _tokens(corpus, cfg: TrainConfig, out: Path, progress: bool) -> tuple[BPETok
 @click.option("--steps", type=int, default=None, help="Training steps (fixes the run; default: from --minutes).")
 @click.option("--minutes", type=float, default=None, help="Training time budget; the step count it gives is "
               "recorded (tokenizer, export and evaluation come on top).")
+@click.option("--epochs", type=float, default=TrainConfig.epochs, show_default=True,
+              help="With --minutes: at most this many passes over the training tokens.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--batch", type=int, default=TrainConfig.batch, show_default=True)
 @click.option("--seq-len", type=int, default=TrainConfig.seq_len, show_default=True,
@@ -82,8 +84,10 @@ def _tokens(corpus, cfg: TrainConfig, out: Path, progress: bool) -> tuple[BPETok
 @click.option("--vocab-size", type=int, default=TrainConfig.vocab_size, show_default=True)
 @click.option("--layers", type=int, default=TINY_MOE.n_layer, show_default=True)
 @click.option("--eval-every", type=int, default=TrainConfig.eval_every, show_default=True)
-@click.option("--eval-tokens", type=int, default=65536, show_default=True,
+@click.option("--eval-tokens", type=int, default=32768, show_default=True,
               help="Held-out tokens the final perplexities are measured on.")
+@click.option("--eval-device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where our engine computes its perplexity (cuda needs the CUDA build of the native library).")
 @click.option("--corpus", "corpus_root", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Folder of Python sources (default: this Python's standard library).")
 @click.option("--max-corpus-mb", type=float, default=None, help="Use about this much of the corpus (short runs).")
@@ -95,8 +99,9 @@ def _tokens(corpus, cfg: TrainConfig, out: Path, progress: bool) -> tuple[BPETok
               show_default=True, help="Where TINY_MODEL.md and img/tiny-moe-loss.png are written.")
 @click.option("--fresh", is_flag=True, help="Ignore OUT_DIR's checkpoint and token cache.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
-def main(device: str, steps: int | None, minutes: float | None, seed: int, batch: int, seq_len: int, lr: float,
-         warmup: int, vocab_size: int, layers: int, eval_every: int, eval_tokens: int, corpus_root: Path | None,
+def main(device: str, steps: int | None, minutes: float | None, epochs: float, seed: int, batch: int, seq_len: int, lr: float,
+         warmup: int, vocab_size: int, layers: int, eval_every: int, eval_tokens: int, eval_device: str,
+         corpus_root: Path | None,
          max_corpus_mb: float | None, out_dir: Path, output: Path | None, docs_dir: Path, fresh: bool,
          quiet: bool) -> None:
     import torch
@@ -104,7 +109,7 @@ def main(device: str, steps: int | None, minutes: float | None, seed: int, batch
     from specter_gguf.engine import Model, resolve_device
 
     started = time.perf_counter()
-    cfg = TrainConfig(seed=seed, steps=steps, minutes=minutes, batch=batch, seq_len=seq_len, lr=lr, min_lr=lr / 10,
+    cfg = TrainConfig(seed=seed, steps=steps, minutes=minutes, epochs=epochs, batch=batch, seq_len=seq_len, lr=lr, min_lr=lr / 10,
                       warmup=warmup, vocab_size=vocab_size, eval_every=eval_every)
     cfg.check()
     dev = resolve_device(device)
@@ -131,7 +136,7 @@ def main(device: str, steps: int | None, minutes: float | None, seed: int, batch
     wins = windows(held_ids, seq_len, max(1, eval_tokens // seq_len))
     with torch.no_grad():
         ppl_torch = perplexity(torch_nll(model), wins, "perplexity (PyTorch)", not quiet)
-    ppl_ours = perplexity(ours_nll(gguf, device), wins, "perplexity (ours)", not quiet)
+    ppl_ours = perplexity(ours_nll(gguf, eval_device), wins, "perplexity (ours)", not quiet)
     ppl_llama = perplexity(llama_nll(gguf, seq_len), wins, "perplexity (llama.cpp)", not quiet)
     import llama_cpp
 
@@ -158,7 +163,7 @@ def main(device: str, steps: int | None, minutes: float | None, seed: int, batch
         "train_tokens": int(len(train_ids)), "held_out_tokens": int(len(held_ids)),
         "final_train_loss": history.train[-1][1], "final_held_out_loss": history.held_out[-1][1],
         "eval_tokens": sum(len(w) - 1 for w in wins), "ppl_torch": ppl_torch, "ppl_ours": ppl_ours,
-        "ppl_llama": ppl_llama, "logits_torch_vs_ours": logits_agreement(ours, ref),
+        "ppl_llama": ppl_llama, "eval_device": eval_device, "logits_torch_vs_ours": logits_agreement(ours, ref),
         "logits_ours_vs_llama": logits_agreement(ours, lc), "samples": samples,
         "total_seconds": time.perf_counter() - started,
     }
@@ -198,7 +203,7 @@ of batch {c['batch']} × {c['seq_len']} tokens{resumed} in {r['train_seconds']:.
 | held-out perplexity ({r['eval_tokens']} tokens, windows of {c['seq_len']}) | |
 |---|---|
 | PyTorch (the trained float32 weights) | {r['ppl_torch']:.3f} |
-| ours (`specter_gguf.engine.Model` on the F16 file) | {r['ppl_ours']:.3f} |
+| ours (`specter_gguf.engine.Model` on the F16 file, {r['eval_device']}) | {r['ppl_ours']:.3f} |
 | llama.cpp (llama-cpp-python on the F16 file) | {r['ppl_llama']:.3f} |
 
 Final losses: training {r['final_train_loss']:.3f}, held-out {r['final_held_out_loss']:.3f} nats per token.
@@ -228,7 +233,8 @@ Greedy continuations by our engine (48 tokens after each prompt):
   {k['held_out_files']} held out ({k['held_out_bytes'] / 1e6:.2f} MB); corpus SHA-256 `{k['sha256'][:16]}…`. Each
   file is followed by `<|endoftext|>`; the tokens are llama.cpp's tokenizer on the file's vocabulary.
 - Training (`synthetic/training.py`): AdamW (β 0.9, 0.95; weight decay {c['weight_decay']} on matrices), learning
-  rate {c['lr']:g} after {c['warmup']} warm-up steps, cosine to {c['min_lr']:g}; batch {c['batch']} windows of
+  rate {c['lr']:g} after {c['warmup']} warm-up steps, cosine to {c['min_lr']:g} (with `--minutes`: at most
+  {c['epochs']:g} epochs); batch {c['batch']} windows of
   {c['seq_len']} tokens at seeded random offsets; gradient clipping 1.0; load-balancing loss ×{c['balance']};
   bf16 autocast on CUDA, float32 on the CPU; seed {c['seed']}; checkpoint every minute (resumable).
 - Perplexity: exp of the mean negative log-likelihood of tokens 2..{c['seq_len']} of each non-overlapping held-out

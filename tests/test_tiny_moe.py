@@ -63,11 +63,12 @@ def test_the_exported_file_computes_the_trained_model(tmp_path: Path) -> None:
             assert _rel(ours, m(ids[None])[0][0].numpy()) > OURS_BOUND / 100
 
 
-def _trainer(tmp_path: Path, steps: int = 6, **kw) -> Trainer:
+def _trainer(tmp_path: Path, steps: int | None = 6, **kw) -> Trainer:
     g = np.random.default_rng(0)
     tokens = g.integers(0, 900, 20000).astype(np.int32)
     tokens[1::2] = (tokens[::2] * 7 + 3) % 900  # something to learn: every odd token follows from the one before
-    cfg = TrainConfig(seed=3, steps=steps, batch=2, seq_len=32, warmup=2, eval_every=3, eval_windows=2)
+    options = {"warmup": 2, **{k: kw.pop(k) for k in ("minutes", "epochs", "warmup") if k in kw}}
+    cfg = TrainConfig(seed=3, steps=steps, batch=2, seq_len=32, eval_every=3, eval_windows=2, **options)
     model = TinyMoE(dataclasses.replace(SHAPE, n_layer=1, n_ctx=32), 949, seed=3)
     return Trainer(model, cfg, tokens[:18000], tokens[18000:], torch.device("cpu"), tmp_path / "ckpt.pt",
                    progress=False, **kw)
@@ -99,6 +100,20 @@ def test_training_is_deterministic_and_resumes_exactly(tmp_path: Path, monkeypat
     for name, p in a.model.params.items():
         assert torch.equal(p, resumed.model.params[name]), name
     assert resumed.history.train == a.history.train
+
+
+def test_minutes_fix_the_step_count_within_the_warmup(tmp_path: Path) -> None:
+    timed = _trainer(tmp_path / "t", steps=None, minutes=0.05, warmup=30, epochs=1000)
+    (tmp_path / "t").mkdir()
+    history = timed.run()
+    assert history.step_s > 0 and timed.step == timed.total_steps >= 31
+    assert history.seconds < 20  # a budget of 3 s (1000 epochs would be 280 000 steps)
+    capped = _trainer(tmp_path / "c", steps=None, minutes=10, warmup=30, epochs=0.01)  # 0.01 epochs: 2 steps
+    (tmp_path / "c").mkdir()
+    capped.run()
+    assert capped.total_steps == 31, "at least the warm-up and one step"
+    with pytest.raises(SpecterError, match="--warmup above 25"):
+        TrainConfig(minutes=1, warmup=10).check()
 
 
 def test_a_checkpoint_of_another_configuration_is_refused(tmp_path: Path) -> None:

@@ -117,8 +117,10 @@ class TinyMoE(nn.Module):
         return F.linear(out.transpose(1, 2).reshape(B, T, -1), self.param(p + "attn_output.weight"))
 
     def route(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Layer i's router on x [N, d]: probabilities [N, E] (float32), the top-k ids and weights [N, k]."""
-        logits = F.linear(x.float(), self.param(f"blk.{i}.ffn_gate_inp.weight").float())
+        """Layer i's router on x [N, d]: probabilities [N, E] (float32, also under autocast, as the file's F32
+        router computes them), the top-k ids and weights [N, k]."""
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.param(f"blk.{i}.ffn_gate_inp.weight").float())
         probs = torch.softmax(logits, dim=-1)
         weights, ids = probs.topk(self.shape.n_expert_used, dim=-1)
         return probs, ids, weights
@@ -134,7 +136,8 @@ class TinyMoE(nn.Module):
         routed = torch.einsum("ne,end->nd", combine, torch.einsum("enf,edf->end", act, down))
         shared = _swiglu(x, self.param(p + "ffn_gate_shexp.weight"), self.param(p + "ffn_up_shexp.weight"),
                          self.param(p + "ffn_down_shexp.weight"))
-        shared_gate = torch.sigmoid(x.float() @ self.param(p + "ffn_gate_inp_shexp.weight").float())[:, None]
+        with torch.autocast(x.device.type, enabled=False):  # F32 in the file, like the router
+            shared_gate = torch.sigmoid(x.float() @ self.param(p + "ffn_gate_inp_shexp.weight").float())[:, None]
         chosen = torch.zeros_like(probs).scatter(1, ids, 1.0).mean(0)  # f_e (times k)
         balance = E * (chosen * probs.mean(0)).sum() / self.shape.n_expert_used
         return routed + shared * shared_gate.to(x.dtype), balance

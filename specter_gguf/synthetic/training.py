@@ -3,10 +3,11 @@ with checkpoints, the held-out perplexity with PyTorch, with our engine and with
 `scripts/train_tiny_moe.py` is the command; the recipe and results it writes are in docs/TINY_MODEL.md.
 
 Determinism: the weights' initialisation and every batch come from the seed (batch s from a generator seeded with
-(seed, s)), so a run depends on the seed, the step count, the corpus and the device only; a resumed run continues
-exactly where the checkpoint left it. The learning-rate schedule (linear warm-up over `warmup` steps, cosine decay to
-`min_lr` at the last step) depends on the step count, which `--minutes` fixes during the warm-up from the measured
-step time (the count is recorded: `--steps N` repeats the run).
+(seed, s)), so a run depends on the seed, the step count, the corpus and the device only (on CUDA, up to the
+operations PyTorch has no deterministic version of: it warns about each); a resumed run continues exactly where the
+checkpoint left it. The learning-rate schedule (linear warm-up over `warmup` steps, cosine decay to `min_lr` at the
+last step) depends on the step count, which `--minutes` fixes during the warm-up from the measured step time, at
+most `epochs` passes over the training tokens (the count is recorded: `--steps N` repeats the run).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class TrainConfig:
     seed: int = 0
     steps: int | None = None      # None: as many as `minutes` allows (fixed after the calibration steps)
     minutes: float | None = None  # training time budget (tokenizer, export and evaluation not included)
+    epochs: float = 10.0          # with `minutes`: at most this many passes over the training tokens
     batch: int = 32
     seq_len: int = 512            # also the exported file's context length
     lr: float = 3e-3
@@ -230,7 +232,8 @@ class Trainer:
         step_s = (time.perf_counter() - timed_from) / (hi - lo)
         self.history.step_s = step_s
         left = self.cfg.minutes * 60 - elapsed
-        self.total_steps = max(self.cfg.warmup + 1, self.step + int(left / step_s))
+        cap = int(self.cfg.epochs * len(self.train_tokens) / (self.cfg.batch * self.cfg.seq_len))
+        self.total_steps = max(self.cfg.warmup + 1, min(cap, self.step + int(left / step_s)))
 
     def run(self) -> History:
         cfg, model = self.cfg, self.model
