@@ -169,3 +169,13 @@ def test_the_script_trains_exports_and_reports(tmp_path: Path) -> None:
     assert json.loads((out / "results.json").read_text())["ppl_ours"] == r["ppl_ours"]
     bad = subprocess.run(cmd[:2] + ["--out-dir", str(out)], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and bad.stderr.startswith("Error: give a budget"), bad.stderr
+
+
+def test_the_writer_refuses_weights_that_do_not_fit_the_layout(tmp_path: Path) -> None:
+    weights = TinyMoE(SHAPE, 949).gguf_weights()
+    weights["blk.0.attn_q.weight"] = weights["blk.0.attn_q.weight"][:, :128]
+    with pytest.raises(SpecterError, match="blk.0.attn_q.weight has shape"):
+        write_synthetic(tmp_path / "x.gguf", SHAPE, "f16", tokenizer=tiny_tokenizer(), weights=weights)
+    del weights["output.weight"]
+    with pytest.raises(SpecterError, match="missing \\['output.weight'\\]"):
+        write_synthetic(tmp_path / "x.gguf", SHAPE, "f16", tokenizer=tiny_tokenizer(), weights=weights)

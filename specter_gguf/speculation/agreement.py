@@ -10,7 +10,8 @@ Two routing observers record the ids on the device: `on_draft` keeps the draft s
 buffer (inside a draft step's CUDA graph too), which `drafted(j)` copies into row j after step j is enqueued;
 `on_verify` keeps the verification's ids of every row. `compare(k)`, enqueued after the verification, adds the
 matches into per-layer counters. No tensor is read back until `read` at the end of a generation: drafting and
-verification do not wait for the host.
+verification do not wait for the host. One generation at a time per decoder, as for the lookahead buffer: two
+generations iterated together would count into the same buffers.
 """
 
 from __future__ import annotations

@@ -77,7 +77,8 @@ class SpeculativeDecoder:
     def steps(self, model: Model, cache: KVCache, n_tokens: int, draft: bool,
               sampled: SamplingParams | None = None) -> Steps:
         """Draft steps (one token, the draft's experts, observed by the lookahead buffer) or verification steps
-        (`n_tokens`, the target's experts, observed by the model's routing observer), judged greedily or, with
+        (`n_tokens`, the target's experts, observed by the model's routing observer), both by the agreement
+        (`_observer`), judged greedily or, with
         `sampled`, by speculative sampling: CUDA graphs over the model's reusable cache, eager otherwise."""
         experts, observe = (self.experts if draft else None), self._observer(model, draft)
         offload = not draft  # the draft's experts are all resident: its steps skip the runtime's bookkeeping
