@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import platform
 import shlex
-import shutil
 import sys
 import time
 from dataclasses import asdict, replace
@@ -99,18 +98,17 @@ def _tokens(corpus, cfg: TrainConfig, out: Path, progress: bool) -> tuple[BPETok
               show_default=True, help="Where TINY_MODEL.md and img/tiny-moe-loss.png are written.")
 @click.option("--fresh", is_flag=True, help="Ignore OUT_DIR's checkpoint and token cache.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
-def main(device: str, steps: int | None, minutes: float | None, epochs: float, seed: int, batch: int, seq_len: int, lr: float,
-         warmup: int, vocab_size: int, layers: int, eval_every: int, eval_tokens: int, eval_device: str,
-         corpus_root: Path | None,
-         max_corpus_mb: float | None, out_dir: Path, output: Path | None, docs_dir: Path, fresh: bool,
-         quiet: bool) -> None:
+def main(device: str, steps: int | None, minutes: float | None, epochs: float, seed: int, batch: int, seq_len: int,
+         lr: float, warmup: int, vocab_size: int, layers: int, eval_every: int, eval_tokens: int, eval_device: str,
+         corpus_root: Path | None, max_corpus_mb: float | None, out_dir: Path, output: Path | None, docs_dir: Path,
+         fresh: bool, quiet: bool) -> None:
     import torch
 
     from specter_gguf.engine import Model, resolve_device
 
     started = time.perf_counter()
-    cfg = TrainConfig(seed=seed, steps=steps, minutes=minutes, epochs=epochs, batch=batch, seq_len=seq_len, lr=lr, min_lr=lr / 10,
-                      warmup=warmup, vocab_size=vocab_size, eval_every=eval_every)
+    cfg = TrainConfig(seed=seed, steps=steps, minutes=minutes, epochs=epochs, batch=batch, seq_len=seq_len, lr=lr,
+                      min_lr=lr / 10, warmup=warmup, vocab_size=vocab_size, eval_every=eval_every)
     cfg.check()
     dev = resolve_device(device)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -171,8 +169,6 @@ def main(device: str, steps: int | None, minutes: float | None, epochs: float, s
     plot_losses(history, docs_dir / "img" / "tiny-moe-loss.png",
                 f"{shape.name}: {n_params / 1e6:.1f} M params, {trainer.total_steps} steps on {results['device']}")
     (docs_dir / "TINY_MODEL.md").write_text(_markdown(results), encoding="utf-8")
-    if output is None and (out_dir / gguf.name) != gguf:
-        shutil.copy(gguf, out_dir / gguf.name)
     click.echo(f"{gguf} ({format_size(gguf.stat().st_size)}); held-out perplexity PyTorch {ppl_torch:.3f}, ours "
                f"{ppl_ours:.3f}, llama.cpp {ppl_llama:.3f}; {results['total_seconds']:.0f} s in all; "
                f"{docs_dir / 'TINY_MODEL.md'} written", err=True)
@@ -223,8 +219,8 @@ Greedy continuations by our engine (48 tokens after each prompt):
   top-{s['n_expert_used']} softmax routing (not renormalized), one shared expert of width {s['n_ff_shexp']} behind a
   sigmoid gate, NeoX RoPE (base {s['rope_theta']:g}), context {s['n_ctx']}, untied LM head; {r['n_vocab']}-token
   byte-level BPE (`synthetic/bpe.py`, trained on {c['bpe_sample_bytes'] / 1e6:.1f} MB of the training files).
-  {r['n_params'] / 1e6:.2f} M parameters; the F16 file is {r['file_bytes'] / 1e6:.1f} MB. Every weight's input dimension is a multiple of 256,
-  so llama.cpp's K-quants apply to every matrix. The PyTorch model (`synthetic/tiny_moe.py`) holds the GGUF tensors
+  {r['n_params'] / 1e6:.2f} M parameters; the F16 file is {r['file_bytes'] / 1e6:.1f} MB. Every weight's input
+  dimension is a multiple of 256, so llama.cpp's K-quants apply to every matrix. The PyTorch model (`synthetic/tiny_moe.py`) holds the GGUF tensors
   as its parameters and computes what `models/qwen2moe.py` computes; `tests/test_tiny_moe.py` checks its logits
   against our engine and llama.cpp on the exported file.
 - Corpus (`synthetic/corpus.py`): every `.py` file under `{k['root']}` except `site-packages/`, read as UTF-8

@@ -133,7 +133,7 @@ def windows(tokens: np.ndarray, length: int, n: int | None = None) -> list[np.nd
 
 def nll_of_logits(logits: torch.Tensor | np.ndarray, window: np.ndarray) -> tuple[float, int]:
     """Summed negative log-likelihood of window[1:] under logits[:-1], and the count."""
-    lg = torch.as_tensor(np.asarray(logits, dtype=np.float32) if not torch.is_tensor(logits) else logits).float()
+    lg = logits.float().cpu() if torch.is_tensor(logits) else torch.from_numpy(np.asarray(logits, dtype=np.float32))
     target = torch.as_tensor(window[1:].astype(np.int64))
     return float(F.cross_entropy(lg[:-1], target, reduction="sum")), len(window) - 1
 
@@ -296,9 +296,12 @@ def perplexity(nll_of: Callable[[np.ndarray], tuple[float, int]], wins: list[np.
 
 
 def torch_nll(model: TinyMoE) -> Callable[[np.ndarray], tuple[float, int]]:
+    """The PyTorch model's NLL of a window, on the model's device, in float32 (no autocast)."""
+    device = next(model.parameters()).device
+
     def nll(w: np.ndarray) -> tuple[float, int]:
         with torch.no_grad():
-            logits, _ = model(torch.as_tensor(w.astype(np.int64))[None])
+            logits, _ = model(torch.as_tensor(w.astype(np.int64), device=device)[None])
         return nll_of_logits(logits[0], w)
     return nll
 
