@@ -8,7 +8,7 @@ Resumable: run the same command again and it continues from OUT_DIR/checkpoint.p
 are cached there too). Deterministic for a seed and a step count on one device (see specter_gguf/synthetic/training.py).
 
 Examples:
-  python scripts/train_tiny_moe.py --device cuda --minutes 6 --out-dir build/tiny-moe      # the H200 recipe
+  python scripts/train_tiny_moe.py --device cuda --minutes 6 --out-dir /tmp/tiny-moe       # the H200 recipe
   python scripts/train_tiny_moe.py --device cpu --steps 60 --batch 4 --seq-len 128 --max-corpus-mb 3 \\
       --vocab-size 1024 --out-dir /tmp/tiny-moe-cpu --docs-dir /tmp/tiny-moe-cpu/docs                 # a CPU check
 """
@@ -166,9 +166,10 @@ def main(device: str, steps: int | None, minutes: float | None, epochs: float, s
         "total_seconds": time.perf_counter() - started,
     }
     (out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    docs_dir.mkdir(parents=True, exist_ok=True)
+    (docs_dir / "TINY_MODEL.md").write_text(_markdown(results), encoding="utf-8")
     plot_losses(history, docs_dir / "img" / "tiny-moe-loss.png",
                 f"{shape.name}: {n_params / 1e6:.1f} M params, {trainer.total_steps} steps on {results['device']}")
-    (docs_dir / "TINY_MODEL.md").write_text(_markdown(results), encoding="utf-8")
     click.echo(f"{gguf} ({format_size(gguf.stat().st_size)}); held-out perplexity PyTorch {ppl_torch:.3f}, ours "
                f"{ppl_ours:.3f}, llama.cpp {ppl_llama:.3f}; {results['total_seconds']:.0f} s in all; "
                f"{docs_dir / 'TINY_MODEL.md'} written", err=True)
