@@ -4,7 +4,9 @@ checks, on the device.
 Per MoE layer and drafted position, the share of the draft's top-k experts that the target's verification of the
 same input token chose too: |draft's ids ∩ target's ids| / k. Draft step j and verification row j read the same
 input token at the same position (the iteration's first token, then the drafted ones), so each iteration compares
-its k drafted positions, accepted or not.
+its k drafted positions, accepted or not. The first MoE layer agrees everywhere by construction: its input comes
+from the embedding and attention alone, which the draft shares with the target (also for the keys and values of
+the positions the draft wrote itself); the layers after it see what the draft's experts changed.
 
 Two routing observers record the ids on the device: `on_draft` keeps the draft step's ids of every layer in a fixed
 buffer (inside a draft step's CUDA graph too), which `drafted(j)` copies into row j after step j is enqueued;
