@@ -13,7 +13,8 @@ from typing import Any
 import click
 import numpy as np
 
-from specter_gguf.engine import MAX_DEPTH, OFFLOAD_CHOICES, POLICIES, parse_depth
+from specter_gguf.engine import (DRAFT_TYPES, MAX_DEPTH, OFFLOAD_CHOICES, POLICIES, SHIPPED_DRAFT, is_draft_type,
+                                 parse_depth)
 from specter_gguf.errors import SpecterError
 from specter_gguf.quantize import FTYPES
 from specter_gguf.sizes import format_size, parse_size
@@ -132,6 +133,26 @@ class DraftDepth(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
+class DraftFile(click.ParamType):
+    """`--draft`: a draft GGUF, or a type (q4_k_m, ...) whose draft the engine makes from the model on first use."""
+
+    name = "FILE|TYPE"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        if isinstance(value, Path) or is_draft_type(value):
+            return value
+        if Path(value).is_file():
+            return Path(value)
+        self.fail(f"{value}: no such file, and not a draft type; give a draft GGUF or one of "
+                  f"{', '.join(DRAFT_TYPES)}", param, ctx)
+
+
+DRAFT_HELP = (f"Decode speculatively with the experts of a quantized copy of the model: a file, or a type "
+              f"({', '.join(DRAFT_TYPES)}) made from the model with llama.cpp's quantizer on first use and kept beside "
+              f"it in .specter-drafts/ (or the user cache); the output is the model's own. Without MODEL: the shipped "
+              f"model with a {SHIPPED_DRAFT} draft.")
+
+
 def _with_options(f: Any, options: list[Any]) -> Any:
     for option in reversed(options):
         f = option(f)
@@ -175,15 +196,16 @@ def load_options(f: Any) -> Any:
 
     @functools.wraps(f)
     def command(*args: Any, device: str | None, ctx_size: int | None, gpu_budget: str | None, offload: str | None,
-                cache_policy: str | None, routing_profile: Path | None, cuda_graphs: bool, draft: Path | None,
+                cache_policy: str | None, routing_profile: Path | None, cuda_graphs: bool, draft: Path | str | None,
                 n_draft: int | str | None, **kwargs: Any) -> Any:
         def load(model: Path | None, progress: bool) -> Any:
             from specter_gguf.engine import Model
 
             budget = parse_size(gpu_budget) if gpu_budget is not None else None  # a wrong size: before any work
+            chosen = SHIPPED_DRAFT if model is None and draft is None else draft  # the shipped model speculates
             return Model.load(model, device=device, ctx_size=ctx_size, progress=progress, gpu_budget=budget,
                               offload=offload, cache_policy=cache_policy, routing_profile=routing_profile,
-                              cuda_graphs=cuda_graphs, draft=draft, n_draft=n_draft)
+                              cuda_graphs=cuda_graphs, draft=chosen, n_draft=n_draft)
 
         return f(*args, load=load, **kwargs)
 
@@ -202,9 +224,7 @@ def load_options(f: Any) -> Any:
         click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
                      help="Replay each decode step, draft step and verification as a CUDA graph (CUDA; not with "
                      "--offload gate-prefetch)."),
-        click.option("--draft", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-                     help="Decode speculatively with the experts of this quantized copy of the model (e.g. made by "
-                     "`specter-gguf quantize MODEL --type q4_k_m`); the output is the model's own."),
+        click.option("--draft", type=DraftFile(), default=None, help=DRAFT_HELP),
         click.option("--n-draft", type=DraftDepth(), default=None, show_default=False,
                      help="Tokens drafted per verification (with --draft). Default auto: chosen each iteration, from "
                      f"0 (a plain step, when drafting does not pay) to {MAX_DEPTH}, from the measured acceptance "
@@ -259,6 +279,8 @@ def run(model: Path | None, prompt: str | None, prompt_file: Path | None, n_pred
         click.echo(gen.stats.summary(), err=True)
     if show_stats:
         for key, value in gen.stats.to_dict().items():
+            if isinstance(value, list):  # per layer
+                value = " ".join("-" if v is None else f"{v:.4g}" for v in value)
             if value is not None:
                 click.echo(f"  {key:<24} {value:.6g}" if isinstance(value, float) else f"  {key:<24} {value}", err=True)
 
@@ -299,8 +321,7 @@ def profile_depth(model: Path, prompt: str, prompt_file: Path | None, n_predict:
         raise SpecterError(f"--repeats must be at least 1, got {repeats}")
     draft = click.get_current_context().params.get("draft")
     if draft is None:
-        raise SpecterError("profile-depth needs a draft: give --draft DRAFT.gguf (e.g. made by "
-                           "`specter-gguf quantize MODEL --type q4_k_m`)")
+        raise SpecterError("profile-depth needs a draft: give --draft DRAFT.gguf or a type such as --draft q4_k_m")
     _check_output_folder(out, "-o/--out")
     m = load(model, progress=True)
     ids = m.tokenize(prompt)
@@ -308,7 +329,7 @@ def profile_depth(model: Path, prompt: str, prompt_file: Path | None, n_predict:
         rows = profile_depths(m, ids, n_predict, sampling, ks, repeats, lambda row: bar.update(1))
     budget = f", budget {m.memory_plan.budget / 2**30:.1f} GiB" if m.memory_plan is not None else ""
     decoding = "greedy" if sampling.greedy else f"temperature {sampling.temperature:g}"
-    title = (f"{m.path.name}, draft {draft.name}{budget}, {m.device}, {decoding}, "
+    title = (f"{m.path.name}, draft {Path(draft).name}{budget}, {m.device}, {decoding}, "
              f"{len(ids)}-token prompt, {n_predict} tokens x {repeats}")
     click.echo(f"{title}\n{markdown_table(rows)}")
     best, auto = best_fixed(rows), rows[-1]
@@ -319,14 +340,70 @@ def profile_depth(model: Path, prompt: str, prompt_file: Path | None, n_predict:
 
 
 @cli.command()
+@model_argument(required=False)
+@click.option("--drafts", default="q2_k,q4_k_m,q8_0", show_default=True,
+              help="Comma-separated drafts: types (made from MODEL on first use, as `run --draft`) or files.")
+@click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Prompts: a JSON list of strings, or a text file of one prompt per line (default: 10 built-in "
+              "prompts of Python code and docs).")
+@click.option("-n", "--n-predict", default=64, show_default=True, help="Tokens generated per prompt and decoding.")
+@click.option("--n-draft", type=DraftDepth(), default="4", show_default=True,
+              help="Tokens drafted per verification (one depth for every draft, so that they compare).")
+@click.option("-o", "--out", type=click.Path(file_okay=False, path_type=Path), default=Path("fidelity"),
+              help="Folder for fidelity.md, fidelity.json and fidelity.png.")
+@sampling_options
+@device_option
+@ctx_size_option
+def fidelity(model: Path | None, drafts: str, prompts_file: Path | None, n_predict: int, n_draft: int | str,
+             out: Path, sampling: Any, device: str | None, ctx_size: int | None) -> None:
+    """Per draft precision: the draft's expert-id agreement with MODEL (overall, per layer, per prompt), its
+    acceptance rate and tokens per verification, greedy and sampled (with the sampling options; seed 0 unless
+    --seed); print the table and write it with histograms of the per-prompt agreement."""
+    import dataclasses
+
+    from tqdm import tqdm
+
+    from specter_gguf.engine import Model
+    from specter_gguf.speculation.fidelity import DEFAULT_PROMPTS, measure, read_prompts, write
+
+    if sampling.greedy:
+        raise SpecterError("fidelity runs every prompt greedy and sampled: give a --temp above 0 for the sampled runs")
+    if n_predict < 2:
+        raise SpecterError(f"-n/--n-predict must be at least 2 to draft, got {n_predict}")
+    if sampling.seed is None:
+        sampling = dataclasses.replace(sampling, seed=0)
+    names = [d.strip() for d in drafts.split(",") if d.strip()]
+    if not names:
+        raise SpecterError("--drafts is empty: give types such as q2_k,q4_k_m,q8_0 or draft files")
+    for d in names:
+        DraftFile().convert(d, None, None)
+    prompts = read_prompts(prompts_file) if prompts_file is not None else list(DEFAULT_PROMPTS)
+    _check_output_folder(out, "-o/--out")
+
+    def load(draft: str) -> Any:
+        return Model.load(model, device=device, ctx_size=ctx_size, draft=draft, n_draft=n_draft, progress=True)
+
+    with tqdm(total=len(names) * len(prompts) * 2, desc="generations", unit="gen", leave=False) as bar:
+        results = measure(load, names, prompts, n_predict, sampling, lambda: bar.update(1))
+    target = model.name if model is not None else "the shipped model"
+    title = (f"{target}: {len(prompts)} prompts x {n_predict} tokens, {n_draft} drafted per verification, greedy and "
+             f"temperature {sampling.temperature:g} (seed {sampling.seed})")
+    files = write(results, out, title)
+    click.echo(files[0].read_text(encoding="utf-8"))
+    click.echo("wrote " + ", ".join(str(f) for f in files), err=True)
+
+
+@cli.command()
 @model_argument(required=True)
 @click.option("--gpu-budget", required=True, help="Device memory budget, e.g. 16GiB, 12000MiB, 1.5GB.")
-@click.option("--draft", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="Draft GGUF (the target with quantized experts): its routed experts stay on the device.")
+@click.option("--draft", type=DraftFile(), default=None,
+              help="Draft GGUF (the target with quantized experts), or a type made on first use as for `run`: its "
+              "routed experts stay on the device.")
 @ctx_size_option
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cuda", help="Device the plan is for.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as one JSON object.")
-def plan(model: Path, gpu_budget: str, draft: Path | None, ctx_size: int | None, device: str, as_json: bool) -> None:
+def plan(model: Path, gpu_budget: str, draft: Path | str | None, ctx_size: int | None, device: str,
+         as_json: bool) -> None:
     """Show how a GPU budget would be split for MODEL (nothing is loaded): non-expert weights, KV cache,
     workspace, draft experts, expert-cache slots; and the minimum budget. Exits 1 when the budget is below it."""
     from specter_gguf.engine import plan_budget
@@ -532,24 +609,14 @@ def quantize(model: Path, qtype: str, output: Path | None, threads: int, quiet: 
     Routers and 1-D tensors stay F32 and llama.cpp's type mixes apply (Q4_K_M keeps some tensors at Q6_K);
     K-quants need input dimensions that are multiples of 256, else llama.cpp picks another type per tensor.
     """
-    from specter_gguf.progress import llama_quantize_progress
-    from specter_gguf.quantize import quantize_gguf, quantized_path
+    from specter_gguf.quantize import quantize_with_progress, quantized_path
 
     if model.is_dir():  # a missing file or not a GGUF: quantize_gguf's and llama.cpp's own error line
         raise SpecterError(f"{model}: not a file; give the path of a .gguf model file")
     out = output if output is not None else quantized_path(model, qtype)
     _check_output_file(out, "-o/--output", create_folder=True)  # quantize_gguf creates missing folders
-    progress = None
-    try:
-        with llama_quantize_progress(show=not quiet, desc=f"{qtype} {out.name}") as progress:
-            quantize_gguf(model, out, qtype, n_threads=threads)
-    except SpecterError:
-        reasons = [r.split("failed to quantize: ", 1)[-1] for r in (progress.errors if progress else [])]
-        if not reasons:
-            raise
-        hint = " (start from an F32/F16/BF16 file)" if any("requantiz" in r for r in reasons) else ""
-        raise SpecterError(f"llama.cpp failed to quantize {model} to {qtype}: {'; '.join(reasons)}{hint}") from None
-    sizes = f" ({', '.join(progress.summary)})" if progress.summary else ""
+    summary = quantize_with_progress(model, out, qtype, show=not quiet, n_threads=threads)
+    sizes = f" ({', '.join(summary)})" if summary else ""
     click.echo(f"wrote {out}: {format_size(out.stat().st_size)}{sizes}", err=True)
 
 

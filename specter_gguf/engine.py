@@ -27,13 +27,16 @@ from specter_gguf.runtime.routing import DeviceRoutingCounts, RoutingProfile
 from specter_gguf.sampling import Sampler, SamplingParams
 from specter_gguf.sizes import parse_size
 from specter_gguf.speculation.depth import MAX_DEPTH, parse_depth  # ... and of its n_draft: 1 to MAX_DEPTH or "auto"
+from specter_gguf.speculation.draft_files import DRAFT_TYPES, is_draft_type, resolve_draft  # its draft: file or type
 from specter_gguf.tokenizer import IdsOnlyTokenizer, Tokenizer
 
-__all__ = ["Model", "Generation", "GenerationStats", "SHIPPED_MODEL", "resolve_device", "tpot_ms", "read_config",
-           "FileSummary", "summarize_file", "plan_budget", "MemoryPlan", "ModelConfig", "RoutingProfile",
-           "OFFLOAD_CHOICES", "POLICIES", "MAX_DEPTH", "parse_depth"]
+__all__ = ["Model", "Generation", "GenerationStats", "SHIPPED_MODEL", "SHIPPED_DRAFT", "resolve_device", "tpot_ms",
+           "read_config", "FileSummary", "summarize_file", "plan_budget", "MemoryPlan", "ModelConfig",
+           "RoutingProfile", "OFFLOAD_CHOICES", "POLICIES", "MAX_DEPTH", "parse_depth", "DRAFT_TYPES",
+           "is_draft_type", "resolve_draft"]
 
 SHIPPED_MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-qwen2moe.gguf"
+SHIPPED_DRAFT = "q4_k_m"  # the CLI's draft for the shipped model (made on first use: speculation.draft_files)
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -95,7 +98,8 @@ def plan_budget(path: str | os.PathLike[str], gpu_budget: int | str, ctx_size: i
     (`runtime.budget`). A budget below the minimum is planned too: `MemoryPlan.check()` refuses it."""
     parse_size(gpu_budget)  # a size the user got wrong fails before the file is read
     f = _open_model(path)
-    return plan_memory(f, gpu_budget, ctx_size, device, GGUFFile(draft) if draft is not None else None)
+    draft_file = GGUFFile(resolve_draft(path, draft)) if draft is not None else None
+    return plan_memory(f, gpu_budget, ctx_size, device, draft_file)
 
 
 def tpot_ms(decode_s: float, generated: int) -> float | None:
@@ -142,6 +146,9 @@ class GenerationStats:
                                         # for them or read in place: what they would have missed without it
     prefetch_late: int | None = None    # prefetched experts the verification read in place: copy not landed
     prefetch_refused: int | None = None  # experts the lookahead counted that found no evictable slot
+    expert_agreement: float | None = None  # share of the draft's chosen experts the target chose too, on the
+                                           # drafted positions the verifications checked (speculation.agreement)
+    expert_agreement_layers: list[float | None] | None = None  # the same per layer (None: a dense layer)
 
     @property
     def cache_hit_rate(self) -> float | None:
@@ -235,6 +242,8 @@ class GenerationStats:
                      f"iteration {1000 * (self.draft_s or 0) / self.draft_rounds:.2f} ms drafting, "
                      f"{1000 * (self.verify_s or 0) / self.draft_rounds:.2f} ms verifying and "
                      f"{1000 * (self.other_s or 0) / self.draft_rounds:.2f} ms other")
+            if self.expert_agreement is not None:
+                text += f", expert-id agreement {100 * self.expert_agreement:.1f}%"
             if self.prefetch_precision is not None:
                 text += (f", prefetch precision {100 * self.prefetch_precision:.0f}% recall "
                          f"{100 * (self.prefetch_recall or 0):.0f}%")
@@ -306,10 +315,11 @@ class Model:
         lfu, static-hot (needs `routing_profile`, a `RoutingProfile` or its JSON file). `cuda_graphs`: replay each
         decode step as a CUDA graph (on CUDA; not with gate-prefetch, whose planning reads every layer's routing on
         the host).
-        `draft`: a quantized copy of the model (e.g. `specter-gguf quantize MODEL --type q4_k_m`) whose routed
-        experts share the device and draft `n_draft` tokens per verification (`speculation`; default "auto":
-        a depth chosen each iteration from the measured acceptance and costs, `speculation.depth`); the budget
-        counts them.
+        `draft`: a quantized copy of the model (e.g. `specter-gguf quantize MODEL --type q4_k_m`), or a type
+        ("q2_k", "q3_k_m", "q4_k_m", "q8_0", ...: the draft is made from the model on first use and kept,
+        `speculation.draft_files`), whose routed experts share the device and draft `n_draft` tokens per
+        verification (`speculation`; default "auto": a depth chosen each iteration from the measured acceptance and
+        costs, `speculation.depth`); the budget counts them.
         `tokenizer`: used instead of the file's own (read by llama.cpp through llama-cpp-python); an
         `IdsOnlyTokenizer` serves callers that give and read token ids only where llama-cpp-python is missing."""
         path = Path(path) if path is not None else SHIPPED_MODEL
@@ -320,7 +330,7 @@ class Model:
             raise SpecterError("--n-draft needs a draft (--draft DRAFT.gguf)")
         if n_draft is not None:
             n_draft = parse_depth(n_draft)
-        draft_file = GGUFFile(draft) if draft is not None else None
+        draft_file = GGUFFile(resolve_draft(path, draft, progress)) if draft is not None else None
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         transformer, runtime, plan = load_offloaded(f, dev, ctx, progress, gpu_budget, offload, cache_policy,

@@ -105,3 +105,22 @@ def quantize_gguf(src: str | Path, dst: str | Path, qtype: str, n_threads: int =
         raise SpecterError(
             f"llama.cpp failed to quantize {src} to {qtype} (code {rc}); see its message above "
             "(an already-quantized source needs allow_requantize; or start from an F32/F16/BF16 file)")
+
+
+def quantize_with_progress(src: str | Path, dst: str | Path, qtype: str, *, show: bool = True, desc: str | None = None,
+                           n_threads: int = 0, allow_requantize: bool = False) -> list[str]:
+    """`quantize_gguf` with a progress bar over tensors (on stderr when `show`); returns llama.cpp's closing size
+    lines. A failure names llama.cpp's own reasons."""
+    from .progress import llama_quantize_progress
+
+    progress = None
+    try:
+        with llama_quantize_progress(show=show, desc=desc or f"{qtype} {Path(dst).name}") as progress:
+            quantize_gguf(src, dst, qtype, n_threads=n_threads, allow_requantize=allow_requantize)
+    except SpecterError:
+        reasons = [r.split("failed to quantize: ", 1)[-1] for r in (progress.errors if progress else [])]
+        if not reasons:
+            raise
+        hint = " (start from an F32/F16/BF16 file)" if any("requantiz" in r for r in reasons) else ""
+        raise SpecterError(f"llama.cpp failed to quantize {src} to {qtype}: {'; '.join(reasons)}{hint}") from None
+    return progress.summary

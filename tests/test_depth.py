@@ -167,3 +167,17 @@ def test_depth_zero_iterations_are_plain_steps(tiny_models, sampling: SamplingPa
     got = spec.generate([5, 17, 300], 40, sampling).wait()
     assert got.tokens == want.tokens
     assert got.stats.draft_rounds > got.stats.draft_tokens / 3  # the plain steps count as verification passes
+
+
+def test_a_fixed_depth_beyond_auto_s_range(tiny_models) -> None:
+    """--n-draft may exceed auto's range (MAX_DEPTH): the buffers that follow drafted rows (the agreement's) are
+    sized by the depth, and the output stays the target's own."""
+    from specter_gguf.speculation.depth import MAX_DEPTH
+
+    target, draft = tiny_models[("qwen2moe", "f16")], tiny_models[("qwen2moe", "q2_k")]
+    greedy = SamplingParams(temperature=0)
+    want = Model.load(target, device="cpu", progress=False, ctx_size=256).generate([5, 17, 300], 40, greedy).wait()
+    spec = Model.load(target, draft=draft, device="cpu", progress=False, ctx_size=256, n_draft=MAX_DEPTH + 4)
+    got = spec.generate([5, 17, 300], 40, greedy).wait()
+    assert got.tokens == want.tokens and got.stats.draft_tokens > MAX_DEPTH
+    assert got.stats.expert_agreement is not None

@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING, Iterator, Literal
 import torch
 
 from specter_gguf.gguf_file import GGUFFile
-from specter_gguf.layers import Experts, KVCache
+from specter_gguf.layers import Experts, KVCache, RoutingObserver
 from specter_gguf.sampling import Sampler, SamplingParams, chain_candidates
 from specter_gguf.speculation.accept import SampledVerdict, accept_drafts, synthetic_count
+from specter_gguf.speculation.agreement import Observers, RoutingAgreement
 from specter_gguf.speculation.depth import MAX_DEPTH, DepthChooser, parse_depth
 from specter_gguf.speculation.draft import load_draft_experts
 from specter_gguf.speculation.lookahead import ExpertLookahead, chunk_ends
@@ -51,6 +52,8 @@ class SpeculativeDecoder:
         self._steps: dict[tuple, Steps] = {}  # (tokens, draft, observer, top_k or None) -> steps over the cache
         self._cache: KVCache | None = None
         self._step_s = 0.0  # one draft step, measured
+        self.agreement: RoutingAgreement | None = None  # made with the first generation, on the model's device
+        self._observers: dict[tuple[bool, int], Observers] = {}
 
     def set_depth(self, n_draft: int | Literal["auto"]) -> None:
         """Draft `n_draft` tokens per verification from now on, or choose each iteration's depth ("auto")."""
@@ -74,9 +77,10 @@ class SpeculativeDecoder:
     def steps(self, model: Model, cache: KVCache, n_tokens: int, draft: bool,
               sampled: SamplingParams | None = None) -> Steps:
         """Draft steps (one token, the draft's experts, observed by the lookahead buffer) or verification steps
-        (`n_tokens`, the target's experts, observed by the model's routing observer), judged greedily or, with
+        (`n_tokens`, the target's experts, observed by the model's routing observer), both by the agreement
+        (`_observer`), judged greedily or, with
         `sampled`, by speculative sampling: CUDA graphs over the model's reusable cache, eager otherwise."""
-        experts, observe = (self.experts, self.lookahead) if draft else (None, model.routing_observer)
+        experts, observe = (self.experts if draft else None), self._observer(model, draft)
         offload = not draft  # the draft's experts are all resident: its steps skip the runtime's bookkeeping
         n_vocab = model.config.n_vocab
 
@@ -95,10 +99,25 @@ class SpeculativeDecoder:
             self._steps[key].verdict.set(sampled)
         return self._steps[key]
 
+    def _observer(self, model: Model, draft: bool) -> RoutingObserver:
+        """Draft steps: the lookahead buffer and the agreement's draft side; verifications: the model's routing
+        observer and the agreement's target side. One object per combination: graphs are keyed by it."""
+        other = self.lookahead if draft else model.routing_observer
+        key = (draft, id(other))  # `other` stays alive in the entry, so its id is not reused
+        if key not in self._observers:
+            a = self.agreement
+            self._observers[key] = Observers(other, a.on_draft if draft else a.on_verify)
+        return self._observers[key]
+
     # -- the iterations -----------------------------------------------------------------------------------
     def tokens(self, model: Model, logits: torch.Tensor, cache: KVCache, sampler: Sampler, history: list[int],
                stats: GenerationStats) -> Iterator[int]:
         stats.draft_tokens = stats.draft_accepted = stats.draft_rounds = 0
+        if self.agreement is None or self.agreement.depth < self.n_draft:  # its buffers hold n_draft rows
+            self.agreement = RoutingAgreement.of(model.transformer, model.device, self.n_draft)
+            self._observers.clear()
+            self._steps = {}  # their graphs captured the observers of the agreement replaced
+        self.agreement.reset()
         if self.lookahead is not None:
             stats.prefetched = stats.prefetched_used = stats.verify_missing = 0
             stats.prefetch_late = stats.prefetch_refused = 0
@@ -136,6 +155,7 @@ class SpeculativeDecoder:
                 cache.truncate(pos)
                 if on_device:
                     verify.step(torch.cat([drafted, torch.full((1,), pos, device=drafted.device)]))
+                    self.agreement.compare(k)
                     clock.mark("verify")
                     n, *choices = verify.read_choice()()  # the one host read of the iteration
                     if self.synth_len is not None:
@@ -146,6 +166,7 @@ class SpeculativeDecoder:
                         accepted, token, start = choices[:n], choices[n], verify.next
                 else:
                     verified = verify.step([token, *drafted_ids])
+                    self.agreement.compare(k)
                     clock.mark("verify")
                     accepted, token = accept_drafts(verified, drafted_ids, draft_probs, sampler, history,
                                                     self.synth_len)
@@ -159,6 +180,7 @@ class SpeculativeDecoder:
                     yield t
         finally:
             stats.draft_s, stats.verify_s = clock.total("draft"), clock.total("verify")
+            stats.expert_agreement, stats.expert_agreement_layers = self.agreement.read()
             if stats.draft_tokens:
                 self._step_s = stats.draft_s / stats.draft_tokens
 
@@ -187,6 +209,7 @@ class SpeculativeDecoder:
             if sampled is not None:
                 steps.verdict.uniforms.copy_(uniforms[j:j + 1])
             steps.step(None if j else [first] if isinstance(first, int) else first)
+            self.agreement.drafted(j)
             if not j:
                 out.append(steps.inputs[:1].clone())
             out.append(steps.next[:1].clone())
@@ -210,6 +233,7 @@ class SpeculativeDecoder:
         probs: list[torch.Tensor] | None = None if sampler.params.greedy else []
         for j in range(k):
             logits = steps.step(seen[-1:])[0]
+            self.agreement.drafted(j)
             if probs is None:
                 drafted.append(sampler.sample(logits, seen))
             else:

@@ -30,6 +30,9 @@ torch.randn, ~120 M/s.
 
 Tokenizer: the tiny models carry our small BPE (`bpe`); real-shape models can copy every ``tokenizer.*`` key from
 a vocab GGUF (``vocab_from``).
+
+Trained weights (``weights``: every tensor by name, float32 in numpy order, e.g. `tiny_moe.TinyMoE.gguf_weights`)
+replace the random ones and are stored in the same types.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
@@ -136,8 +139,9 @@ def vocab_metadata_from_gguf(path: str | Path) -> tuple[dict[str, tuple[Any, Any
     return out, len(out["tokenizer.ggml.tokens"][0])
 
 
-def _slabs(spec: TensorSpec, shape: ModelShape, dtype: str, seed: int, device: str) -> Iterator[np.ndarray]:
-    """The tensor's data as consecutive numpy slabs (row-major, outermost numpy dim split)."""
+def _slabs(spec: TensorSpec, shape: ModelShape, dtype: str, seed: int, device: str,
+           given: np.ndarray | None = None) -> Iterator[np.ndarray]:
+    """The tensor's data as consecutive numpy slabs (row-major, outermost numpy dim split): drawn, or `given`."""
     import torch
 
     np_shape = spec.numpy_shape
@@ -147,13 +151,16 @@ def _slabs(spec: TensorSpec, shape: ModelShape, dtype: str, seed: int, device: s
     qtype = _storage(spec, dtype)
     for slab, r0 in enumerate(range(0, np_shape[0], rows_per)):
         rows = min(rows_per, np_shape[0] - r0)
-        g = torch.Generator(device=device)
-        g.manual_seed(_tensor_seed(seed, shape.arch, spec.name, slab))
-        t = torch.randn((rows, *np_shape[1:]), generator=g, device=device, dtype=torch.float32)
-        t.mul_(std)
-        if spec.init == "norm":
-            t.add_(1.0)
-        elif spec.init == "rope_long":  # Phi-3 style long factors: smooth, 1 .. 32 over the dimensions
+        if given is not None:
+            t = torch.from_numpy(np.ascontiguousarray(given[r0:r0 + rows], dtype=np.float32)).to(device)
+        else:
+            g = torch.Generator(device=device)
+            g.manual_seed(_tensor_seed(seed, shape.arch, spec.name, slab))
+            t = torch.randn((rows, *np_shape[1:]), generator=g, device=device, dtype=torch.float32)
+            t.mul_(std)
+            if spec.init == "norm":
+                t.add_(1.0)
+        if given is None and spec.init == "rope_long":  # Phi-3 style long factors: smooth, 1 .. 32 over the dimensions
             n = t.numel()
             t = (1.0 + 31.0 * (torch.arange(n, device=device, dtype=torch.float32) / max(n - 1, 1)) ** 3
                  ).reshape(t.shape)
@@ -169,6 +176,18 @@ def _slabs(spec: TensorSpec, shape: ModelShape, dtype: str, seed: int, device: s
         yield a
 
 
+def _check_weights(weights: Mapping[str, np.ndarray], specs: list[TensorSpec]) -> None:
+    """`weights` holds exactly the layout's tensors, each in its numpy shape."""
+    names = {s.name for s in specs}
+    if set(weights) != names:
+        raise SpecterError(f"trained weights do not match the layout: missing {sorted(names - set(weights))[:3]}, "
+                           f"unexpected {sorted(set(weights) - names)[:3]}")
+    for s in specs:
+        if tuple(weights[s.name].shape) != s.numpy_shape:
+            raise SpecterError(f"trained tensor {s.name} has shape {tuple(weights[s.name].shape)}, "
+                               f"the layout says {s.numpy_shape}")
+
+
 def write_synthetic(
     path: str | Path,
     shape: ModelShape | str,
@@ -179,6 +198,8 @@ def write_synthetic(
     vocab_from: str | Path | None = None,
     tokenizer: BPETokenizer | None = None,
     progress: bool = False,
+    weights: Mapping[str, np.ndarray] | None = None,
+    description: str = "specter-gguf synthetic model: random weights (produces gibberish)",
 ) -> WriteResult:
     """Write a random-weight GGUF of `shape` (a ModelShape or preset name) to `path`.
 
@@ -187,7 +208,7 @@ def write_synthetic(
     `dtype` is the matrices' type: f32, f16, bf16, or q8_0 (quantized slab by slab as generated; routers and
     1-D tensors F32, matrices whose rows are not a multiple of 32 F16 — see the module docstring).
     `vocab_from` copies all tokenizer.* keys of that GGUF; otherwise the tiny BPE tokenizer (or `tokenizer`)
-    is used.
+    is used. `weights` (every tensor by name, numpy order) are written instead of random ones.
     """
     t0 = time.perf_counter()
     if isinstance(shape, str):
@@ -210,10 +231,12 @@ def write_synthetic(
 
     specs = tensor_specs(shape, n_vocab)
     arch_kv = architecture_metadata(shape, n_vocab)
+    if weights is not None:
+        _check_weights(weights, specs)
 
     w = gguf.GGUFWriter(path, shape.arch)
     w.add_name(shape.name or shape.arch)
-    w.add_description("specter-gguf synthetic model: random weights (produces gibberish)")
+    w.add_description(description)
     w.add_file_type(_FILE_TYPE[dtype])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     T = gguf.GGUFValueType
@@ -253,7 +276,8 @@ def write_synthetic(
     try:
         for spec in specs:
             fout.write(b"\0" * ((-fout.tell()) % align))
-            for a in _slabs(spec, shape, dtype, seed, device):
+            given = weights[spec.name] if weights is not None else None
+            for a in _slabs(spec, shape, dtype, seed, device, given):
                 a.tofile(fout)
                 if bar is not None:
                     bar.update(a.nbytes)

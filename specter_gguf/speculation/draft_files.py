@@ -1,0 +1,98 @@
+"""Drafts made on demand: `--draft q4_k_m` (or `Model.load(draft="q4_k_m")`) quantizes the target with llama.cpp's
+quantizer (`quantize.quantize_with_progress`, a progress bar over tensors) the first time and reuses the file after.
+
+The file goes into `.specter-drafts/` beside the target, named `<target stem>-<type>.gguf`; when the target's
+folder is not writable, into the user cache (`$SPECTER_CACHE`, else `$XDG_CACHE_HOME/specter-gguf`, else
+`~/.cache/specter-gguf`) under `drafts/<a hash of the target's path>/`. A JSON file beside each draft records the
+target's size and modification time: a draft of a target that changed since is made again. A draft is written
+under a temporary name and renamed when complete, so an interrupted quantization leaves no draft behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from specter_gguf.errors import SpecterError
+from specter_gguf.quantize import FTYPES, quantize_with_progress
+
+DRAFT_TYPES = ("q2_k", "q3_k_m", "q4_k_m", "q8_0")
+"""The draft types the help names (any llama.cpp type of `quantize.FTYPES` is accepted)."""
+
+FOLDER = ".specter-drafts"
+
+
+def user_cache_dir() -> Path:
+    if os.environ.get("SPECTER_CACHE"):
+        return Path(os.environ["SPECTER_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "specter-gguf"
+
+
+def _writable(folder: Path) -> bool:
+    """`folder` exists and can take a new file, or can be created in a writable parent."""
+    if folder.exists():
+        return folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)
+    return os.access(folder.parent, os.W_OK | os.X_OK)
+
+
+def draft_path(target: Path, qtype: str) -> Path:
+    """Where the `qtype` draft of `target` is kept (see the module docstring)."""
+    target = Path(target).absolute()
+    name = f"{target.stem}-{qtype}.gguf"
+    beside = target.parent / FOLDER
+    if _writable(beside):
+        return beside / name
+    key = hashlib.sha256(str(target).encode()).hexdigest()[:16]
+    return user_cache_dir() / "drafts" / key / name
+
+
+def _stamp(target: Path) -> dict[str, object]:
+    st = target.stat()
+    return {"target": str(target.absolute()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def is_draft_type(draft: str | os.PathLike[str]) -> bool:
+    """Whether `draft` names a quantization type rather than a file (a file of that name wins)."""
+    return not Path(draft).exists() and str(draft).strip().lower() in FTYPES
+
+
+def resolve_draft(target: str | os.PathLike[str], draft: str | os.PathLike[str] | None,
+                  progress: bool = True) -> Path | None:
+    """The draft file for `draft`: None, a path as it is, or a type name (q4_k_m, ...) whose draft of `target` is
+    made now unless a current one is kept (`draft_path`)."""
+    if draft is None:
+        return None
+    if not is_draft_type(draft):
+        path = Path(draft)
+        if not path.is_file():
+            raise SpecterError(f"draft {draft}: no such file, and not a draft type; give a draft GGUF or one of "
+                               f"{', '.join(DRAFT_TYPES)} (made from the model with llama.cpp's quantizer)")
+        return path
+    qtype, target = str(draft).strip().lower(), Path(target)
+    if not target.is_file():
+        raise SpecterError(f"cannot make a {qtype} draft: the model {target} is not a file")
+    out = draft_path(target, qtype)
+    stamp_file = out.with_suffix(".json")
+    if out.is_file() and stamp_file.is_file():
+        try:
+            if json.loads(stamp_file.read_text(encoding="utf-8")) == _stamp(target):
+                return out
+        except (OSError, ValueError):
+            pass  # an unreadable record: the draft is made again
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SpecterError(f"cannot make a {qtype} draft in {out.parent}: {e.strerror}; set SPECTER_CACHE to a "
+                           f"writable folder, or give a draft file") from None
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    try:
+        quantize_with_progress(target, tmp, qtype, show=progress, desc=f"making the {qtype} draft",
+                               allow_requantize=True)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    stamp_file.write_text(json.dumps(_stamp(target)) + "\n", encoding="utf-8")
+    return out
