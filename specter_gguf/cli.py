@@ -15,7 +15,7 @@ import numpy as np
 
 from specter_gguf.engine import (DRAFT_TYPES, MAX_DEPTH, OFFLOAD_CHOICES, POLICIES, SHIPPED_DRAFT, is_draft_type,
                                  parse_depth)
-from specter_gguf.errors import SpecterError
+from specter_gguf.errors import ContextFullError, SpecterError
 from specter_gguf.quantize import FTYPES
 from specter_gguf.sizes import format_size, parse_size
 
@@ -575,8 +575,8 @@ def chat(model: Path | None, system: str | None, n_predict: int, sampling: Any, 
             continue
         try:
             gen = session.send(text)
-        except SpecterError as e:
-            click.echo(f"Error: {e} (/reset starts over)", err=True)
+        except SpecterError as e:  # the session goes on; a conversation past the context can start over
+            click.echo(f"Error: {e}{' (/reset starts over)' if isinstance(e, ContextFullError) else ''}", err=True)
             continue
         try:
             for piece in gen:

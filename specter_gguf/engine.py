@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from specter_gguf.config import ModelConfig
-from specter_gguf.errors import SpecterError
+from specter_gguf.errors import ContextFullError, SpecterError
 from specter_gguf.decoding import Decoder, GraphDecoder, PlainDecoder
 from specter_gguf.gguf_file import GGUFFile, is_routed_expert
 from specter_gguf.layers import ExpertSource, KVCache, RoutingObserver, Transformer
@@ -418,8 +418,8 @@ class Model:
         prompt_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_tokens(prompt_ids)
         if len(prompt_ids) >= self.ctx_size:
-            raise SpecterError(f"the prompt has {len(prompt_ids)} tokens but the context holds {self.ctx_size}; "
-                               f"shorten it or raise -c/--ctx-size")
+            raise ContextFullError(f"the prompt has {len(prompt_ids)} tokens but the context holds {self.ctx_size}; "
+                                   f"shorten it or raise -c/--ctx-size")
         gen = Generation(prompt_tokens=prompt_ids)
         gen._pieces = self._run(gen, n_predict, Sampler(sampling or SamplingParams()), list(stop), ignore_eos)
         return gen

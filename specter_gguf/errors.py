@@ -7,3 +7,7 @@ class SpecterError(Exception):
 
 class TemplateError(SpecterError):
     """A chat template failed to render (any error, its time or output limit)."""
+
+
+class ContextFullError(SpecterError):
+    """A prompt (in a chat: the whole conversation) does not fit the model's context."""

@@ -283,6 +283,17 @@ def test_cli_chat_end_of_input_and_history(shipped_model: Path, model: Model) ->
     assert result.stdout == "".join(w + "\n" for w in want)
 
 
+def test_cli_chat_past_the_context_suggests_a_reset(shipped_model: Path) -> None:
+    """A conversation that outgrows the context is one error line that says /reset starts over, and the session
+    goes on: after /reset a short message is answered."""
+    result = CliRunner().invoke(cli, ["chat", str(shipped_model), "--device", "cpu", "-n", "2", "--temp", "0",
+                                      "-c", "64"], input="word " * 80 + "\n/reset\nHi!\n")
+    assert result.exit_code == 0, result.output
+    (line,) = _error_lines(result.stderr)
+    assert "the context holds 64" in line and line.endswith("(/reset starts over)")
+    assert result.stdout.strip() != ""
+
+
 # -- real templates render as before; hostile ones end in one TemplateError, in bounded time and memory --------
 
 MARGIN_S = 1.5  # for a loaded machine: the limit is RENDER_TIMEOUT_S, this is slack for killing and restarting
@@ -438,3 +449,4 @@ def test_cli_chat_hostile_template(name: str, shipped_model: Path, monkeypatch: 
     lines = _error_lines(result.stderr)
     assert len(lines) == (2 if compiles else 1)  # one line a turn, or one line in all when it does not compile
     assert all(line.startswith("Error: the model's chat template ") and re.search(match, line) for line in lines)
+    assert not any("/reset" in line for line in lines)  # starting over renders the same template
