@@ -543,8 +543,8 @@ def test_bench_end_to_end_ours_on_cpu(tmp_path, preset):
 
 
 def test_bench_end_to_end_ours_speculative_on_cpu(tmp_path):
-    """Our speculative modes in the harness: a Q4_K_M draft made from the target, real and synthetic
-    acceptance reported."""
+    """Our speculative modes in the harness: a Q4_K_M draft made from the target, real acceptance (depth auto,
+    which may choose plain steps on the CPU) and synthetic acceptance, with the engine's iteration times."""
     pytest.importorskip("llama_cpp")
     out = tmp_path / "out"
     p = _bench("--model-preset", "tiny-qwen2moe", "--systems", "ours-spec,ours-spec-synth", "--budgets", "2GiB",
@@ -554,9 +554,9 @@ def test_bench_end_to_end_ours_speculative_on_cpu(tmp_path):
     real, synth = json.loads((out / "results.json").read_text())["results"]
     assert (real["family"], synth["family"]) == ("ours-spec", "ours-spec-synth")
     assert real["status"] == synth["status"] == "ok", (real["error"], synth["error"])
-    assert real["summary"]["greedy"]["acceptance"] is not None
+    assert real["summary"]["greedy"]["mean_accepted_len"] >= 1.0  # auto may choose plain steps on the CPU
     assert 2.0 <= synth["summary"]["greedy"]["mean_accepted_len"] <= 4.0
-    g = real["summary"]["greedy"]  # the worker carries the engine's drafting and verification times through
+    g = synth["summary"]["greedy"]  # (a fixed depth) the worker carries the engine's drafting and verification times
     assert g["draft_step_ms"] > 0 and g["iter_draft_ms"] > 0 and g["iter_verify_ms"] > 0
     assert g["iter_other_ms"] >= 0
     md = (out / "section.md").read_text()

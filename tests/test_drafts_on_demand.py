@@ -98,7 +98,7 @@ def test_run_with_a_draft_type_reports_the_agreement(target: Path) -> None:
 
 def test_agreement_counts_shared_experts_per_layer_and_position() -> None:
     """Hand-made routings: 2 MoE layers, top-2, drafted positions compared row by row."""
-    a = RoutingAgreement(2, 2, [0, 1], torch.device("cpu"))
+    a = RoutingAgreement(2, 2, [0, 1], torch.device("cpu"), depth=8)
     a.reset()
     drafts = [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]           # step j, layer l: the draft's ids
     for j, ids in enumerate(drafts):
@@ -115,7 +115,7 @@ def test_agreement_counts_shared_experts_per_layer_and_position() -> None:
     assert overall == 5 / 8 and a.positions == 2
     a.reset()
     assert a.read() == (None, [None, None])
-    dense_first = RoutingAgreement(2, 2, [1], torch.device("cpu"))  # layer 0 dense (DeepSeek-V2's first layer)
+    dense_first = RoutingAgreement(2, 2, [1], torch.device("cpu"), depth=8)  # layer 0 dense (DeepSeek-V2's first layer)
     for layer in (1,):
         dense_first.on_draft(layer, torch.tensor([[3, 4]]), torch.ones(1, 2))
     dense_first.drafted(0)
@@ -128,7 +128,8 @@ def test_the_target_as_its_own_draft_agrees_everywhere(tiny_models) -> None:
     target = tiny_models[("qwen2moe", "f16")]
     gen = Model.load(target, draft=target, device="cpu", progress=False).generate(PROMPT, 24, GREEDY).wait()
     assert gen.stats.expert_agreement == 1.0 and gen.stats.expert_agreement_layers == [1.0, 1.0]
-    q2 = Model.load(target, draft=tiny_models[("qwen2moe", "q2_k")], device="cpu", progress=False)
+    q2 = Model.load(target, draft=tiny_models[("qwen2moe", "q2_k")], device="cpu", progress=False,
+                    n_draft=4)  # drafting every iteration (auto may choose plain steps on the CPU)
     s = q2.generate(PROMPT, 24, GREEDY).wait().stats
     assert 0 < s.expert_agreement < 1.0
 

@@ -60,7 +60,7 @@ def test_cuda_speculative_greedy_equals_target_only(tiny_models, arch: str) -> N
     greedy = SamplingParams(temperature=0)
     expected = Model.load(target, device="cuda", progress=False, ctx_size=256).generate(prompt, 32, greedy).wait()
     expected = expected.tokens  # (the context decides Phi-3's RoPE factors: the same one everywhere)
-    spec = Model.load(target, draft=draft, device="cuda", progress=False, ctx_size=256)
+    spec = Model.load(target, draft=draft, device="cuda", progress=False, ctx_size=256, n_draft=4)
     assert spec.cuda_graphs
     gen = spec.generate(prompt, 32, greedy).wait()
     assert gen.tokens == expected and gen.stats.draft_accepted > 0
@@ -68,7 +68,7 @@ def test_cuda_speculative_greedy_equals_target_only(tiny_models, arch: str) -> N
     budget = plan.minimum + plan.n_moe_layers * plan.slot_bytes
     for d in (None, draft):
         m = Model.load(target, draft=d, device="cuda", progress=False, ctx_size=256, gpu_budget=budget,
-                       offload="lru")
+                       offload="lru", n_draft=4 if d is not None else None)
         assert m.offload is not None and m.cuda_graphs
         g = m.generate(prompt, 32, greedy).wait()
         print(f"{arch} draft {d is not None}: {g.stats.summary()}")

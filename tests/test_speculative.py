@@ -43,7 +43,8 @@ def _target_tokens(path: Path, n: int = N, sampling: SamplingParams = GREEDY, **
 @pytest.mark.parametrize("arch", MODELS)
 def test_greedy_speculative_equals_target_only(tiny_models, arch: str, draft_kind: str) -> None:
     target = tiny_models[(arch, "f16")]
-    sm = Model.load(target, draft=tiny_models[(arch, draft_kind)], device="cpu", progress=False)
+    sm = Model.load(target, draft=tiny_models[(arch, draft_kind)], device="cpu", progress=False,
+                    n_draft=4)  # a fixed depth: auto may choose plain steps on the CPU, where drafting does not pay
     gen = sm.generate(PROMPT, N, GREEDY).wait()
     assert gen.tokens == _target_tokens(target)
     s = gen.stats
@@ -251,7 +252,7 @@ def test_drafting_never_waits_for_the_host(tiny_models, monkeypatch, sampling: S
     target, draft = tiny_models[("qwen2moe", "f16")], tiny_models[("qwen2moe", "q4_k_m")]
     plan = plan_memory(GGUFFile(target), 1 << 40, 256, "cpu", draft=GGUFFile(draft))
     m = Model.load(target, draft=draft, device="cpu", progress=False, ctx_size=256,
-                   gpu_budget=plan.minimum + plan.n_moe_layers * plan.slot_bytes, offload="lru")
+                   gpu_budget=plan.minimum + plan.n_moe_layers * plan.slot_bytes, offload="lru", n_draft=4)
     assert m.decoder.lookahead is not None
     reads: list[str] = []
     drafting = [0]
@@ -297,7 +298,7 @@ def test_many_prompts_lossless(tiny_models, arch: str) -> None:
     budget = plan.minimum + plan.n_moe_layers * plan.slot_bytes
     plain = Model.load(target, device="cpu", progress=False, ctx_size=256)
     spec = Model.load(target, draft=draft, device="cpu", progress=False, ctx_size=256, gpu_budget=budget,
-                      offload="lru")
+                      offload="lru", n_draft=4)  # drafting every iteration (auto may not, on the CPU)
     evictions = 0
     for prompt in PROMPTS:
         want = plain.generate(prompt, 64, GREEDY).wait().tokens
