@@ -13,9 +13,10 @@ from typing import Any
 import click
 import numpy as np
 
-from specter_gguf.engine import (DRAFT_TYPES, MAX_DEPTH, OFFLOAD_CHOICES, POLICIES, SHIPPED_DRAFT, is_draft_type,
-                                 parse_depth)
+from specter_gguf.engine import (DRAFT_TYPES, MAX_DEPTH, OFFLOAD_CHOICES, POLICIES, SHIPPED_DRAFT,
+                                 draft_file_or_type, parse_depth)
 from specter_gguf.errors import ContextFullError, SpecterError
+from specter_gguf.outputs import check_output_file, check_output_folder
 from specter_gguf.quantize import FTYPES
 from specter_gguf.sizes import format_size, parse_size
 
@@ -81,37 +82,13 @@ def _read_prompt_file(path: Path) -> str:
         raise SpecterError(f"cannot read the prompt file {path}: {e.strerror or e}") from None
 
 
-def _existing_ancestor(path: Path) -> Path:
-    path = path.absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
 def _check_output_file(path: Path, option: str, create_folder: bool = False) -> None:
-    """Fails, with one error line, unless a file can be written at `path`: its folder exists (or, with
-    `create_folder`, can be created) and is writable. Run before any work, so a typo does not cost a model load."""
-    if path.is_dir():
-        raise SpecterError(f"{option} {path} is a folder: give a file path, e.g. {path / 'out'}")
-    folder = path.absolute().parent
-    above = _existing_ancestor(folder)
-    if not above.is_dir():
-        raise SpecterError(f"{option} {path}: {above} is a file, not a folder; choose another path")
-    if above != folder and not create_folder:
-        raise SpecterError(f"{option} {path}: the folder {folder} does not exist; create it (mkdir -p {folder}) "
-                           "or choose another path")
-    if not os.access(above, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise SpecterError(f"{option} {path}: no permission to write there; choose another path")
+    """`outputs.check_output_file` for `option`: before any work, so a typo does not cost a model load."""
+    check_output_file(path, f"{option} {path}", create_folder)
 
 
 def _check_output_folder(path: Path, option: str) -> None:
-    """Fails, with one error line, unless `path` is a writable folder or one that can be created."""
-    above = _existing_ancestor(path)
-    if not above.is_dir():
-        raise SpecterError(f"{option} {path}: {above} is a file, not a folder; choose another path")
-    if not os.access(above, os.W_OK | os.X_OK):
-        what = "the folder" if above == path.absolute() else f"{path} cannot be created: the folder"
-        raise SpecterError(f"{option} {path}: {what} {above} is not writable; choose another path")
+    check_output_folder(path, f"{option} {path}")
 
 
 ctx_size_option = click.option("-c", "--ctx-size", type=int, default=None, show_default=False,
@@ -139,12 +116,10 @@ class DraftFile(click.ParamType):
     name = "FILE|TYPE"
 
     def convert(self, value: Any, param: Any, ctx: Any) -> Any:
-        if isinstance(value, Path) or is_draft_type(value):
-            return value
-        if Path(value).is_file():
-            return Path(value)
-        self.fail(f"{value}: no such file, and not a draft type; give a draft GGUF or one of "
-                  f"{', '.join(DRAFT_TYPES)}", param, ctx)
+        try:
+            return draft_file_or_type(value)
+        except SpecterError as e:
+            self.fail(str(e), param, ctx)
 
 
 DRAFT_HELP = (f"Decode speculatively with the experts of a quantized copy of the model: a file, or a type "

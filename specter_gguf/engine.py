@@ -27,13 +27,13 @@ from specter_gguf.runtime.routing import DeviceRoutingCounts, RoutingProfile
 from specter_gguf.sampling import Sampler, SamplingParams
 from specter_gguf.sizes import parse_size
 from specter_gguf.speculation.depth import MAX_DEPTH, parse_depth  # ... and of its n_draft: 1 to MAX_DEPTH or "auto"
-from specter_gguf.speculation.draft_files import DRAFT_TYPES, is_draft_type, resolve_draft  # its draft: file or type
+from specter_gguf.speculation.draft_files import DRAFT_TYPES, draft_file_or_type, resolve_draft  # its draft: file or type
 from specter_gguf.tokenizer import IdsOnlyTokenizer, Tokenizer
 
 __all__ = ["Model", "Generation", "GenerationStats", "SHIPPED_MODEL", "SHIPPED_DRAFT", "resolve_device", "tpot_ms",
            "read_config", "FileSummary", "summarize_file", "plan_budget", "MemoryPlan", "ModelConfig",
            "RoutingProfile", "OFFLOAD_CHOICES", "POLICIES", "MAX_DEPTH", "parse_depth", "DRAFT_TYPES",
-           "is_draft_type", "resolve_draft"]
+           "draft_file_or_type", "resolve_draft"]
 
 SHIPPED_MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-qwen2moe.gguf"
 SHIPPED_DRAFT = "q4_k_m"  # the CLI's draft for the shipped model (made on first use: speculation.draft_files)

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from .errors import SpecterError
+from .outputs import check_output_file
 
 # llama_ftype values, checked against llama.h of llama-cpp-python 0.3.36 (vendor/llama.cpp/include).
 FTYPES: dict[str, int] = {
@@ -56,19 +57,6 @@ def quantized_path(src: str | Path, qtype: str) -> Path:
     return src.with_name(f"{stem}-{qtype.strip().lower()}.gguf")
 
 
-def _check_output(dst: Path) -> None:
-    """Before any work: `dst` is not a folder, and its folder exists or can be created, and is writable."""
-    if dst.is_dir():
-        raise SpecterError(f"cannot quantize to {dst}: it is a folder; give a file path, e.g. {dst / 'model.gguf'}")
-    above = dst.absolute().parent
-    while not above.exists() and above != above.parent:
-        above = above.parent
-    if not above.is_dir():
-        raise SpecterError(f"cannot quantize to {dst}: {above} is a file, not a folder; choose another output path")
-    if not os.access(above, os.W_OK | os.X_OK) or (dst.exists() and not os.access(dst, os.W_OK)):
-        raise SpecterError(f"cannot quantize to {dst}: no permission to write there; choose another output path")
-
-
 def quantize_gguf(src: str | Path, dst: str | Path, qtype: str, n_threads: int = 0,
                   allow_requantize: bool = False) -> None:
     """Quantize GGUF `src` to `dst` as `qtype` (e.g. 'q8_0', 'q4_k_m', 'q2_k') with llama.cpp.
@@ -84,7 +72,7 @@ def quantize_gguf(src: str | Path, dst: str | Path, qtype: str, n_threads: int =
         raise SpecterError(f"cannot quantize: source GGUF {src} not found")
     if src.resolve() == dst.resolve():
         raise SpecterError(f"cannot quantize {src} onto itself; choose another output path")
-    _check_output(dst)
+    check_output_file(dst, f"cannot quantize: the output {dst}", create_folder=True)  # its folder is made
     try:
         import llama_cpp
     except ImportError as e:  # pragma: no cover - depends on the environment

@@ -54,9 +54,16 @@ def _stamp(target: Path) -> dict[str, object]:
     return {"target": str(target.absolute()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def is_draft_type(draft: str | os.PathLike[str]) -> bool:
-    """Whether `draft` names a quantization type rather than a file (a file of that name wins)."""
-    return not Path(draft).exists() and str(draft).strip().lower() in FTYPES
+def draft_file_or_type(draft: str | os.PathLike[str]) -> Path | str:
+    """`draft` as `--draft` takes it: a type name (lower case) or an existing file (a file named like a type
+    wins)."""
+    path = Path(draft)
+    if not path.exists() and str(draft).strip().lower() in FTYPES:
+        return str(draft).strip().lower()
+    if not path.is_file():
+        raise SpecterError(f"draft {draft}: no such file, and not a draft type; give a draft GGUF or one of "
+                           f"{', '.join(DRAFT_TYPES)} (made from the model with llama.cpp's quantizer)")
+    return path
 
 
 def resolve_draft(target: str | os.PathLike[str], draft: str | os.PathLike[str] | None,
@@ -65,13 +72,10 @@ def resolve_draft(target: str | os.PathLike[str], draft: str | os.PathLike[str] 
     made now unless a current one is kept (`draft_path`)."""
     if draft is None:
         return None
-    if not is_draft_type(draft):
-        path = Path(draft)
-        if not path.is_file():
-            raise SpecterError(f"draft {draft}: no such file, and not a draft type; give a draft GGUF or one of "
-                               f"{', '.join(DRAFT_TYPES)} (made from the model with llama.cpp's quantizer)")
-        return path
-    qtype, target = str(draft).strip().lower(), Path(target)
+    qtype = draft_file_or_type(draft)
+    if isinstance(qtype, Path):
+        return qtype
+    target = Path(target)
     if not target.is_file():
         raise SpecterError(f"cannot make a {qtype} draft: the model {target} is not a file")
     out = draft_path(target, qtype)
