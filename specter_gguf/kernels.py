@@ -293,6 +293,19 @@ def rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: tuple[torch
     return q_out
 
 
+WAIT_TIMEOUT_NS = 30 * 10**9  # a counter never raised is a bug: the device traps rather than hangs
+
+
+def wait_counter(counter: torch.Tensor, base: torch.Tensor, offset: int, waited_ns: torch.Tensor | None = None) -> None:
+    """Work enqueued after this on the device's current stream runs once `counter` >= `base` + `offset` (int64 [1]
+    tensors on the device: `counter` raised by other work, such as a fill after copies on another stream); the
+    nanoseconds waited are added to `waited_ns`. Captured in a CUDA graph, each replay waits for the values of its
+    own time. On the CPU nothing runs meanwhile: the condition must hold already (SpecterError otherwise)."""
+    waited = _ffi().NULL if waited_ns is None else _ptr(waited_ns, "int64_t *")
+    args = (_ptr(counter, "int64_t *"), _ptr(base, "int64_t *"), offset, WAIT_TIMEOUT_NS, waited)
+    _call("wait_counter", args, counter.device, f"the wait for copies (offset {offset})")
+
+
 @dataclass
 class ExpertTable:
     """A layer's experts as addresses: `ptrs[0|1|2, e]` is the address of expert e's gate | up | down matrix

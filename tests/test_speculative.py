@@ -242,6 +242,71 @@ def test_lookahead_prefetches_what_the_draft_counted_most_used_first(shipped_mod
     assert chunk_ends(1, 0.003, 0.01) == [1]
 
 
+def test_lookahead_queues_the_last_snapshot_layer_by_layer(shipped_model) -> None:
+    """Snapshots before the last are requested most used first across layers; the last one layer by layer (the
+    verification's order), the cache's copy progress raised to p before MoE layer p's copies are queued and to
+    the layer count after all, so the verification's layer p waits for the copies of layers 0..p only. On the
+    CPU a wait whose layer was not announced in this round is an error (the GPU would wait for it)."""
+    from specter_gguf.config import ModelConfig
+    from specter_gguf.errors import SpecterError
+    from specter_gguf.runtime.budget import moe_layers, record_layout
+    from specter_gguf.runtime.cache import ExpertCache
+    from specter_gguf.runtime.store import ExpertStore
+    from specter_gguf.speculation.lookahead import ExpertLookahead
+
+    f = GGUFFile(shipped_model)
+    cfg = ModelConfig.from_gguf(f)
+    layers = moe_layers(f, cfg)
+    layouts = {i: record_layout(f, cfg, i) for i in layers}
+    store = ExpertStore(f, layouts, cfg.n_expert, torch.device("cpu"))
+    cache = ExpertCache(store, 6 * len(layers), max(r.nbytes for r in layouts.values()), layers, torch.device("cpu"))
+    elb = ExpertLookahead(cache, cfg.n_layer, cfg.n_expert, torch.device("cpu"))
+    progress, events = cache.progress, []
+    request, landed = cache.request, progress.landed
+    cache.request = lambda keys, **kw: (events.append(("copy", list(keys))), request(keys, **kw))[1]
+    progress.landed = lambda p: (events.append(("landed", p)), landed(p))[1]
+    n = len(layers)
+    elb.start()
+    with pytest.raises(SpecterError, match="has not reached"):
+        progress.wait(0)  # nothing announced in this round
+    elb(1, torch.tensor([[3, 4], [3, 4]]), torch.ones(2, 2))
+    elb(0, torch.tensor([[1, 2]]), torch.ones(1, 2))
+    elb.snapshot()
+    elb(1, torch.tensor([[6, 7], [6, 7]]), torch.ones(2, 2))
+    elb(0, torch.tensor([[5, 1]]), torch.ones(1, 2))
+    elb.snapshot()
+    assert elb.plan() == 7
+    assert events == [("copy", [(1, 3), (1, 4), (0, 1), (0, 2)]),  # most used first
+                      ("landed", 0), ("copy", [(0, 5)]), ("landed", 1), ("copy", [(1, 6), (1, 7)]),  # by layer
+                      ("landed", n)]
+    for p in range(n):
+        progress.wait(p)
+    elb.start()  # the next round: its waits wait for its own announcements
+    progress.landed(1)
+    progress.wait(0)
+    with pytest.raises(SpecterError, match="has not reached"):
+        progress.wait(1)
+
+
+def test_each_verification_layer_waits_for_its_copies(tiny_models) -> None:
+    """An offloaded target's verification, eager on the CPU as in a CUDA graph on the GPU, waits once per MoE
+    layer for that layer's copies (`CopyProgress.wait`), and the output is the target's own."""
+    from specter_gguf.runtime.cache import CopyProgress
+
+    target, draft = tiny_models[("qwen2moe", "f16")], tiny_models[("qwen2moe", "q4_k_m")]
+    plan = plan_memory(GGUFFile(target), 1 << 40, 256, "cpu", draft=GGUFFile(draft))
+    m = Model.load(target, draft=draft, device="cpu", progress=False, ctx_size=256,
+                   gpu_budget=plan.minimum + plan.n_moe_layers * plan.slot_bytes, offload="lru", n_draft=4)
+    waits: list[int] = []
+    progress = m.offload.cache.progress
+    wait = progress.wait
+    progress.wait = lambda p: (waits.append(p), wait(p))[1]
+    gen = m.generate(PROMPT, N, GREEDY).wait()
+    assert gen.tokens == _target_tokens(target)
+    assert isinstance(progress, CopyProgress) and gen.stats.draft_rounds > 0
+    assert waits == list(range(plan.n_moe_layers)) * gen.stats.draft_rounds
+
+
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=1.0, seed=3)], ids=["greedy", "sampled"])
 def test_drafting_never_waits_for_the_host(tiny_models, monkeypatch, sampling: SamplingParams) -> None:
     """Drafting chains on the device, greedy or sampled: while an iteration's k draft steps are launched (the

@@ -1,6 +1,7 @@
 /*
  * specter_kernels.h - matrix kernels over GGUF-typed weights, and the small fused ops around them in a
- * decode step (MoE routing, RoPE + KV cache store) (libspecter).
+ * decode step (MoE routing, RoPE + KV cache store), and a wait on a counter that orders them after copies
+ * (libspecter).
  *
  * Every operation has a CPU entry point (specter_*) and a CUDA one (specter_cuda_*) with the same
  * data arguments; the last argument differs: `n_threads` (CPU threads, <= 0: all cores) for the
@@ -153,6 +154,20 @@ SPECTER_API int specter_cuda_moe_ffn(const float * x, int64_t n_tokens, int64_t 
                                      const uint64_t * down_ptrs, int down_type,
                                      void * workspace, size_t workspace_bytes,
                                      float * out, int accumulate, void * stream);
+
+/* ---- ordering: work that waits for a counter ------------------------------------------------ */
+
+/* Work enqueued after this call runs once *counter >= *base + offset (int64 values; on CUDA in device memory,
+ * the counter raised by other work - e.g. a fill after copies on another stream - and the base written before
+ * this wait runs). Lets a captured CUDA graph wait for copies issued after its capture, wherever it reaches the
+ * wait: one graph, the values of each replay. The nanoseconds spent waiting are added to *waited_ns (NULL: not
+ * counted). CUDA: one thread polls the counter; past timeout_ns (> 0) it traps, a CUDA error at the caller's
+ * next synchronisation (the counter was never raised: a bug), rather than hang the device. CPU: nothing runs
+ * meanwhile, so the condition must already hold: SPECTER_ERR_NOT_READY otherwise. */
+SPECTER_API int specter_wait_counter(const int64_t * counter, const int64_t * base, int64_t offset,
+                                     int64_t timeout_ns, int64_t * waited_ns, int n_threads);
+SPECTER_API int specter_cuda_wait_counter(const int64_t * counter, const int64_t * base, int64_t offset,
+                                          int64_t timeout_ns, int64_t * waited_ns, void * stream);
 
 /* SPECTER_CDEF_END */
 

@@ -373,4 +373,11 @@ int specter_rope_kv(const float * q, int64_t q_stride, const float * k, int64_t 
     });
 }
 
+int specter_wait_counter(const int64_t * counter, const int64_t * base, int64_t offset, int64_t timeout_ns,
+                         int64_t * waited_ns, int n_threads) {
+    (void)timeout_ns, (void)waited_ns, (void)n_threads;
+    if (!counter || !base) return SPECTER_ERR_INVALID_ARG;
+    return *counter >= *base + offset ? SPECTER_OK : SPECTER_ERR_NOT_READY;
+}
+
 }  // extern "C"

@@ -34,4 +34,8 @@ int specter_cuda_moe_ffn(const float *, int64_t, int64_t, const int32_t *, const
     return SPECTER_ERR_NO_CUDA;
 }
 
+int specter_cuda_wait_counter(const int64_t *, const int64_t *, int64_t, int64_t, int64_t *, void *) {
+    return SPECTER_ERR_NO_CUDA;
+}
+
 }  // extern "C"

@@ -27,9 +27,13 @@ CUDA ordering, without host waits:
   slot, such as drafting, does not hold the copy back);
 - slots in use by the current wave are *pinned* (not evictable) until `release`;
 - slots the lookahead buffer asked for are *reserved* for the coming verification: no `request` (a later
-  prefetch, lru's refresh) evicts them until the lookahead's next iteration clears them.
+  prefetch, lru's refresh) evicts them until the lookahead's next iteration clears them;
+- `progress` (a `CopyProgress`) tells kernels, layer by layer, that the copies queued for them have landed: a
+  verification captured as one CUDA graph waits in each MoE layer for that layer's copies only (issued after
+  its capture), not for all of them before it starts.
 Timing: an event pair around every copy on the copy stream (copy time) and around every compute-side wait
-(exposed time: how long compute stalled on copies). They are read back lazily (`collect`), never forcing a
+(exposed time: how long compute stalled on copies), plus the time `progress`'s waits spent, which they count on
+the device themselves. They are read back lazily (`collect`), never forcing a
 synchronisation in the decode path except the one deliberate `collect(sync=True)` at the end of a generation.
 
 On the CPU the pool is a host buffer, a copy is a memcpy done at once (all of its time exposed), events are
@@ -46,12 +50,58 @@ import numpy as np
 import torch
 
 from specter_gguf.errors import SpecterError
+from specter_gguf.kernels import wait_counter
 from specter_gguf.runtime.metrics import OffloadCounters
 from specter_gguf.runtime.routing import RoutingProfile
 from specter_gguf.runtime.store import ExpertStore
 
 Key = tuple[int, int]  # (layer, expert)
 POLICIES = ("lru", "lfu", "static-hot")
+
+
+class CopyProgress:
+    """How far the copies queued for the coming forward have landed, in its MoE layer order, as a counter on the
+    device that kernels wait for without the host (`kernels.wait_counter`).
+
+    Each round (`begin`, on the compute stream before the forward that waits) takes a base above every value of
+    the rounds before. `landed(p)`, once the copies of the round's first p MoE layers are all queued, raises the
+    counter to base + p on the copy stream (so after those copies: stream order); `wait(p)`, enqueued by the
+    forward before MoE layer p's experts, waits until it reaches base + p + 1 — for that layer's copies and those
+    of the layers before it, not for the later ones. A round ends with `landed(n_layers)`."""
+
+    def __init__(self, n_layers: int, device: torch.device, copy_stream: torch.cuda.Stream | None) -> None:
+        self.n_layers, self.copy_stream = n_layers, copy_stream
+        self.counter = torch.zeros(1, dtype=torch.int64, device=device)
+        self.base = torch.zeros(1, dtype=torch.int64, device=device)
+        self.waited_ns = torch.zeros(1, dtype=torch.int64, device=device)  # time kernels spent waiting
+        self._base = self._landed = 0
+
+    def begin(self) -> None:
+        """A new round: the forwards enqueued from now on wait for this round's `landed` calls."""
+        self._base += self.n_layers + 1
+        self._landed = 0
+        self.base.fill_(self._base)
+
+    def landed(self, p: int) -> None:
+        """The copies of the round's first `p` MoE layers are all queued (p never decreases within a round)."""
+        if p <= self._landed and p < self.n_layers:
+            return
+        self._landed = p
+        if self.copy_stream is None:  # CPU: the copies are done already
+            self.counter.fill_(self._base + p)
+            return
+        with torch.cuda.stream(self.copy_stream):
+            self.counter.fill_(self._base + p)
+
+    def wait(self, p: int) -> None:
+        """Kernels enqueued after this (on the current stream) run once MoE layer p's copies have landed."""
+        wait_counter(self.counter, self.base, p + 1, self.waited_ns)
+
+    def take_waited_s(self) -> float:
+        """Seconds kernels waited since the last call (reads the device: at the end of a generation)."""
+        ns = int(self.waited_ns.item())
+        self.waited_ns.zero_()
+        return ns / 1e9
 
 
 class ExpertCache:
@@ -103,6 +153,8 @@ class ExpertCache:
             self.copy_stream = torch.cuda.Stream(device)
             self._ready = [torch.cuda.Event() for _ in range(n_slots)]
             self._reads: torch.cuda.Event | None = None
+        self.position = {layer: p for p, layer in enumerate(layers)}  # a layer's index among the MoE layers
+        self.progress = CopyProgress(len(self.position), device, self.copy_stream if self.cuda else None)
         self._ordered = [True] * n_slots  # compute is already ordered after the slot's last copy
         self._copy_timers: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._wait_timers: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
@@ -119,13 +171,17 @@ class ExpertCache:
     def slot_address(self, slot: int) -> int:
         return self.pool.data_ptr() + slot * self.slot_bytes
 
-    def publish(self, wait: Iterable[int] = ()) -> int:
+    def publish(self, wait: Iterable[int] = (), in_kernels: bool = False) -> int:
         """Enter into `table` the slots whose copies have completed (queried, never waited for) and those of
-        `wait`, whose copies the compute stream waits for (`wait`: GPU-side), on the compute stream; returns how
-        many. Kernels enqueued after this find them there."""
+        `wait`, whose copies the compute stream waits for (GPU-side) or, with `in_kernels`, the kernels reading
+        them wait for themselves (`progress`); on the compute stream; returns how many. Kernels enqueued after
+        this find them there."""
         for slot in wait:
             if slot in self._unpublished:
-                self.wait(slot)
+                if in_kernels:
+                    self._ordered[slot] = True
+                else:
+                    self.wait(slot)
         done = [slot for slot in self._unpublished
                 if not self.cuda or self._ordered[slot] or self._ready[slot].query()]
         for slot in done:
@@ -241,6 +297,7 @@ class ExpertCache:
             return
         if sync:
             torch.cuda.synchronize(self.device)
+            self.counters.copy_exposed_s += self.progress.take_waited_s()
         for timers, field in ((self._copy_timers, "copy_s"), (self._wait_timers, "copy_exposed_s")):
             keep = []
             for start, end in timers:

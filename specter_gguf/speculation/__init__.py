@@ -8,7 +8,8 @@ One iteration after the last committed token t (not yet in the KV cache), in `de
 2. **lookahead** (`lookahead`): at chunk boundaries the counts reach the host and the experts the draft used are
    prefetched into the target's expert cache (while the draft goes on when it chains on the device);
 3. **verify**: one target forward over [t, d_1 .. d_k] writes the target's keys/values over the draft's and
-   judges the drafts on the device; its experts come from cache slots or, not yet there, from host memory;
+   judges the drafts on the device; each MoE layer waits on the device for its own prefetches, then takes its
+   experts from cache slots or, not there, from host memory;
 4. **accept** (`accept`): the drafted tokens the target keeps and its own token after them (one host read per
    iteration); the KV cache is cut back to the accepted tokens.
 

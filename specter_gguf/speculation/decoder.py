@@ -25,7 +25,7 @@ from specter_gguf.speculation.accept import SampledVerdict, accept_drafts, synth
 from specter_gguf.speculation.agreement import Observers, RoutingAgreement
 from specter_gguf.speculation.depth import MAX_DEPTH, DepthChooser, parse_depth
 from specter_gguf.speculation.draft import load_draft_experts
-from specter_gguf.speculation.lookahead import ExpertLookahead, chunk_ends
+from specter_gguf.speculation.lookahead import ExpertLookahead, after_copies, chunk_ends
 from specter_gguf.steps import Steps, make_steps
 
 if TYPE_CHECKING:
@@ -33,6 +33,10 @@ if TYPE_CHECKING:
 
 DEFAULT_N_DRAFT = 4
 PCIE_BYTES_PER_S = 25e9  # the copy rate assumed before one is measured (PCIe 4.0 x16)
+# how a verification meets the lookahead's copies still in flight (`ExpertLookahead.wait_for_copies`): each MoE
+# layer waits for its own ("layer"), all are waited for before it starts ("all"), or it reads those experts in
+# place while they land ("none"); the other two are there to be measured against (scripts/bench_prefetch.py)
+PREFETCH_WAITS = ("layer", "all", "none")
 
 
 class SpeculativeDecoder:
@@ -41,15 +45,16 @@ class SpeculativeDecoder:
     draft's, for reports."""
 
     def __init__(self, experts: list[Experts | None], n_draft: int | Literal["auto"],
-                 lookahead: ExpertLookahead | None, name: str = "draft") -> None:
-        self.experts, self.lookahead, self.name = experts, lookahead, name
+                 lookahead: ExpertLookahead | None, verify_experts: list[Experts | None] | None = None,
+                 name: str = "draft") -> None:
+        """`verify_experts`: the target's experts as verifications run them with `prefetch_wait` "layer" (each
+        MoE layer waiting for its copies: `lookahead.after_copies`)."""
+        self.experts, self.lookahead, self.verify_experts, self.name = experts, lookahead, verify_experts, name
         self.depth: DepthChooser | None = None
         self.set_depth(n_draft)
         self.synth_len: float | None = None  # benchmarks only (`accept.synthetic_acceptance`)
-        # a verification waits for the lookahead's copies still in flight (False, to measure the alternative
-        # only: it reads those experts in place while they land; scripts/bench_prefetch.py)
-        self.wait_for_prefetches = True
-        self._steps: dict[tuple, Steps] = {}  # (tokens, draft, observer, top_k or None) -> steps over the cache
+        self.prefetch_wait = "layer"  # one of PREFETCH_WAITS
+        self._steps: dict[tuple, Steps] = {}  # (tokens, experts, observer, top_k or None) -> steps over the cache
         self._cache: KVCache | None = None
         self._step_s = 0.0  # one draft step, measured
         self.agreement: RoutingAgreement | None = None  # made with the first generation, on the model's device
@@ -67,20 +72,25 @@ class SpeculativeDecoder:
     def load(cls, model: Model, draft: GGUFFile, n_draft: int | Literal["auto"]) -> SpeculativeDecoder:
         """The decoder of `model` with the routed experts of `draft` (a quantized copy of the model's file)."""
         experts = load_draft_experts(draft, model)
-        lookahead = None
+        lookahead = verify_experts = None
         if model.offload is not None:
-            cfg = model.config
-            lookahead = ExpertLookahead(model.offload.cache, cfg.n_layer, cfg.n_expert, model.device)
-        return cls(experts, n_draft, lookahead, draft.path.name)
+            cfg, cache = model.config, model.offload.cache
+            lookahead = ExpertLookahead(cache, cfg.n_layer, cfg.n_expert, model.device)
+            verify_experts = after_copies(model.transformer, cache)
+        return cls(experts, n_draft, lookahead, verify_experts, draft.path.name)
 
     # -- steps --------------------------------------------------------------------------------------------
     def steps(self, model: Model, cache: KVCache, n_tokens: int, draft: bool,
               sampled: SamplingParams | None = None) -> Steps:
         """Draft steps (one token, the draft's experts, observed by the lookahead buffer) or verification steps
-        (`n_tokens`, the target's experts, observed by the model's routing observer), both by the agreement
-        (`_observer`), judged greedily or, with
-        `sampled`, by speculative sampling: CUDA graphs over the model's reusable cache, eager otherwise."""
-        experts, observe = (self.experts if draft else None), self._observer(model, draft)
+        (`n_tokens`, the target's experts — waiting for their copies layer by layer with `prefetch_wait` "layer"
+        —, observed by the model's routing observer), both by the agreement (`_observer`), judged greedily or,
+        with `sampled`, by speculative sampling: CUDA graphs over the model's reusable cache, eager otherwise."""
+        if draft:
+            experts = self.experts
+        else:
+            experts = self.verify_experts if self.lookahead is not None and self.prefetch_wait == "layer" else None
+        observe = self._observer(model, draft)
         offload = not draft  # the draft's experts are all resident: its steps skip the runtime's bookkeeping
         n_vocab = model.config.n_vocab
 
@@ -91,7 +101,7 @@ class SpeculativeDecoder:
             return make_steps(model, cache, n_tokens, experts, observe, offload=offload, verdict=verdict())
         if self._cache is not cache:
             self._steps, self._cache = {}, cache
-        key = (n_tokens, draft, id(observe), None if sampled is None else chain_candidates(sampled, n_vocab))
+        key = (n_tokens, id(experts), id(observe), None if sampled is None else chain_candidates(sampled, n_vocab))
         if key not in self._steps:
             self._steps[key] = make_steps(model, cache, n_tokens, experts, observe, offload=offload, graphs=True,
                                           verdict=verdict())
@@ -150,8 +160,8 @@ class SpeculativeDecoder:
                 clock.mark("draft")
                 if self.lookahead is not None:
                     self.lookahead.plan()
-                    if self.wait_for_prefetches:
-                        self.lookahead.wait_for_copies()
+                    if self.prefetch_wait != "none":
+                        self.lookahead.wait_for_copies(in_kernels=self.prefetch_wait == "layer")
                 cache.truncate(pos)
                 if on_device:
                     verify.step(torch.cat([drafted, torch.full((1,), pos, device=drafted.device)]))

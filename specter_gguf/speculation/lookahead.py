@@ -9,19 +9,25 @@ host without waiting. `plan`, called once the whole drafting is enqueued, then r
 it lands (drafting on the device, the GPU is still drafting meanwhile; drafting on the host, it has ended by
 then), and asks the cache for the experts counted so far, most used first (ties: earlier layer first, the order
 verification meets them): the missing ones are copied in. Their slots, and those of the resident ones, are reserved
-in the cache: no later request evicts them before the coming verification has run. `wait_for_copies` then makes
-that verification wait (on the GPU) for the copies still in flight rather than read those experts in place
-while they land: measured faster on the H200 (docs/BENCHMARKS.md, 2026-12-01 14:03).
+in the cache: no later request evicts them before the coming verification has run. The last snapshot's copies
+are queued layer by layer, the cache's `CopyProgress` raised after each layer's, so that the verification, its
+experts wrapped in `AfterCopies`, waits on the GPU in each MoE layer for that layer's copies only
+(`wait_for_copies(in_kernels=True)`) — the copies of later layers land while earlier layers compute — rather
+than for all of them before it starts (`in_kernels=False`), or reading the experts in place while their copies
+land (slower than either: the same bytes cross PCIe twice; docs/BENCHMARKS.md, 2026-12-01 14:03).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from specter_gguf.runtime.cache import ExpertCache
+from specter_gguf.layers import Experts, Transformer
+from specter_gguf.runtime.cache import CopyProgress, ExpertCache
 
 
 def chunk_ends(k: int, step_s: float, copy_s: float) -> list[int]:
@@ -54,7 +60,8 @@ class ExpertLookahead:
         self.counts[layer].index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
 
     def start(self) -> None:
-        """A new iteration: nothing counted, nothing requested yet."""
+        """A new iteration: nothing counted, nothing requested yet (a new round of the cache's copy progress)."""
+        self.cache.progress.begin()
         self.counts.zero_()
         self.cache.reserved.clear()
         self._seen.clear()
@@ -74,30 +81,64 @@ class ExpertLookahead:
 
     def plan(self) -> int:
         """Read each snapshot as it lands (waiting for it: the GPU drafts on meanwhile) and request the counted
-        experts; returns the copies issued."""
+        experts, the last snapshot's layer by layer with the copy progress raised after each layer's; returns the
+        copies issued."""
         issued = 0
         for i in range(self._pending):
             if self._events[i] is not None:
                 self._events[i].synchronize()
-            issued += self._request(self._hosts[i].numpy())
+            issued += self._request(self._hosts[i].numpy(), by_layer=i == self._pending - 1)
         self._pending = 0
+        self.cache.progress.landed(self.cache.progress.n_layers)
         return issued
 
-    def _request(self, counts: np.ndarray) -> int:
+    def _request(self, counts: np.ndarray, by_layer: bool) -> int:
         layers, experts = np.nonzero(counts)
-        order = np.lexsort((layers, -counts[layers, experts]))  # most used first, then earlier layers
+        uses = -counts[layers, experts]
+        # most used first, then earlier layers; by_layer: the verification's order, most used first in a layer
+        order = np.lexsort((uses, layers)) if by_layer else np.lexsort((layers, uses))
         keys = [key for key in ((int(layers[i]), int(experts[i])) for i in order) if key not in self._seen]
         self._seen.update(keys)
         where = self.cache.where
         self.cache.reserved.update(where[key] for key in keys if key in where)  # before any copy takes a slot
         fresh = [key for key in keys if key not in where]
-        issued = self.cache.request(fresh, reserve=True)
+        if by_layer:
+            issued = 0
+            for layer, group in itertools.groupby(fresh, key=lambda key: key[0]):
+                self.cache.progress.landed(self.cache.position[layer])  # every earlier layer's copies are queued
+                issued += self.cache.request(list(group), reserve=True)
+        else:
+            issued = self.cache.request(fresh, reserve=True)
         self.prefetched.update(key for key in fresh if key in where)
         self.refused += len(fresh) - issued
         return issued
 
-    def wait_for_copies(self) -> None:
-        """Make the compute stream wait (GPU-side) for this iteration's copies and publish them: the coming
-        verification reads them from their slots instead of reading the experts in place while they land."""
+    def wait_for_copies(self, in_kernels: bool) -> None:
+        """Publish this iteration's copies: the coming verification reads them from their slots, waiting for them
+        on the GPU — all of them before it starts, or (`in_kernels`, its experts wrapped in `AfterCopies`) each
+        MoE layer for its own — instead of reading the experts in place while they land."""
         where = self.cache.where
-        self.cache.publish(wait=[where[key] for key in self.prefetched if key in where])
+        self.cache.publish(wait=[where[key] for key in self.prefetched if key in where], in_kernels=in_kernels)
+
+
+@dataclass
+class AfterCopies:
+    """A MoE layer's experts run once the copies queued for that layer have landed (`CopyProgress.wait`, a GPU-side
+    wait inside the verification's CUDA graph); `position`: the layer's index among the MoE layers."""
+
+    experts: Experts
+    progress: CopyProgress
+    position: int
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        self.progress.wait(self.position)
+        return self.experts(x, ids, weights)
+
+
+def after_copies(transformer: Transformer, cache: ExpertCache) -> list[Experts | None]:
+    """A forward's expert source (`layers.ExpertSource`) whose MoE layers wait for their copies (`AfterCopies`)."""
+    out: list[Experts | None] = [None] * len(transformer.blocks)
+    for block in transformer.blocks:
+        if block.layer in cache.position:
+            out[block.layer] = AfterCopies(block.ffn.experts, cache.progress, cache.position[block.layer])
+    return out

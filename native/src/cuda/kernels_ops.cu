@@ -1,5 +1,6 @@
 // CUDA versions of the small fused ops of a decode step (specter_kernels.h): MoE top-k routing and the
 // attention inputs (biases, RoPE, KV cache store). Each replaces several framework kernels with one launch.
+// Also the wait on a counter that orders a graph's kernels after copies issued on another stream.
 #include <cstdint>
 
 #include "kernels_common.h"
@@ -142,6 +143,29 @@ __global__ void rope_kv_kernel(RopeKvArgs a) {
     }
 }
 
+__device__ __forceinline__ unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// One thread: the kernels after it on the stream start once the counter has reached its value. The counter is
+// read volatile (it changes under us); the writes it announces were complete before it was raised (stream order
+// on the raising side) and the next kernel's loads see them.
+__global__ void wait_counter_kernel(const volatile long long * counter, const long long * base, long long offset,
+                                    long long timeout_ns, unsigned long long * waited_ns) {
+    const long long want = *base + offset;
+    if (*counter >= want) return;
+    const unsigned long long t0 = global_ns();
+    unsigned long long now = t0;
+    while (*counter < want) {
+        __nanosleep(256);
+        now = global_ns();
+        if (timeout_ns > 0 && now - t0 > (unsigned long long)timeout_ns) __trap();
+    }
+    if (waited_ns) atomicAdd(waited_ns, now - t0);
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace specter
@@ -190,6 +214,17 @@ int specter_cuda_rope_kv(const float * q, int64_t q_stride, const float * k, int
         rope_kv_kernel<__half><<<blocks, 256, 0, cudaStream_t(stream)>>>(a);
     else
         rope_kv_kernel<float><<<blocks, 256, 0, cudaStream_t(stream)>>>(a);
+    return launch_status();
+}
+
+int specter_cuda_wait_counter(const int64_t * counter, const int64_t * base, int64_t offset, int64_t timeout_ns,
+                              int64_t * waited_ns, void * stream) {
+    if (!counter || !base) return SPECTER_ERR_INVALID_ARG;
+    cudaGetLastError();
+    wait_counter_kernel<<<1, 1, 0, cudaStream_t(stream)>>>(reinterpret_cast<const volatile long long *>(counter),
+                                                           reinterpret_cast<const long long *>(base), offset,
+                                                           timeout_ns,
+                                                           reinterpret_cast<unsigned long long *>(waited_ns));
     return launch_status();
 }
 
