@@ -2,7 +2,7 @@
 """Write a random-weight MoE GGUF (llama.cpp layout) from a preset, optionally with quantized drafts.
 
 Examples:
-  python scripts/make_synthetic.py --preset tiny-qwen2moe --dtype f16 -o models/tiny-qwen2moe.gguf
+  python scripts/make_synthetic.py --preset tiny-qwen2moe --dtype f16 -o /tmp/tiny-qwen2moe.gguf
   python scripts/make_synthetic.py --preset qwen1.5-moe-a2.7b --device cuda \\
       --vocab-from vendor/llama.cpp/models/ggml-vocab-qwen2.gguf -o /data/qwen2moe-f16.gguf \\
       --quantize q8_0,q4_k_m,q2_k

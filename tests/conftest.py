@@ -9,7 +9,9 @@ under pytest's tmp dir and reused by every later test:
   rounded), or ``q8_0`` / ``q4_k_m`` / ``q2_k`` (llama.cpp's quantizer applied to the F16 file; these
   need llama-cpp-python and skip the test without it).
 
-``shipped_model`` is models/tiny-qwen2moe.gguf, the model that ships with the repository.
+``shipped_model`` is models/tiny-qwen2moe.gguf, the model that ships with the repository: a small MoE trained on
+the Python standard library (docs/TINY_MODEL.md; 4 layers, context 512). The random-weight model that shipped
+before it is ``tiny_models[("qwen2moe", "f16")]`` (the same preset and seed).
 """
 
 from __future__ import annotations

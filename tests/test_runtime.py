@@ -140,13 +140,15 @@ def test_fitted_budget_is_the_free_memory_less_the_margin(shipped_model, monkeyp
 
 
 # ---------------------------------------------------------------------------------------------- store, cache
-def _small_cache(shipped_model, n_slots: int, policy: str = "lru", profile: RoutingProfile | None = None
+def _small_cache(shipped_model, slots: int, policy: str = "lru", profile: RoutingProfile | None = None
                  ) -> ExpertCache:
-    """As the runtime makes them: per-layer partitions for lru, one global partition for lfu/static-hot."""
+    """As the runtime makes them: per-layer partitions for lru (`slots` per MoE layer), one global partition of
+    `slots` for lfu/static-hot."""
     partition = "layer" if policy == "lru" else "global"
     f = GGUFFile(shipped_model)
     cfg = ModelConfig.from_gguf(f)
     layers = moe_layers(f, cfg)
+    n_slots = slots * len(layers) if partition == "layer" else slots
     layouts = {i: record_layout(f, cfg, i) for i in layers}
     store = ExpertStore(f, layouts, cfg.n_expert, torch.device("cpu"))
     slot = max(r.nbytes for r in layouts.values())
@@ -154,7 +156,7 @@ def _small_cache(shipped_model, n_slots: int, policy: str = "lru", profile: Rout
 
 
 def test_store_records_are_the_file_bytes(shipped_model) -> None:
-    cache = _small_cache(shipped_model, 4)
+    cache = _small_cache(shipped_model, 2)
     f = cache.store.f
     (slot,) = cache.acquire(1, [5])
     raw = cache.view(slot).numpy()
@@ -165,7 +167,7 @@ def test_store_records_are_the_file_bytes(shipped_model) -> None:
 
 
 def test_lru_evicts_least_recently_used(shipped_model) -> None:
-    cache = _small_cache(shipped_model, 6)  # 3 slots per layer
+    cache = _small_cache(shipped_model, 3)  # 3 slots per layer
     for e in (0, 1, 2):
         cache.release(cache.acquire(0, [e]))
     cache.release(cache.acquire(0, [0]))      # 0 is now the most recent; 1 the least
@@ -179,7 +181,7 @@ def test_lru_evicts_least_recently_used(shipped_model) -> None:
 
 
 def test_pinned_slots_are_never_evicted(shipped_model) -> None:
-    cache = _small_cache(shipped_model, 4)  # 2 per layer
+    cache = _small_cache(shipped_model, 2)  # 2 per layer
     slots = cache.acquire(0, [0, 1])
     assert cache.request([(0, 2)]) == 0     # nothing evictable: skipped
     with pytest.raises(SpecterError, match="needs more than"):
@@ -210,7 +212,7 @@ def test_static_hot_keeps_the_profiled_hot_set(shipped_model) -> None:
 
 
 def test_request_priority_and_resident(shipped_model) -> None:
-    cache = _small_cache(shipped_model, 4)  # 2 per layer
+    cache = _small_cache(shipped_model, 2)  # 2 per layer
     assert cache.request([(0, 1), (0, 2), (0, 3)], priority=[1.0, 3.0, 2.0]) == 2
     assert cache.resident([(0, 1), (0, 2), (0, 3)]) == [False, True, True]  # the lowest priority did not fit
     assert cache.counters.prefetches == 2 and cache.counters.cache_lookups == 0

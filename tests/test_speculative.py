@@ -219,7 +219,8 @@ def test_lookahead_prefetches_what_the_draft_counted_most_used_first(shipped_mod
     layers = moe_layers(f, cfg)
     layouts = {i: record_layout(f, cfg, i) for i in layers}
     store = ExpertStore(f, layouts, cfg.n_expert, torch.device("cpu"))
-    cache = ExpertCache(store, 6, max(r.nbytes for r in layouts.values()), layers, torch.device("cpu"))  # 3/layer
+    cache = ExpertCache(store, 3 * len(layers), max(r.nbytes for r in layouts.values()), layers,
+                        torch.device("cpu"))  # 3 slots per layer
     elb = ExpertLookahead(cache, cfg.n_layer, cfg.n_expert, torch.device("cpu"))
     elb.start()
     elb(1, torch.tensor([[7, 2]]), torch.ones(1, 2))
