@@ -84,6 +84,7 @@ class StepGraphs(Steps):
         with torch.cuda.graph(graph):
             logits = self._body(window)
         self._graphs[window] = (graph, logits)
+        self.captures += 1
 
     def _storage_moved(self) -> bool:
         """Drop every graph when the KV cache or a RoPE table has moved since the graphs were captured."""

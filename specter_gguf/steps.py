@@ -46,6 +46,7 @@ class Steps:
         self._choices = [torch.zeros(n_tokens + 2, dtype=torch.long, pin_memory=self.cuda) for _ in range(2)]
         self._chosen = [torch.cuda.Event() if self.cuda else None for _ in range(2)]
         self._turn = 0
+        self.captures = 0  # CUDA graphs captured so far (`StepGraphs`): a step that captures is not a typical one
 
     def step(self, tokens: list[int] | torch.Tensor | None = None) -> torch.Tensor:
         """Logits [n_tokens, n_vocab] (float32) of the tokens appended at position `cache.length`; overwritten by

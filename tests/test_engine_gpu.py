@@ -46,6 +46,17 @@ def test_cuda_incremental_decode_matches_one_pass(tiny_models, arch: str) -> Non
     assert list(one_pass[:len(gen.tokens)]) == gen.tokens
 
 
+def test_cuda_auto_depth_does_not_time_the_iterations_that_capture_graphs(shipped_model) -> None:
+    """`--n-draft auto` on CUDA: an iteration that captures a CUDA graph (the first ones: two eager steps and a
+    capture, tens of ms) is not timed, so after one generation the chooser's draft step is a replay's, under
+    5 ms for the shipped model — where counting the captures made it 23 ms on the H200 (`run --stats`, 2026-12-01)
+    and auto then chose plain steps for nearly every token."""
+    m = Model.load(shipped_model, draft="q4_k_m", device="cuda", progress=False)
+    assert m.cuda_graphs and m.decoder.depth is not None
+    m.generate([5, 17, 300, 42, 7, 99], 32, SamplingParams(temperature=0)).wait()
+    assert m.decoder.depth.step_s is not None and m.decoder.depth.step_s < 0.005, m.decoder.depth
+
+
 @pytest.mark.parametrize("arch", ["qwen2moe", "tiny-deepseek2", "tiny-phimoe"])
 def test_cuda_speculative_greedy_equals_target_only(tiny_models, arch: str) -> None:
     """Speculative decoding on the GPU with a Q4_K_M draft gives the target's own greedy tokens, both replaying

@@ -148,6 +148,7 @@ class SpeculativeDecoder:
                     continue
                 k = min(self.n_draft if self.depth is None else self.depth.choose(), room)
                 pos = cache.length
+                captures = self._captures()
                 clock.mark()
                 began = time.perf_counter()
                 if on_device:
@@ -181,7 +182,9 @@ class SpeculativeDecoder:
                     accepted, token = accept_drafts(verified, drafted_ids, draft_probs, sampler, history,
                                                     self.synth_len)
                 cache.truncate(pos + 1 + len(accepted))
-                if self.depth is not None:  # the verdict was read: the phases' events have completed
+                # the verdict was read: the phases' events have completed; an iteration that captured a CUDA graph
+                # (a one-time cost of tens of ms) would make drafting look as if it never paid
+                if self.depth is not None and self._captures() == captures:
                     draft_s, verify_s = clock.last("draft"), clock.last("verify")
                     wall = time.perf_counter() - began
                     self.depth.record(k, len(accepted), draft_s, verify_s, max(0.0, wall - draft_s - verify_s))
@@ -193,6 +196,9 @@ class SpeculativeDecoder:
             stats.expert_agreement, stats.expert_agreement_layers = self.agreement.read()
             if stats.draft_tokens:
                 self._step_s = stats.draft_s / stats.draft_tokens
+
+    def _captures(self) -> int:
+        return sum(steps.captures for steps in self._steps.values())
 
     def _draft_on_device(self, model: Model, cache: KVCache, first: int | torch.Tensor, k: int, verify: Steps,
                          sampler: Sampler) -> torch.Tensor:
