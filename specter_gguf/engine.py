@@ -4,6 +4,7 @@ file's hyperparameters or plan its GPU memory without loading it. The CLI and th
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections import Counter
@@ -34,6 +35,8 @@ __all__ = ["Model", "Generation", "GenerationStats", "SHIPPED_MODEL", "SHIPPED_D
            "read_config", "FileSummary", "summarize_file", "plan_budget", "MemoryPlan", "ModelConfig",
            "RoutingProfile", "OFFLOAD_CHOICES", "POLICIES", "MAX_DEPTH", "parse_depth", "DRAFT_TYPES",
            "draft_file_or_type", "resolve_draft"]
+
+log = logging.getLogger(__name__)
 
 SHIPPED_MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-qwen2moe.gguf"
 SHIPPED_DRAFT = "q4_k_m"  # the CLI's draft for the shipped model (made on first use: speculation.draft_files)
@@ -325,7 +328,11 @@ class Model:
         path = Path(path) if path is not None else SHIPPED_MODEL
         dev = resolve_device(device)
         f = _open_model(path)
-        ctx = ModelConfig.from_gguf(f).context_size(ctx_size)
+        cfg = ModelConfig.from_gguf(f)
+        ctx = cfg.context_size(ctx_size)
+        if ctx > cfg.n_ctx_train:  # llama.cpp warns the same: RoPE positions past training are untried
+            log.warning("the context of %d tokens exceeds the %d the model was trained on; text past %d tokens "
+                        "may degrade", ctx, cfg.n_ctx_train, cfg.n_ctx_train)
         if draft is None and n_draft is not None:
             raise SpecterError("--n-draft needs a draft (--draft DRAFT.gguf)")
         if n_draft is not None:

@@ -63,3 +63,17 @@ def test_ids_only_tokenizer_and_ignore_eos(shipped_model: Path) -> None:
     stopped = ends.generate(ids, 8, GREEDY).wait()
     assert stopped.tokens == [] and stopped.finish_reason == "stop"
     assert ends.generate(ids, 8, GREEDY, ignore_eos=True).wait().tokens == real.tokens
+
+
+def test_a_context_past_the_training_one_is_warned_about(shipped_model: Path, caplog) -> None:
+    """As llama.cpp does: a context above the model's training context loads, with a warning naming both."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="specter_gguf"):
+        m = Model.load(shipped_model, device="cpu", progress=False, ctx_size=1024)
+    assert m.ctx_size == 1024
+    assert any("1024 tokens exceeds the 512" in r.getMessage() for r in caplog.records), caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="specter_gguf"):
+        Model.load(shipped_model, device="cpu", progress=False, ctx_size=512)
+    assert not [r for r in caplog.records if "exceeds" in r.getMessage()]
