@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from small_cache import small_cache
 
 from specter_gguf.cli import cli
 from specter_gguf.engine import Model
 from specter_gguf.errors import SpecterError
 from specter_gguf.gguf_file import GGUFFile
-from specter_gguf.runtime import MODES, DeviceRoutingCounts, ExpertCache, OffloadCounters, RoutingProfile, plan_memory
+from specter_gguf.runtime import MODES, DeviceRoutingCounts, OffloadCounters, RoutingProfile, plan_memory
 from specter_gguf.runtime.budget import moe_layers, record_layout
-from specter_gguf.runtime.store import ExpertStore
 from specter_gguf.config import ModelConfig
 from specter_gguf.sampling import SamplingParams
 from specter_gguf.sizes import parse_size
@@ -140,23 +140,8 @@ def test_fitted_budget_is_the_free_memory_less_the_margin(shipped_model, monkeyp
 
 
 # ---------------------------------------------------------------------------------------------- store, cache
-def _small_cache(shipped_model, slots: int, policy: str = "lru", profile: RoutingProfile | None = None
-                 ) -> ExpertCache:
-    """As the runtime makes them: per-layer partitions for lru (`slots` per MoE layer), one global partition of
-    `slots` for lfu/static-hot."""
-    partition = "layer" if policy == "lru" else "global"
-    f = GGUFFile(shipped_model)
-    cfg = ModelConfig.from_gguf(f)
-    layers = moe_layers(f, cfg)
-    n_slots = slots * len(layers) if partition == "layer" else slots
-    layouts = {i: record_layout(f, cfg, i) for i in layers}
-    store = ExpertStore(f, layouts, cfg.n_expert, torch.device("cpu"))
-    slot = max(r.nbytes for r in layouts.values())
-    return ExpertCache(store, n_slots, slot, layers, torch.device("cpu"), policy, partition, profile)
-
-
 def test_store_records_are_the_file_bytes(shipped_model) -> None:
-    cache = _small_cache(shipped_model, 2)
+    cache = small_cache(shipped_model, 2)
     f = cache.store.f
     (slot,) = cache.acquire(1, [5])
     raw = cache.view(slot).numpy()
@@ -167,7 +152,7 @@ def test_store_records_are_the_file_bytes(shipped_model) -> None:
 
 
 def test_lru_evicts_least_recently_used(shipped_model) -> None:
-    cache = _small_cache(shipped_model, 3)  # 3 slots per layer
+    cache = small_cache(shipped_model, 3)  # 3 slots per layer
     for e in (0, 1, 2):
         cache.release(cache.acquire(0, [e]))
     cache.release(cache.acquire(0, [0]))      # 0 is now the most recent; 1 the least
@@ -181,7 +166,7 @@ def test_lru_evicts_least_recently_used(shipped_model) -> None:
 
 
 def test_pinned_slots_are_never_evicted(shipped_model) -> None:
-    cache = _small_cache(shipped_model, 2)  # 2 per layer
+    cache = small_cache(shipped_model, 2)  # 2 per layer
     slots = cache.acquire(0, [0, 1])
     assert cache.request([(0, 2)]) == 0     # nothing evictable: skipped
     with pytest.raises(SpecterError, match="needs more than"):
@@ -191,7 +176,7 @@ def test_pinned_slots_are_never_evicted(shipped_model) -> None:
 
 
 def test_lfu_keeps_the_frequent(shipped_model) -> None:
-    cache = _small_cache(shipped_model, 6, policy="lfu")  # global partition of 6
+    cache = small_cache(shipped_model, 6, policy="lfu")  # global partition of 6
     for e, uses in ((0, 3), (1, 1), (2, 2), (3, 2), (4, 2), (5, 2)):
         for _ in range(uses):
             cache.release(cache.acquire(0, [e]))
@@ -201,18 +186,18 @@ def test_lfu_keeps_the_frequent(shipped_model) -> None:
 
 def test_static_hot_keeps_the_profiled_hot_set(shipped_model) -> None:
     profile = RoutingProfile({(0, 7): 100, (0, 6): 90, (1, 3): 80, (0, 1): 5})
-    cache = _small_cache(shipped_model, 3, policy="static-hot", profile=profile)
+    cache = small_cache(shipped_model, 3, policy="static-hot", profile=profile)
     assert cache.warm() == 3
     assert cache.resident([(0, 7), (0, 6), (1, 3)]) == [True, True, True]
     for e in (0, 2, 4):                       # cold experts only take the coldest slot, one after the other
         cache.release(cache.acquire(0, [e]))
     assert cache.resident([(0, 7), (0, 6), (0, 4), (1, 3)]) == [True, True, True, False]
     with pytest.raises(SpecterError, match="routing profile"):
-        _small_cache(shipped_model, 3, policy="static-hot")
+        small_cache(shipped_model, 3, policy="static-hot")
 
 
 def test_request_priority_and_resident(shipped_model) -> None:
-    cache = _small_cache(shipped_model, 2)  # 2 per layer
+    cache = small_cache(shipped_model, 2)  # 2 per layer
     assert cache.request([(0, 1), (0, 2), (0, 3)], priority=[1.0, 3.0, 2.0]) == 2
     assert cache.resident([(0, 1), (0, 2), (0, 3)]) == [False, True, True]  # the lowest priority did not fit
     assert cache.counters.prefetches == 2 and cache.counters.cache_lookups == 0

@@ -21,7 +21,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from small_cache import small_cache
+
 from specter_gguf.cli import cli
+from specter_gguf.config import ModelConfig
 from specter_gguf.engine import Model
 from specter_gguf.errors import SpecterError
 from specter_gguf.gguf_file import GGUFFile
@@ -204,24 +207,23 @@ def test_cli_run_with_draft(tiny_models) -> None:
     assert wrong.exit_code == 1 and "Error:" in wrong.output and "Traceback" not in wrong.output
 
 
+def _lookahead(shipped_model: Path, slots: int):
+    """The lookahead buffer of the shipped model over a CPU cache of `slots` slots per MoE layer."""
+    from specter_gguf.speculation.lookahead import ExpertLookahead
+
+    cache = small_cache(shipped_model, slots)
+    cfg = ModelConfig.from_gguf(cache.store.f)
+    return ExpertLookahead(cache, cfg.n_layer, cfg.n_expert, torch.device("cpu"))
+
+
 def test_lookahead_prefetches_what_the_draft_counted_most_used_first(shipped_model) -> None:
     """The ELB counts the draft's routing on the device; each snapshot it reads asks the cache for the counted
     experts not resident yet, most used first, then earlier layers; slots it requested in this iteration are not
     evicted by its later requests or by any other request, and an expert is requested once per iteration."""
-    from specter_gguf.runtime.budget import moe_layers, record_layout
-    from specter_gguf.runtime.cache import ExpertCache
-    from specter_gguf.runtime.store import ExpertStore
-    from specter_gguf.config import ModelConfig
-    from specter_gguf.speculation.lookahead import ExpertLookahead, chunk_ends
+    from specter_gguf.speculation.lookahead import chunk_ends
 
-    f = GGUFFile(shipped_model)
-    cfg = ModelConfig.from_gguf(f)
-    layers = moe_layers(f, cfg)
-    layouts = {i: record_layout(f, cfg, i) for i in layers}
-    store = ExpertStore(f, layouts, cfg.n_expert, torch.device("cpu"))
-    cache = ExpertCache(store, 3 * len(layers), max(r.nbytes for r in layouts.values()), layers,
-                        torch.device("cpu"))  # 3 slots per layer
-    elb = ExpertLookahead(cache, cfg.n_layer, cfg.n_expert, torch.device("cpu"))
+    elb = _lookahead(shipped_model, 3)
+    cache = elb.cache
     elb.start()
     elb(1, torch.tensor([[7, 2]]), torch.ones(1, 2))
     elb(0, torch.tensor([[5, 2], [5, 3]]), torch.ones(2, 2))
@@ -248,25 +250,13 @@ def test_lookahead_queues_the_last_snapshot_layer_by_layer(shipped_model) -> Non
     verification's order), the cache's copy progress raised to p before MoE layer p's copies are queued and to
     the layer count after all, so the verification's layer p waits for the copies of layers 0..p only. On the
     CPU a wait whose layer was not announced in this round is an error (the GPU would wait for it)."""
-    from specter_gguf.config import ModelConfig
-    from specter_gguf.errors import SpecterError
-    from specter_gguf.runtime.budget import moe_layers, record_layout
-    from specter_gguf.runtime.cache import ExpertCache
-    from specter_gguf.runtime.store import ExpertStore
-    from specter_gguf.speculation.lookahead import ExpertLookahead
-
-    f = GGUFFile(shipped_model)
-    cfg = ModelConfig.from_gguf(f)
-    layers = moe_layers(f, cfg)
-    layouts = {i: record_layout(f, cfg, i) for i in layers}
-    store = ExpertStore(f, layouts, cfg.n_expert, torch.device("cpu"))
-    cache = ExpertCache(store, 6 * len(layers), max(r.nbytes for r in layouts.values()), layers, torch.device("cpu"))
-    elb = ExpertLookahead(cache, cfg.n_layer, cfg.n_expert, torch.device("cpu"))
+    elb = _lookahead(shipped_model, 6)
+    cache = elb.cache
     progress, events = cache.progress, []
     request, landed = cache.request, progress.landed
     cache.request = lambda keys, **kw: (events.append(("copy", list(keys))), request(keys, **kw))[1]
     progress.landed = lambda p: (events.append(("landed", p)), landed(p))[1]
-    n = len(layers)
+    n = len(cache.position)
     elb.start()
     with pytest.raises(SpecterError, match="has not reached"):
         progress.wait(0)  # nothing announced in this round
