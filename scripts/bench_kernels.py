@@ -20,7 +20,13 @@ on MoE expert shapes, and the grouped MoE layer time.
 - Sampling: the sampled verdict's chain on the device (`sampling.chain_probabilities` over the top-40 candidates
   of a 151,936-token vocabulary, then `draw_rows`) for 1 row (a draft step) and 9 rows (a verification of 8
   drafted tokens), beside the greedy verdict's argmax, in a CUDA graph.
-Writes DIR/bench_kernels.json and prints a compact table last. `--only kernels|decode|sampling` runs one part.
+- Attention: a few queries over an f16 KV cache of the Qwen1.5-MoE shape (16 query heads, 16 KV heads of 128),
+  T = 1 (a decode or draft step) and T = 9 (a verification of 8 drafted tokens), windows of 256, 1024 and 4096
+  keys with the tokens at the window's end: torch SDPA as `Attention` ran it before (`layers.attend` with the mask
+  of `Positions.window`, what the step graphs capture) against the native `kernels.decode_attention`, each in a
+  CUDA graph cycling through 24 layers' caches (as a step reads them).
+Writes DIR/bench_kernels.json and prints a compact table last. `--only kernels|decode|sampling|attention` runs one
+part.
 """
 
 from __future__ import annotations
@@ -200,6 +206,31 @@ def bench_sampling(dev: torch.device, iters: int, n_vocab: int = 151936) -> list
     return out
 
 
+def bench_attention(dev: torch.device, iters: int, n_layers: int = 24) -> list[dict]:
+    from specter_gguf.layers import Positions, attend
+
+    H, Hkv, d = 16, 16, 128
+    scale = 1.0 / math.sqrt(d)
+    out = []
+    for window in (256, 1024, 4096):
+        caches = [(torch.randn(Hkv, window, d, device=dev, dtype=torch.float16),
+                   torch.randn(Hkv, window, d, device=dev, dtype=torch.float16)) for _ in range(n_layers)]
+        for T in (1, 9):
+            q = torch.randn(H, T, d, device=dev, dtype=torch.float16)
+            pos = torch.arange(window - T, window, device=dev)
+            bias = Positions.window(pos, window).attn_bias(torch.float16)
+            ws = torch.empty(kernels.decode_attention_workspace_size(T, H, d, window), dtype=torch.uint8, device=dev)
+            res = torch.empty(H, T, d, device=dev, dtype=torch.float16)
+            sdpa = [lambda k=k, v=v: attend(q, k, v, bias, scale) for k, v in caches]
+            ours = [lambda k=k, v=v: kernels.decode_attention(q, k, v, window, pos, scale, out=res, workspace=ws)
+                    for k, v in caches]
+            out.append(dict(window=window, tokens=T, heads=H, heads_kv=Hkv, head_dim=d,
+                            sdpa_us=1e6 * graph_time(sdpa, iters), ours_us=1e6 * graph_time(ours, iters)))
+        del caches
+        torch.cuda.empty_cache()
+    return out
+
+
 def bench_decode(path: Path, llama_bin: Path | None, n_predict: int, runs: int) -> dict:
     from specter_gguf.engine import Model
     from specter_gguf.sampling import SamplingParams
@@ -277,7 +308,8 @@ def main() -> int:
     ap.add_argument("--out", default="bench-out", help="directory for bench_kernels.json")
     ap.add_argument("--iters", type=int, default=200, help="calls per captured CUDA graph")
     ap.add_argument("--quick", action="store_true", help="Q8_0/Q4_K/F16 only")
-    ap.add_argument("--only", choices=["kernels", "decode", "sampling"], default=None, help="run one part")
+    ap.add_argument("--only", choices=["kernels", "decode", "sampling", "attention"], default=None,
+                    help="run one part")
     ap.add_argument("--decode-model", type=Path, default=None, help="GGUF for the whole-model decode part")
     ap.add_argument("--llama-bin", type=Path, default=None, help="directory of llama.cpp's llama-bench")
     ap.add_argument("--n-predict", type=int, default=128, help="decode: generated tokens per run")
@@ -298,6 +330,8 @@ def main() -> int:
                       moe=bench_moe(dev, args.iters))
     if args.only in (None, "sampling"):
         result["sampling"] = bench_sampling(dev, args.iters)
+    if args.only in (None, "attention"):
+        result["attention"] = bench_attention(dev, args.iters)
     if args.only in (None, "decode") and args.decode_model is not None:
         result["decode"] = bench_decode(args.decode_model, args.llama_bin, args.n_predict, args.runs)
     result["seconds"] = time.time() - t0
@@ -308,6 +342,11 @@ def main() -> int:
         print("\nverdict on the device, us per call (CUDA graph):")
         for r in result["sampling"]:
             print(f"  {r['op']:24s} rows {r['rows']}: {r['us']:7.1f}")
+    if "attention" in result:
+        print("\nattention, Qwen1.5-MoE shape (16/16 heads of 128, f16 cache), us per call (CUDA graph):")
+        print(f"  {'window':>6s} {'T':>3s} {'torch sdpa':>11s} {'native':>8s}")
+        for r in result["attention"]:
+            print(f"  {r['window']:6d} {r['tokens']:3d} {r['sdpa_us']:11.1f} {r['ours_us']:8.1f}")
     if "decode" in result:
         print_decode(result["decode"])
     return 0

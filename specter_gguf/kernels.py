@@ -8,7 +8,8 @@
   expert tensors, GPU cache slots and a quantized draft copy all run on the same kernel.
 - The fused ops of a decode step, each one kernel where torch would launch several: `qmatmul_swiglu` (a
   feed-forward's gate, up and silu(gate) * up), `rms_norm` (with the residual add before it), `moe_topk`
-  (softmax routing), `rope_kv` (q/k/v biases, RoPE, the KV cache store).
+  (softmax routing), `rope_kv` (q/k/v biases, RoPE, the KV cache store), `decode_attention` (a few queries
+  over the KV cache: decode, draft and verification steps).
 
 CUDA calls are enqueued on `torch.cuda.current_stream()` and never synchronise the host (capturable in a
 CUDA graph when the caller passes a preallocated `workspace` / `out`); CPU calls use
@@ -291,6 +292,67 @@ def rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: tuple[torch
     _call("rope_kv", args, q.device,
           f"rope_kv (T={T}, {n_head}/{n_head_kv} heads of {head_dim}: a position outside the KV cache?)")
     return q_out
+
+
+DECODE_ATTN_MAX_TOKENS = 16     # decode_attention takes at most this many query tokens
+DECODE_ATTN_MAX_HEAD_DIM = 256  # and head dims that are multiples of 32 up to this
+
+
+def decode_attention_supported(n_tokens: int, head_dim: int) -> bool:
+    """Whether `decode_attention` takes `n_tokens` queries with heads of `head_dim` features."""
+    return 1 <= n_tokens <= DECODE_ATTN_MAX_TOKENS and head_dim % 32 == 0 and 32 <= head_dim <= DECODE_ATTN_MAX_HEAD_DIM
+
+
+def decode_attention_workspace_size(n_tokens: int, n_head: int, head_dim: int, n_keys: int) -> int:
+    """Bytes of scratch `decode_attention` needs (preallocate it once to capture the call in a CUDA graph)."""
+    f, lb = native.ffi(), native.lib()
+    out = f.new("size_t *")
+    native.check(lb.specter_decode_attention_workspace_size(n_tokens, n_head, head_dim, n_keys, out),
+                 f"decode attention workspace size (T={n_tokens}, {n_head} heads of {head_dim}, {n_keys} keys)")
+    return int(out[0])
+
+
+def decode_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, keys: int, pos: torch.Tensor,
+                     scale: float, *, out: torch.Tensor | None = None,
+                     workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of a few queries q `[n_head, T, head_dim]` over the first `keys` positions of the KV cache storage
+    k_store, v_store `[n_head_kv, capacity, head_dim]` (what `rope_kv` writes; the same dtype as q, float16 or
+    float32): query t of head h sees the keys j <= pos[t] (int64 `[T]` on the device) of KV head
+    h / (n_head / n_head_kv), softmax(scale * q.k) in float32. Returns `[n_head, T, head_dim]` in q's dtype; what
+    `layers.attend` computes with the mask `Positions.window` builds. T <= DECODE_ATTN_MAX_TOKENS, head_dim a multiple
+    of 32 up to DECODE_ATTN_MAX_HEAD_DIM. On CUDA two kernels (flash-decoding: key splits, then their combination),
+    no host synchronisation; a position outside [0, keys) is clamped there (past the window: every key), refused on
+    the CPU."""
+    H, T, d = q.shape
+    dtype = q.dtype
+    if dtype not in (torch.float16, torch.float32) or k_store.dtype != dtype or v_store.dtype != dtype:
+        raise SpecterError(f"decode_attention: q and the KV cache must share a dtype, float16 or float32, not "
+                           f"{q.dtype}/{k_store.dtype}/{v_store.dtype}")
+    if k_store.ndim != 3 or v_store.shape != k_store.shape or k_store.shape[2] != d:
+        raise SpecterError(f"decode_attention: the KV cache {tuple(k_store.shape)}/{tuple(v_store.shape)} does not "
+                           f"fit q {tuple(q.shape)}")
+    if not (k_store.is_contiguous() and v_store.is_contiguous()):
+        raise SpecterError("decode_attention: the KV cache must be contiguous")
+    if pos.shape != (T,) or pos.device != q.device or k_store.device != q.device or v_store.device != q.device:
+        raise SpecterError(f"decode_attention: positions {tuple(pos.shape)} on {pos.device} and the KV cache on "
+                           f"{k_store.device} do not fit q {tuple(q.shape)} on {q.device}")
+    n_kv, capacity = k_store.shape[0], k_store.shape[1]
+    qs = q.contiguous()
+    ps = pos.to(torch.int64).contiguous()
+    need = decode_attention_workspace_size(T, H, d, keys)
+    if workspace is None:
+        workspace = torch.empty(max(need, 1), dtype=torch.uint8, device=q.device)
+    elif workspace.numel() < need or workspace.device != q.device:
+        raise SpecterError(f"decode_attention: the workspace must hold {need} bytes on {q.device}")
+    if out is None:
+        out = torch.empty((H, T, d), dtype=dtype, device=q.device)
+    elif out.shape != (H, T, d) or out.dtype != dtype or not out.is_contiguous() or out.device != q.device:
+        raise SpecterError(f"decode_attention: out must be a contiguous {dtype} [{H}, {T}, {d}] tensor on {q.device}")
+    args = (FLOAT_TYPES[dtype], _ptr(qs), _ptr(k_store), _ptr(v_store), T, H, n_kv, d, keys, capacity,
+            _ptr(ps, "int64_t *"), float(scale), _ptr(workspace), workspace.numel(), _ptr(out))
+    _call("decode_attention", args, q.device,
+          f"decode_attention (T={T}, {H}/{n_kv} heads of {d}, {keys} of {capacity} keys: a position outside them?)")
+    return out
 
 
 WAIT_TIMEOUT_NS = 30 * 10**9  # a counter never raised is a bug: the device traps rather than hangs

@@ -22,8 +22,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specter_gguf.config import ModelConfig
 from specter_gguf.errors import SpecterError
-from specter_gguf.kernels import (GEMV_MAX_ROWS, ExpertTable, QuantizedTensor, moe_ffn, moe_topk, qmatmul,
-                                  qmatmul_swiglu, rms_norm, rope_kv)
+from specter_gguf.kernels import (GEMV_MAX_ROWS, ExpertTable, QuantizedTensor, decode_attention,
+                                  decode_attention_supported, moe_ffn, moe_topk, qmatmul, qmatmul_swiglu, rms_norm,
+                                  rope_kv)
 
 
 def _gemv(x: torch.Tensor, w: torch.Tensor | QuantizedTensor) -> bool:
@@ -326,7 +327,9 @@ class KVCache:
 class Attention:
     """Grouped-query attention; optional RMSNorm of q and k, either per head (weight of head_dim) or over
     all heads at once (weight of heads*head_dim), as the weight's size says. The q/k/v biases, RoPE and the KV
-    cache store run in one kernel (`rope_kv`), unless a q/k norm needs the biases first."""
+    cache store run in one kernel (`rope_kv`), unless a q/k norm needs the biases first. On CUDA a few queries
+    (decode, draft and verification steps: `decode_attention_supported`) attend in the native `decode_attention`,
+    more of them (prefill) and every query on the CPU in torch's SDPA (`attend`)."""
 
     n_head: int
     n_head_kv: int
@@ -352,8 +355,15 @@ class Attention:
         cos, sin = self.rope.table(at.keys, x.device, cache.max_len)
         q = rope_kv(q, k, v, self.bias, cos, sin, at.ids, self.head_dim, self.rope.dim, self.rope.neox, k_store,
                     v_store)  # [n_head, T, head_dim] in the cache's dtype
-        keys, values = k_store[:, :at.keys], v_store[:, :at.keys]
-        out = attend(q, keys, values, at.attn_bias(keys.dtype), 1.0 / math.sqrt(self.head_dim))
+        scale = 1.0 / math.sqrt(self.head_dim)
+        if q.is_cuda and decode_attention_supported(T, self.head_dim):
+            # a few queries (decode, draft, verification): two native kernels where SDPA's memory-efficient kernel
+            # took 13 us for one query of the Qwen1.5-MoE shape on the H200; query t sees keys <= at.ids[t], what
+            # the mask of `Positions.window` says (and `Positions.at` with one query: ids = [keys - 1], no mask)
+            out = decode_attention(q, k_store, v_store, at.keys, at.ids, scale)
+        else:
+            keys, values = k_store[:, :at.keys], v_store[:, :at.keys]
+            out = attend(q, keys, values, at.attn_bias(keys.dtype), scale)
         return self.wo(out.transpose(0, 1).reshape(T, -1))
 
 

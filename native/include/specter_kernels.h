@@ -1,7 +1,7 @@
 /*
  * specter_kernels.h - matrix kernels over GGUF-typed weights, and the small fused ops around them in a
- * decode step (MoE routing, RoPE + KV cache store), and a wait on a counter that orders them after copies
- * (libspecter).
+ * decode step (MoE routing, RoPE + KV cache store, attention of a few queries), and a wait on a counter that
+ * orders them after copies (libspecter).
  *
  * Every operation has a CPU entry point (specter_*) and a CUDA one (specter_cuda_*) with the same
  * data arguments; the last argument differs: `n_threads` (CPU threads, <= 0: all cores) for the
@@ -120,6 +120,43 @@ SPECTER_API int specter_cuda_rope_kv(const float * q, int64_t q_stride, const fl
                                      int neox, const float * cos, const float * sin, int64_t n_pos,
                                      const int64_t * pos, int out_type, void * q_out, void * k_cache,
                                      void * v_cache, int64_t capacity, void * stream);
+
+/* ---- attention of a few queries over the KV cache (decode, draft and verification steps) ---------------- */
+
+enum specter_decode_attention_limits {
+    SPECTER_DECODE_ATTN_MAX_TOKENS   = 16, /* n_tokens of one call, at most                     */
+    SPECTER_DECODE_ATTN_MAX_HEAD_DIM = 256 /* head_dim: a multiple of 32 from 32 up to this      */
+};
+
+/* out[h, t] = sum_j softmax_j(scale * q[h, t] . k[g, j]) v[g, j] over the keys j <= pos[t] of the first n_keys
+ * positions of the cache, g = h / (n_head / n_head_kv) (grouped-query attention); float32 arithmetic.
+ * q and out [n_head, n_tokens, head_dim] contiguous, k_cache and v_cache [n_head_kv, capacity, head_dim] (the
+ * KV cache storage that specter_rope_kv writes; positions 0 .. n_keys-1 are read, n_keys <= capacity), all of
+ * kv_type, SPECTER_TYPE_F32 or SPECTER_TYPE_F16 (out rounded to nearest); out must not overlap q. pos: int64
+ * [n_tokens], the tokens' positions: query t sees key j iff j <= pos[t] (a single query seeing the whole window
+ * has pos = n_keys - 1). 0 <= n_tokens <= SPECTER_DECODE_ATTN_MAX_TOKENS (0: nothing to do); head_dim a multiple
+ * of 32 in [32, SPECTER_DECODE_ATTN_MAX_HEAD_DIM] (SPECTER_ERR_BAD_SHAPE otherwise); n_head a multiple of
+ * n_head_kv. A position outside [0, n_keys) is SPECTER_ERR_INVALID_ARG on the CPU; on CUDA (pos in device
+ * memory, unread by the host) it is clamped into [0, n_keys - 1]: past the window a token sees every key (what
+ * the mask would say), below 0 it sees key 0 alone. Keys after a token's position never enter its result (cache
+ * rows not written yet may hold anything, NaN included).
+ * CUDA (flash-decoding): the keys are cut into splits of a length that depends on n_keys only; one kernel, one
+ * CTA per (query head, split), leaves every token's partial maximum, exponential sum and weighted values in the
+ * workspace, a second one per (head, token) combines the splits in ascending order. CPU: one softmax per (head,
+ * token), threads over the heads. Deterministic: the same inputs give bitwise the same out, and each token's
+ * result does not depend on the other tokens of the call. The workspace (any alignment >= 256 bytes; device
+ * memory for CUDA) must hold specter_decode_attention_workspace_size bytes on both (the CPU uses none of it). */
+SPECTER_API int specter_decode_attention_workspace_size(int64_t n_tokens, int64_t n_head, int64_t head_dim,
+                                                        int64_t n_keys, size_t * out_bytes);
+SPECTER_API int specter_decode_attention(int kv_type, const void * q, const void * k_cache, const void * v_cache,
+                                         int64_t n_tokens, int64_t n_head, int64_t n_head_kv, int64_t head_dim,
+                                         int64_t n_keys, int64_t capacity, const int64_t * pos, float scale,
+                                         void * workspace, size_t workspace_bytes, void * out, int n_threads);
+SPECTER_API int specter_cuda_decode_attention(int kv_type, const void * q, const void * k_cache,
+                                              const void * v_cache, int64_t n_tokens, int64_t n_head,
+                                              int64_t n_head_kv, int64_t head_dim, int64_t n_keys,
+                                              int64_t capacity, const int64_t * pos, float scale, void * workspace,
+                                              size_t workspace_bytes, void * out, void * stream);
 
 /* ---- grouped MoE feed-forward ------------------------------------------------------------ */
 

@@ -1,7 +1,8 @@
 // Pieces shared by the CPU and CUDA kernel entry points (libspecter internal): argument checks
-// and the layout of the MoE workspace.
+// and the layouts of the MoE and decode attention workspaces.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -87,6 +88,61 @@ inline int check_rope_kv(const RopeKvArgs & a) {
 
 constexpr size_t kWsAlign = 256;
 inline size_t ws_round(size_t b) { return (b + kWsAlign - 1) / kWsAlign * kWsAlign; }
+
+// Decode attention's key splits and workspace (specter_decode_attention). A split holds split_len keys: 32 up
+// to n_keys = 2048 (64 splits), then more per split up to kAttnMaxSplit (n_keys > 16384: more than 64 splits).
+// Depends on n_keys alone, so a token's result depends on nothing but its own inputs.
+//   float m:   [n_head, n_tokens, n_splits]           each split's maximum score (-inf: no key seen)
+//   float l:   [n_head, n_tokens, n_splits]           sum of exp(score - m) over the split's seen keys
+//   float acc: [n_head, n_tokens, n_splits, head_dim] sum of exp(score - m) v (unwritten where m = -inf)
+constexpr int64_t kAttnSplitUnit = 32;
+constexpr int64_t kAttnMaxSplit = 256;
+constexpr int64_t kAttnTargetSplits = 64;
+
+struct AttnLayout {
+    int64_t split_len, n_splits;
+    size_t m, l, acc, total;  // byte offsets of the regions, total size
+};
+
+inline bool attn_layout(int64_t n_tokens, int64_t n_head, int64_t head_dim, int64_t n_keys, AttnLayout * L) {
+    if (n_tokens < 0 || n_tokens > SPECTER_DECODE_ATTN_MAX_TOKENS || n_head < 1 || n_head > 65535 ||
+        head_dim < 1 || head_dim > SPECTER_DECODE_ATTN_MAX_HEAD_DIM || n_keys < 1 || n_keys >= (int64_t(1) << 31))
+        return false;
+    const int64_t units = (n_keys + kAttnSplitUnit * kAttnTargetSplits - 1) / (kAttnSplitUnit * kAttnTargetSplits);
+    L->split_len = kAttnSplitUnit * std::min<int64_t>(std::max<int64_t>(units, 1), kAttnMaxSplit / kAttnSplitUnit);
+    L->n_splits = (n_keys + L->split_len - 1) / L->split_len;
+    const size_t stats = size_t(n_head * n_tokens * L->n_splits) * 4;
+    L->m = 0;
+    L->l = ws_round(stats);
+    L->acc = L->l + ws_round(stats);
+    L->total = L->acc + ws_round(stats * size_t(head_dim));
+    return true;
+}
+
+struct AttnArgs {
+    int kv_type;
+    const void *q, *k, *v;
+    int64_t n_tokens, n_head, n_head_kv, head_dim, n_keys, capacity;
+    const int64_t * pos;
+    float scale;
+    void * workspace;
+    size_t workspace_bytes;
+    void * out;
+};
+
+inline int check_attention(const AttnArgs & a, AttnLayout * L) {
+    if (a.kv_type != SPECTER_TYPE_F32 && a.kv_type != SPECTER_TYPE_F16) return SPECTER_ERR_UNSUPPORTED_TYPE;
+    if (a.head_dim % 32 || a.head_dim < 32 || a.head_dim > SPECTER_DECODE_ATTN_MAX_HEAD_DIM)
+        return SPECTER_ERR_BAD_SHAPE;
+    if (a.n_head_kv < 1 || a.n_head % a.n_head_kv || a.capacity < a.n_keys ||
+        !attn_layout(a.n_tokens, a.n_head, a.head_dim, a.n_keys, L))
+        return SPECTER_ERR_INVALID_ARG;
+    if (a.n_head_kv * a.capacity * a.head_dim >= (int64_t(1) << 40)) return SPECTER_ERR_INVALID_ARG;
+    if (a.n_tokens == 0) return SPECTER_OK;
+    if (!a.q || !a.k || !a.v || !a.pos || !a.out || !a.workspace || a.workspace_bytes < L->total)
+        return SPECTER_ERR_INVALID_ARG;
+    return SPECTER_OK;
+}
 
 // MoE workspace: P = n_tokens * top_k (token, slot) pairs, G = min(P, n_expert) groups.
 //   int32 meta:  group_expert[G], group_off[G + 1], n_groups[1], perm[P]

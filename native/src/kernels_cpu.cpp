@@ -1,7 +1,7 @@
 // CPU reference implementation of specter_kernels.h: row gather, Y = X.W^T and the grouped MoE
-// feed-forward over GGUF-typed weights. Each weight row is dequantized (bit-exact with ggml) into a
-// float buffer once per call and dotted with every row of X that needs it, in float32 with a
-// fixed summation order, so results do not depend on the thread count.
+// feed-forward over GGUF-typed weights, and the fused ops of a decode step. Each weight row is
+// dequantized (bit-exact with ggml) into a float buffer once per call and dotted with every row of X
+// that needs it, in float32 with a fixed summation order, so results do not depend on the thread count.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -369,6 +369,75 @@ int specter_rope_kv(const float * q, int64_t q_stride, const float * k, int64_t 
                 store(v_cache, (hd * capacity + p) * head_dim);
             }
         }
+        return SPECTER_OK;
+    });
+}
+
+int specter_decode_attention_workspace_size(int64_t n_tokens, int64_t n_head, int64_t head_dim, int64_t n_keys,
+                                            size_t * out_bytes) {
+    AttnLayout L;
+    if (!out_bytes || !attn_layout(n_tokens, n_head, head_dim, n_keys, &L)) return SPECTER_ERR_INVALID_ARG;
+    *out_bytes = L.total;
+    return SPECTER_OK;
+}
+
+int specter_decode_attention(int kv_type, const void * q, const void * k_cache, const void * v_cache, int64_t n_tokens,
+                             int64_t n_head, int64_t n_head_kv, int64_t head_dim, int64_t n_keys, int64_t capacity,
+                             const int64_t * pos, float scale, void * workspace, size_t workspace_bytes, void * out,
+                             int n_threads) {
+    const AttnArgs a{kv_type, q, k_cache, v_cache, n_tokens, n_head, n_head_kv, head_dim, n_keys, capacity,
+                     pos, scale, workspace, workspace_bytes, out};
+    AttnLayout L;
+    const int rc = check_attention(a, &L);
+    if (rc != SPECTER_OK || n_tokens == 0) return rc;
+    for (int64_t t = 0; t < n_tokens; ++t)
+        if (pos[t] < 0 || pos[t] >= n_keys) return SPECTER_ERR_INVALID_ARG;
+    return guarded([&] {
+        const int64_t d = head_dim, group = n_head / n_head_kv;
+        const bool f16 = kv_type == SPECTER_TYPE_F16;
+        // row `r` (element offset) of a tensor of kv_type as float32
+        auto load = [&](const void * base, int64_t r, float * dst) {
+            if (f16) {
+                const uint16_t * s = static_cast<const uint16_t *>(base) + r;
+                for (int64_t i = 0; i < d; ++i) dst[i] = half_to_float(s[i]);
+            } else {
+                std::memcpy(dst, static_cast<const float *>(base) + r, size_t(d) * 4);
+            }
+        };
+        const int64_t per = std::max<int64_t>(1, kMinElems / (n_tokens * n_keys * d * 2));  // heads per thread
+        parallel_for(n_head, n_threads, per, [&](int64_t b, int64_t e) {
+            std::vector<float> qf(static_cast<size_t>(d)), row(qf.size()), acc(qf.size());
+            std::vector<float> s(static_cast<size_t>(n_keys));
+            for (int64_t h = b; h < e; ++h) {
+                const int64_t kv = (h / group) * capacity * d;
+                for (int64_t t = 0; t < n_tokens; ++t) {
+                    load(q, (h * n_tokens + t) * d, qf.data());
+                    const int64_t n = pos[t] + 1;  // keys 0 .. pos[t]
+                    float m = -INFINITY;
+                    for (int64_t j = 0; j < n; ++j) {
+                        load(k_cache, kv + j * d, row.data());
+                        s[size_t(j)] = dot_f32(qf.data(), row.data(), d) * scale;
+                        m = std::max(m, s[size_t(j)]);
+                    }
+                    float l = 0.0f;
+                    std::fill(acc.begin(), acc.end(), 0.0f);
+                    for (int64_t j = 0; j < n; ++j) {
+                        const float w = std::exp(s[size_t(j)] - m);
+                        l += w;
+                        load(v_cache, kv + j * d, row.data());
+                        for (int64_t i = 0; i < d; ++i) acc[size_t(i)] += w * row[size_t(i)];
+                    }
+                    const int64_t o = (h * n_tokens + t) * d;
+                    for (int64_t i = 0; i < d; ++i) {
+                        const float y = acc[size_t(i)] / l;
+                        if (f16)
+                            static_cast<uint16_t *>(out)[o + i] = float_to_half(y);
+                        else
+                            static_cast<float *>(out)[o + i] = y;
+                    }
+                }
+            }
+        });
         return SPECTER_OK;
     });
 }

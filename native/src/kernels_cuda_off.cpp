@@ -28,6 +28,10 @@ int specter_cuda_rope_kv(const float *, int64_t, const float *, int64_t, const f
                          const float *, int64_t, const int64_t *, int, void *, void *, void *, int64_t, void *) {
     return SPECTER_ERR_NO_CUDA;
 }
+int specter_cuda_decode_attention(int, const void *, const void *, const void *, int64_t, int64_t, int64_t, int64_t,
+                                  int64_t, int64_t, const int64_t *, float, void *, size_t, void *, void *) {
+    return SPECTER_ERR_NO_CUDA;
+}
 int specter_cuda_moe_ffn(const float *, int64_t, int64_t, const int32_t *, const float *, int64_t, int64_t, int64_t,
                          const uint64_t *, int, const uint64_t *, int, const uint64_t *, int, void *, size_t, float *,
                          int, void *) {
