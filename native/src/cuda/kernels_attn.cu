@@ -6,9 +6,9 @@
 // query head h reads keys j0 = s * split_len .. j0 + n - 1 of KV head h / group, n reaching no further than the
 // last position any token of the call sees (a CUDA graph's window past the positions costs no reads), and for
 // every token t:
-//   1. score_j = scale * q[h, t] . k_j: one warp per key, lane i holding features i, i + 32, ... (each load is
-//      a coalesced 32-element row piece), a butterfly sum; a key after the token's position is -inf (a select,
-//      never arithmetic: a NaN in a row not written yet stays out);
+//   1. score_j = scale * q[h, t] . k_j: kParts threads per key, each a contiguous part of the features (16-byte
+//      loads), the parts summed by a butterfly; a key after the token's position is -inf (a select, never
+//      arithmetic: a NaN in a row not written yet stays out);
 //   2. one warp per token: m = max score, e_j = exp(score_j - m) with e = 0 for a -inf score (so a token that
 //      sees no key of the split gets m = -inf, l = 0 and never computes exp(-inf - -inf)), l = sum e_j;
 //   3. acc[c] = sum_j e_j v_j[c], thread c for feature c, over the token's seen keys only (a select again);
@@ -50,11 +50,40 @@ __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ void store(float * p, float x) { *p = x; }
 __device__ __forceinline__ void store(__half * p, float x) { *p = __float2half_rn(x); }
 
+// Features [0, N) of a key or value row to float registers, 16 bytes a load (rows and parts 16-byte aligned: a
+// head_dim that is a multiple of 32, parts of head_dim / kParts).
+template <int N>
+__device__ __forceinline__ void load_row(const __half * p, float (&f)[N]) {
+#pragma unroll
+    for (int i = 0; i < N / 8; ++i) {
+        const uint4 u = reinterpret_cast<const uint4 *>(p)[i];
+        const __half2 * h = reinterpret_cast<const __half2 *>(&u);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float2 x = __half22float2(h[j]);
+            f[8 * i + 2 * j] = x.x, f[8 * i + 2 * j + 1] = x.y;
+        }
+    }
+}
+template <int N>
+__device__ __forceinline__ void load_row(const float * p, float (&f)[N]) {
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+        const float4 u = reinterpret_cast<const float4 *>(p)[i];
+        f[4 * i] = u.x, f[4 * i + 1] = u.y, f[4 * i + 2] = u.z, f[4 * i + 3] = u.w;
+    }
+}
+
+constexpr int kParts = 4;                 // threads per key in the scores: each dots head_dim / kParts features
+constexpr int kValuesAhead = int(kAttnSplitUnit);  // value rows loaded before the scores (a short split's all)
+
 // TM: the most tokens this instantiation takes (T <= TM): 1 for a decode / draft step, kMaxTokens otherwise.
+// Memory latency, not bandwidth, bounds a split of a few dozen keys: every key's row is loaded at once (kParts
+// threads a key, 16-byte loads), and the first kValuesAhead value rows before the scores are computed.
 template <int D, int TM, class KV>
 __global__ void __launch_bounds__(D) attn_split_kernel(AttnParams a) {
-    constexpr int E = D / 32, NW = D / 32;
-    __shared__ float q_s[TM * D];          // q[h, t, :] as float32, token t at t * D
+    constexpr int FP = D / kParts, KPR = D / kParts, NW = D / 32, QW = D + kParts;  // QW: a padded q row
+    __shared__ float q_s[TM * QW];         // q[h, t, :] as float32: token t at t * QW, part p at p * (FP + 1)
     __shared__ float p_s[TM * kSplitMax];  // token t's scores at t * kSplitMax, then exp(score - m)
     __shared__ int pos_s[TM];              // positions clamped into [0, S - 1]; -1 for t >= T
     const int s = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -68,7 +97,10 @@ __global__ void __launch_bounds__(D) attn_split_kernel(AttnParams a) {
         pos_s[tid] = p;
     }
     const KV * q = static_cast<const KV *>(a.q) + (long long)h * T * D;
-    for (int i = tid; i < T * D; i += D) q_s[i] = to_float(q[i]);
+    for (int i = tid; i < T * D; i += D) {
+        const int t = i / D, c = i % D;
+        q_s[t * QW + (c / FP) * (FP + 1) + c % FP] = to_float(q[i]);  // padded: the parts' reads hit four banks
+    }
     __syncthreads();
     int last = 0;
     for (int t = 0; t < T; ++t) last = max(last, pos_s[t]);
@@ -79,23 +111,33 @@ __global__ void __launch_bounds__(D) attn_split_kernel(AttnParams a) {
         return;
     }
     const long long kv = ((long long)(h / a.group) * a.capacity + j0) * D;
-
-    // 1. scores
-    const KV * kb = static_cast<const KV *>(a.k) + kv;
-#pragma unroll 4
-    for (int jj = warp; jj < n; jj += NW) {  // unrolled: several rows' loads in flight before the first sum
-        float kr[E];
+    const KV * vb = static_cast<const KV *>(a.v) + kv + tid;
+    float ahead[kValuesAhead];
 #pragma unroll
-        for (int i = 0; i < E; ++i) kr[i] = to_float(kb[(long long)jj * D + lane + 32 * i]);
+    for (int jj = 0; jj < kValuesAhead; ++jj) ahead[jj] = jj < n ? to_float(vb[(long long)jj * D]) : 0.0f;
+
+    // 1. scores: thread tid dots part tid % kParts of key tid / kParts (+ KPR a round), then the parts are summed
+    const int part = tid % kParts;
+    const KV * kb = static_cast<const KV *>(a.k) + kv + part * FP;
+    for (int base = 0; base < n; base += KPR) {  // n is the same for the CTA: the shuffles see whole warps
+        const int jj = base + tid / kParts;
+        float kr[FP];
+        if (jj < n) {
+            load_row<FP>(kb + (long long)jj * D, kr);
+        } else {
+#pragma unroll
+            for (int i = 0; i < FP; ++i) kr[i] = 0.0f;
+        }
 #pragma unroll
         for (int t = 0; t < TM; ++t) {
-            if (t >= T) break;  // T is the same for the whole warp: the shuffles below see all lanes
+            if (t >= T) break;
+            const float * qt = q_s + t * QW + part * (FP + 1);
             float dot = 0.0f;
 #pragma unroll
-            for (int i = 0; i < E; ++i) dot = fmaf(q_s[t * D + lane + 32 * i], kr[i], dot);
-#pragma unroll
-            for (int o = 16; o >= 1; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-            if (lane == 0) p_s[t * kSplitMax + jj] = j0 + jj <= pos_s[t] ? dot * a.scale : -INFINITY;
+            for (int i = 0; i < FP; ++i) dot = fmaf(qt[i], kr[i], dot);
+            dot += __shfl_xor_sync(0xffffffffu, dot, 1);
+            dot += __shfl_xor_sync(0xffffffffu, dot, 2);
+            if (part == 0 && jj < n) p_s[t * kSplitMax + jj] = j0 + jj <= pos_s[t] ? dot * a.scale : -INFINITY;
         }
     }
     __syncthreads();
@@ -125,9 +167,15 @@ __global__ void __launch_bounds__(D) attn_split_kernel(AttnParams a) {
     float acc[TM];
 #pragma unroll
     for (int t = 0; t < TM; ++t) lim[t] = pos_s[t] - j0, acc[t] = 0.0f;
-    const KV * vb = static_cast<const KV *>(a.v) + kv + tid;
-#pragma unroll 4
-    for (int jj = 0; jj < n; ++jj) {
+#pragma unroll
+    for (int jj = 0; jj < kValuesAhead; ++jj) {
+        if (jj >= n) break;
+#pragma unroll
+        for (int t = 0; t < TM; ++t)
+            if (jj <= lim[t]) acc[t] = fmaf(p_s[t * kSplitMax + jj], ahead[jj], acc[t]);
+    }
+#pragma unroll 8
+    for (int jj = kValuesAhead; jj < n; ++jj) {
         const float v = to_float(vb[(long long)jj * D]);
 #pragma unroll
         for (int t = 0; t < TM; ++t)
