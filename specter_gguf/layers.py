@@ -323,13 +323,20 @@ class KVCache:
         self.length = min(self.length, length)
 
 
+# Native decode attention against torch's SDPA on the H200 (Qwen1.5-MoE shape, CUDA graphs; us per layer): one
+# query 9.9 / 12.9 over 256 keys, 17.0 / 44.8 over 1,024; nine queries 15.4 / 13.4 over 256 keys, 25.9 / 46.5 over
+# 1,024. So several queries take SDPA up to this many keys.
+_SDPA_MAX_KEYS = 256
+
+
 @dataclass
 class Attention:
     """Grouped-query attention; optional RMSNorm of q and k, either per head (weight of head_dim) or over
     all heads at once (weight of heads*head_dim), as the weight's size says. The q/k/v biases, RoPE and the KV
-    cache store run in one kernel (`rope_kv`), unless a q/k norm needs the biases first. On CUDA a few queries
-    (decode, draft and verification steps: `decode_attention_supported`) attend in the native `decode_attention`,
-    more of them (prefill) and every query on the CPU in torch's SDPA (`attend`)."""
+    cache store run in one kernel (`rope_kv`), unless a q/k norm needs the biases first. On CUDA one query (decode
+    and draft steps), or a few over more than `_SDPA_MAX_KEYS` keys (verifications later in a sequence), attend in
+    the native `decode_attention`; more queries (prefill), a few over a short window, and every query on the CPU
+    in torch's SDPA (`attend`)."""
 
     n_head: int
     n_head_kv: int
@@ -356,10 +363,9 @@ class Attention:
         q = rope_kv(q, k, v, self.bias, cos, sin, at.ids, self.head_dim, self.rope.dim, self.rope.neox, k_store,
                     v_store)  # [n_head, T, head_dim] in the cache's dtype
         scale = 1.0 / math.sqrt(self.head_dim)
-        if q.is_cuda and decode_attention_supported(T, self.head_dim):
-            # a few queries (decode, draft, verification): two native kernels where SDPA's memory-efficient kernel
-            # took 13 us for one query of the Qwen1.5-MoE shape on the H200; query t sees keys <= at.ids[t], what
-            # the mask of `Positions.window` says (and `Positions.at` with one query: ids = [keys - 1], no mask)
+        if q.is_cuda and decode_attention_supported(T, self.head_dim) and (T == 1 or at.keys > _SDPA_MAX_KEYS):
+            # query t sees keys <= at.ids[t], what the mask of `Positions.window` says (and `Positions.at` with one
+            # query: ids = [keys - 1], no mask)
             out = decode_attention(q, k_store, v_store, at.keys, at.ids, scale)
         else:
             keys, values = k_store[:, :at.keys], v_store[:, :at.keys]
