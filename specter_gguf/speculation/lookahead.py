@@ -54,10 +54,13 @@ class ExpertLookahead:
         self._seen: set[tuple[int, int]] = set()
         self.prefetched: set[tuple[int, int]] = set()  # this iteration's copies
         self.refused = 0  # this iteration's counted experts that found no evictable slot
+        self._ones = torch.ones(0, dtype=torch.int32, device=device)  # made once: one kernel per layer, not two
 
     def __call__(self, layer: int, ids: torch.Tensor, weights: torch.Tensor) -> None:
         flat = ids.reshape(-1)
-        self.counts[layer].index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        if self._ones.numel() < flat.numel():
+            self._ones = torch.ones(flat.numel(), dtype=torch.int32, device=flat.device)
+        self.counts[layer].index_add_(0, flat, self._ones[:flat.numel()])
 
     def start(self) -> None:
         """A new iteration: nothing counted, nothing requested yet (a new round of the cache's copy progress)."""
