@@ -317,7 +317,7 @@ def test_moe_ffn(device: str, types: tuple[GT, GT, GT]) -> None:
     (gr, gv), (ur, uv), (dr, dv) = make_experts(types, E, d, f, rng)
     gate, up, down = (qt(r, t, v.shape, device) for (r, v), t in zip(((gr, gv), (ur, uv), (dr, dv)), types))
     table = ExpertTable.from_tensors(gate, up, down)
-    for T, top_k in ((1, 2), (3, 4), (8, 2), (17, 4)):
+    for T, top_k in ((1, 2), (3, 4), (8, 2), (5, 6), (17, 4)):
         x = rng.standard_normal((T, d)).astype(np.float32)
         ids, wts = routing(T, E, top_k, rng)
         ref = moe_reference(x, ids, wts, gv, uv, dv)
@@ -419,6 +419,13 @@ def test_moe_pointer_tables(device: str) -> None:
     only0[2, 1] = ids[2, 1]
     y3 = run_moe(x, only0, wts, base, device, accumulate_into=y2)
     assert np.abs(y3 - ref).max() / np.abs(ref).max() <= TOL_MOE
+    # one token alone (CUDA: its own two-launch path) skips and accumulates bitwise as the batch does
+    for t in (0, 2):
+        alone = run_moe(x[t:t + 1].copy(), masked[t:t + 1].copy(), wts[t:t + 1].copy(), table, device)
+        assert np.array_equal(alone[0], y2[t])
+        alone = run_moe(x[t:t + 1].copy(), only0[t:t + 1].copy(), wts[t:t + 1].copy(), base, device,
+                        accumulate_into=y2[t:t + 1].copy())
+        assert np.array_equal(alone[0], y3[t])
 
 
 # ---------------------------------------------------------------------------------------------
