@@ -255,8 +255,8 @@ def test_cuda_graph_replays_with_other_positions() -> None:
 @needs_cuda
 def test_cuda_model_forwards_match_sdpa(shipped_model, monkeypatch) -> None:
     """The shipped model (head_dim 64) on CUDA: forwards of 8, 1, 1 and 7 tokens (prefill of a short prompt, decode
-    steps, a verification) through the native op against the same forwards through SDPA (`decode_attention_supported`
-    patched off), both over the same f16 cache: per position max |a - b| / max |b| <= 1e-2 (test_engine_gpu's bound
+    steps, a verification) as `Attention` chooses (the one-token ones native) and all through the native op, against
+    the same forwards through SDPA (`decode_attention_supported` patched off), both over the same f16 cache: per position max |a - b| / max |b| <= 1e-2 (test_engine_gpu's bound
     for CUDA against the CPU)."""
     from specter_gguf import layers
     from specter_gguf.engine import Model
@@ -272,10 +272,14 @@ def test_cuda_model_forwards_match_sdpa(shipped_model, monkeypatch) -> None:
     calls = []
     native_op = layers.decode_attention
     monkeypatch.setattr(layers, "decode_attention", lambda *a, **kw: calls.append(1) or native_op(*a, **kw))
+    default = logits()
+    assert len(calls) == 2 * len(tr.blocks)  # the one-token steps; several queries over <= 256 keys take SDPA
+    calls.clear()
+    monkeypatch.setattr(layers, "_SDPA_MAX_KEYS", 0)  # every forward of <= 16 tokens on the native op
     ours = logits()
     assert len(calls) == len(chunks) * len(tr.blocks)
     monkeypatch.setattr(layers, "decode_attention_supported", lambda T, d: False)
     ref = logits()
-    for a, b in zip(ours, ref):
+    for a, b in zip([*default, *ours], [*ref, *ref]):
         rel = ((a - b).abs().amax(-1) / b.abs().amax(-1)).max().item()
         assert rel <= 1e-2, f"T={a.shape[0]}: {rel:.2e}"
