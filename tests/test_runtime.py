@@ -124,6 +124,18 @@ def test_workspace_hardly_grows_with_the_context(shipped_model) -> None:
     assert 0 < large.workspace - small.workspace < 64 << 20, (small.workspace, large.workspace)
 
 
+def test_workspace_holds_a_verifications_decode_attention(shipped_model) -> None:
+    """On CUDA the planned workspace holds the native decode attention's scratch for the most queries it takes over
+    the whole context (a verification late in a long sequence)."""
+    from specter_gguf.kernels import DECODE_ATTN_MAX_TOKENS, decode_attention_workspace_size
+
+    f = GGUFFile(shipped_model)
+    cfg = ModelConfig.from_gguf(f)
+    for ctx in (512, 32768):
+        need = decode_attention_workspace_size(DECODE_ATTN_MAX_TOKENS, cfg.n_head, cfg.head_dim, ctx)
+        assert plan_memory(f, "16GiB", ctx, "cuda").workspace > need
+
+
 def test_fitted_budget_is_the_free_memory_less_the_margin(shipped_model, monkeypatch) -> None:
     """Without --gpu-budget on CUDA, a model that does not fit the free memory is planned within it, less
     FIT_MARGIN; one that fits needs no plan (the load is plain)."""

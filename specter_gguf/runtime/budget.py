@@ -39,7 +39,8 @@ from specter_gguf.config import ModelConfig
 from specter_gguf.errors import SpecterError
 from specter_gguf.gguf_file import (EXPERT_PARTS, FLOAT_TYPES, GGUFFile, GGUFTensor, expert_tensor_name,
                                     is_routed_expert)
-from specter_gguf.kernels import moe_workspace_size
+from specter_gguf.kernels import (DECODE_ATTN_MAX_TOKENS, decode_attention_supported, decode_attention_workspace_size,
+                                  moe_workspace_size)
 from specter_gguf.layers import ResidentExperts
 from specter_gguf.sizes import GiB, format_size, parse_size
 
@@ -119,7 +120,8 @@ def workspace_bytes(cfg: ModelConfig, ctx: int, chunk: int, device_type: str, qu
     allocates (float32 activations, the cache's dtype in attention): what lives through the forward (the residual
     stream; the [chunk, ctx] attention mask and its additive form; the RoPE tables), plus the larger of a block's
     attention phase (attention reads the KV cache in place, `layers.attend`; the cache grows by doubling, never
-    past the whole context's that the KV line counts) and its FFN phase (router; routed experts by the grouped
+    past the whole context's that the KV line counts; on CUDA at least the native decode attention's scratch for
+    a verification over the whole context) and its FFN phase (router; routed experts by the grouped
     kernel, whose scratch a prompt's shorter last chunk may need, or by the dense path, which dequantizes one
     expert when `quantized_experts`; shared expert), plus the logits of a verification pass and the sampler's
     copies of them."""
@@ -135,6 +137,11 @@ def workspace_bytes(cfg: ModelConfig, ctx: int, chunk: int, device_type: str, qu
     if mla:  # absorbed queries and the per-head value products, in float32
         heads += 2 * T * n_out * f32 + 2 * T * cfg.n_head * cfg.head_dim_v_mla * f32
     attention = T * n_qkv * f32 + max(T * d * kvb + T * n_qkv * kvb, heads)
+    few = DECODE_ATTN_MAX_TOKENS
+    if device_type == "cuda" and not mla and decode_attention_supported(few, cfg.head_dim):
+        # a verification's few queries over the whole context in the native op: its key splits and its output
+        scratch = decode_attention_workspace_size(few, cfg.n_head, cfg.head_dim, ctx) + few * n_q * kvb
+        attention = max(attention, few * n_qkv * f32 + scratch)
     k, E = cfg.n_expert_used, cfg.n_expert
     dense_from = ResidentExperts.DENSE_MIN_TOKENS_PER_EXPERT * E  # routed pairs from which one GEMM per expert
     kernel_T = min(T, -(-dense_from // k) - 1)  # the most tokens the grouped kernel takes (a chunk's tail)
