@@ -187,6 +187,24 @@ def test_sampled_speculative_decoding_outputs_the_target_distribution(tiny_model
     assert chi2 < bound, f"chi2 {chi2:.1f} ({dof} degrees of freedom, p = 0.001 at {bound:.1f})"
 
 
+def test_verifications_of_every_depth_share_their_verdict_buffers(tiny_models) -> None:
+    """Sampled with top-k off (verdict buffers over the whole vocabulary), the verification steps of each depth take
+    views of one set of buffers, sized for the deepest; a draft step's are its own (each step's distribution is
+    copied into the coming verification's)."""
+    target, draft = tiny_models[("qwen2moe", "f16")], tiny_models[("qwen2moe", "q2_k")]
+    m = Model.load(target, draft=draft, device="cpu", progress=False, ctx_size=64, n_draft="auto")
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=1)
+    m.generate(CHAIN_PROMPT, 4, params).wait()
+    dec, cache, n_vocab = m.decoder, m.transformer.new_cache(64), m.config.n_vocab
+    shallow, deepest = (dec.steps(m, cache, n, draft=False, sampled=params).verdict for n in (3, dec.n_draft + 1))
+    drafting = dec.steps(m, cache, 1, draft=True, sampled=params).verdict
+    assert shallow.ids.shape == (3, n_vocab) and deepest.probs.shape == (dec.n_draft + 1, n_vocab)
+    for name in ("uniforms", "draft_ids", "draft_probs", "ids", "probs"):
+        assert getattr(shallow, name).data_ptr() == getattr(deepest, name).data_ptr(), name
+    assert drafting.ids.data_ptr() != shallow.ids.data_ptr()
+    assert drafting.uniforms.data_ptr() != shallow.uniforms.data_ptr()
+
+
 def test_a_draft_of_another_model_is_refused(tiny_models) -> None:
     with pytest.raises(SpecterError, match="not a draft of"):
         Model.load(tiny_models[("qwen2moe", "f16")], draft=tiny_models[("olmoe", "f16")], device="cpu",

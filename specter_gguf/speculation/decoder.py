@@ -21,7 +21,7 @@ import torch
 from specter_gguf.gguf_file import GGUFFile
 from specter_gguf.layers import Experts, KVCache, RoutingObserver
 from specter_gguf.sampling import Sampler, SamplingParams, chain_candidates
-from specter_gguf.speculation.accept import SampledVerdict, accept_drafts, synthetic_count
+from specter_gguf.speculation.accept import SampledVerdict, VerdictRows, accept_drafts, synthetic_count
 from specter_gguf.speculation.agreement import Observers, RoutingAgreement
 from specter_gguf.speculation.depth import MAX_DEPTH, DepthChooser, parse_depth
 from specter_gguf.speculation.draft import load_draft_experts
@@ -59,6 +59,7 @@ class SpeculativeDecoder:
         self._step_s = 0.0  # one draft step, measured
         self.agreement: RoutingAgreement | None = None  # made with the first generation, on the model's device
         self._observers: dict[tuple[bool, int], Observers] = {}
+        self._rows: dict[int, VerdictRows] = {}  # the verifications' verdict buffers, by candidate count
 
     def set_depth(self, n_draft: int | Literal["auto"]) -> None:
         """Draft `n_draft` tokens per verification from now on, or choose each iteration's depth ("auto")."""
@@ -95,7 +96,12 @@ class SpeculativeDecoder:
         n_vocab = model.config.n_vocab
 
         def verdict() -> SampledVerdict | None:
-            return None if sampled is None else SampledVerdict(sampled, n_tokens, n_vocab, model.device)
+            if sampled is None:
+                return None
+            # the verifications of every depth share one set of buffers; a draft step's (copied into the coming
+            # verification's after each step) are its own
+            rows = None if draft else self._verdict_rows(chain_candidates(sampled, n_vocab), model.device)
+            return SampledVerdict(sampled, n_tokens, n_vocab, model.device, rows)
 
         if cache is not model.reusable_cache or not model.cuda_graphs:
             return make_steps(model, cache, n_tokens, experts, observe, offload=offload, verdict=verdict())
@@ -108,6 +114,13 @@ class SpeculativeDecoder:
         elif sampled is not None:
             self._steps[key].verdict.set(sampled)
         return self._steps[key]
+
+    def _verdict_rows(self, n_candidates: int, device: torch.device) -> VerdictRows:
+        """The verifications' shared verdict buffers for `n_candidates` candidates, sized for the deepest one."""
+        rows = self._rows.get(n_candidates)
+        if rows is None or rows.n_tokens < self.n_draft + 1 or rows.device != device:
+            rows = self._rows[n_candidates] = VerdictRows(self.n_draft + 1, n_candidates, device)
+        return rows
 
     def _observer(self, model: Model, draft: bool) -> RoutingObserver:
         """Draft steps: the lookahead buffer and the agreement's draft side; verifications: the model's routing
