@@ -32,27 +32,12 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from specter_gguf import native  # noqa: E402
+from specter_gguf.bench.weights import random_weight  # noqa: E402
 from specter_gguf.kernels import ExpertTable, QuantizedTensor, moe_ffn  # noqa: E402
 
 SHAPES = {"Qwen1.5-MoE": (2048, 1408), "Qwen3-30B-A3B": (2048, 768), "Phi-3.5-MoE": (4096, 6400)}
 TYPES = {"F16": native.F16, "BF16": native.BF16, "Q8_0": native.Q8_0, "Q4_K": native.Q4_K}
-SCALE_FIELDS = {native.Q8_0: (0,), native.Q4_K: (0, 2)}  # the fp16 scales inside a block, made small and finite
 CACHE_DEFEAT_BYTES = 512 << 20  # copies of each expert cycled through: more than any CPU cache holds
-
-
-def random_weight(ggml_type: int, rows: int, cols: int, gen: torch.Generator) -> QuantizedTensor:
-    """Valid random GGUF data of `ggml_type`, on the CPU."""
-    if ggml_type in (native.F16, native.BF16):
-        dt = torch.float16 if ggml_type == native.F16 else torch.bfloat16
-        raw = (torch.randn(rows, cols, generator=gen) * 0.02).to(dt).view(torch.uint8)
-        return QuantizedTensor(raw.reshape(-1), ggml_type, (rows, cols))
-    elems, nbytes = native.block_size(ggml_type)
-    nblocks = rows * cols // elems
-    raw = torch.randint(0, 256, (nblocks, nbytes), dtype=torch.uint8, generator=gen)
-    for off in SCALE_FIELDS[ggml_type]:
-        scale = (torch.rand(nblocks, generator=gen) * 3e-3 + 1e-3).half()
-        raw[:, off:off + 2] = scale.view(torch.uint8).reshape(nblocks, 2)
-    return QuantizedTensor(raw.reshape(-1), ggml_type, (rows, cols))
 
 
 class GGML:
@@ -87,7 +72,9 @@ class GGML:
         """A function computing the expert for x [T, d_model] as one ggml graph (weights copied in once)."""
         T, d = x.shape
         mats = [gate, up, down]
-        size = sum(m.data.numel() for m in mats) + 64 * (T * (d + 4 * gate.shape[0]) * 4) + (16 << 20)
+        # the weights, x and y [T, d], gate, up, silu and their product [T, f] in float32, and room for ggml's
+        # tensor and graph records
+        size = sum(m.data.numel() for m in mats) + T * (2 * d + 4 * gate.shape[0]) * 4 + (16 << 20)
         ctx = self.base.ggml_init(self.InitParams(size, None, False))
         tensors = []
         for m in mats:
@@ -159,11 +146,11 @@ def main() -> int:
         for tname in args.types.split(","):
             ty = TYPES[tname.strip()]
             down_ty = native.Q8_0 if ty == native.Q4_K and f % 256 else ty
-            experts = [(random_weight(ty, f, d, gen), random_weight(ty, f, d, gen), random_weight(down_ty, d, f, gen))]
+            experts = [(random_weight(ty, f, d, "cpu", gen), random_weight(ty, f, d, "cpu", gen), random_weight(down_ty, d, f, "cpu", gen))]
             nbytes = sum(m.data.numel() for m in experts[0])
             while len(experts) * nbytes < CACHE_DEFEAT_BYTES:
-                experts.append((random_weight(ty, f, d, gen), random_weight(ty, f, d, gen),
-                                random_weight(down_ty, d, f, gen)))
+                experts.append((random_weight(ty, f, d, "cpu", gen), random_weight(ty, f, d, "cpu", gen),
+                                random_weight(down_ty, d, f, "cpu", gen)))
             tables = [ExpertTable.from_tensors(*(QuantizedTensor(m.data, m.ggml_type, (1, *m.shape)) for m in e))
                       for e in experts]
             dense = [[m.dequantize(torch.float32).to(torch.bfloat16) for m in e] for e in experts]

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from specter_gguf import kernels, native  # noqa: E402
+from specter_gguf.bench.weights import random_weight  # noqa: E402
 from specter_gguf.kernels import ExpertTable, QuantizedTensor  # noqa: E402
 
 NOMINAL_TBS = 4.3
@@ -53,26 +54,8 @@ L2_DEFEAT_BYTES = 384 << 20  # cycle through at least this much weight memory
 TYPES = {"Q8_0": native.Q8_0, "Q4_0": native.Q4_0, "Q4_1": native.Q4_1, "Q5_0": native.Q5_0,
          "Q5_1": native.Q5_1, "Q2_K": native.Q2_K, "Q3_K": native.Q3_K, "Q4_K": native.Q4_K,
          "Q5_K": native.Q5_K, "Q6_K": native.Q6_K, "F16": native.F16, "BF16": native.BF16}
-SCALE_FIELDS = {native.Q8_0: (0,), native.Q4_0: (0,), native.Q4_1: (0, 2), native.Q5_0: (0,), native.Q5_1: (0, 2),
-                native.Q2_K: (80, 82), native.Q3_K: (108,),
-                native.Q4_K: (0, 2), native.Q5_K: (0, 2), native.Q6_K: (208,)}
 SHAPES = {"qwen 2048->1408": (1408, 2048), "qwen 1408->2048": (2048, 1408),
           "phi 4096->6400": (6400, 4096), "phi 6400->4096": (4096, 6400)}
-
-
-def random_weight(ggml_type: int, rows: int, cols: int, dev: torch.device) -> QuantizedTensor:
-    """Valid random GGUF data made on the GPU: random quants, small finite fp16 scales."""
-    if ggml_type in (native.F16, native.BF16):
-        dt = torch.float16 if ggml_type == native.F16 else torch.bfloat16
-        raw = (torch.randn(rows, cols, device=dev) * 0.02).to(dt).view(torch.uint8)
-        return QuantizedTensor(raw.reshape(-1), ggml_type, (rows, cols))
-    elems, nbytes = native.block_size(ggml_type)
-    nblocks = rows * cols // elems
-    raw = torch.randint(0, 256, (nblocks, nbytes), dtype=torch.uint8, device=dev)
-    for off in SCALE_FIELDS[ggml_type]:
-        scale = (torch.rand(nblocks, device=dev) * 3e-3 + 1e-3).half()
-        raw[:, off:off + 2] = scale.view(torch.uint8).reshape(nblocks, 2)
-    return QuantizedTensor(raw.reshape(-1), ggml_type, (rows, cols))
 
 
 def graph_time(fn_list, iters: int, reps: int = 3) -> float:
