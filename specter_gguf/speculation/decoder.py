@@ -94,20 +94,21 @@ class SpeculativeDecoder:
         observe = self._observer(model, draft)
         offload = not draft  # the draft's experts are all resident: its steps skip the runtime's bookkeeping
         n_vocab = model.config.n_vocab
+        candidates = None if sampled is None else chain_candidates(sampled, n_vocab)
 
         def verdict() -> SampledVerdict | None:
             if sampled is None:
                 return None
             # the verifications of every depth share one set of buffers; a draft step's (copied into the coming
             # verification's after each step) are its own
-            rows = None if draft else self._verdict_rows(chain_candidates(sampled, n_vocab), model.device)
+            rows = None if draft else self._verdict_rows(candidates, model.device)
             return SampledVerdict(sampled, n_tokens, n_vocab, model.device, rows)
 
         if cache is not model.reusable_cache or not model.cuda_graphs:
             return make_steps(model, cache, n_tokens, experts, observe, offload=offload, verdict=verdict())
         if self._cache is not cache:
             self._steps, self._cache = {}, cache
-        key = (n_tokens, id(experts), id(observe), None if sampled is None else chain_candidates(sampled, n_vocab))
+        key = (n_tokens, id(experts), id(observe), candidates)
         if key not in self._steps:
             self._steps[key] = make_steps(model, cache, n_tokens, experts, observe, offload=offload, graphs=True,
                                           verdict=verdict())
