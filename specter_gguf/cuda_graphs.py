@@ -13,9 +13,9 @@ A graph holds raw addresses of what it reads: the KV cache storage and the RoPE 
 
 Every graph over one KV cache (plain decoding, draft steps, verifications of each depth, each window) draws its
 transient memory from one pool (`_POOLS`), not a pool of its own: the graphs of one sequence replay one at a
-time, and a graph's output (its logits) is read before another replays, so their scratch can overlap. Pools of
-their own held ~20 MB each on the H200 (a 20 MB segment for the logits alone), over the budget once a
-speculative decoder had captured a dozen (Qwen3-30B-A3B shapes, 2026-12-01).
+time, and a graph's output (its logits) is read before another replays, so their scratch can overlap. With a pool
+each (by the caching allocator's rules at least a 20 MB segment for the logits), a speculative decoder that had
+captured a dozen graphs went 0.2 GiB over its budget (Qwen3-30B-A3B shapes on the H200, 2026-12-01).
 """
 
 from __future__ import annotations
