@@ -127,7 +127,8 @@ def test_the_graphs_of_one_cache_share_their_memory(tiny_models) -> None:
         torch.cuda.synchronize()
         return torch.cuda.memory_reserved()
 
-    one = reserved_after(2) - reserved_after(1)  # the verification graph of depth 2
+    at_one = reserved_after(1)
+    one = reserved_after(2) - at_one  # the verification graph of depth 2
     before = torch.cuda.memory_reserved()
     for depth in range(3, 9):
         reserved_after(depth)
