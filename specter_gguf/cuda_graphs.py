@@ -10,10 +10,17 @@ reads its experts through the residency table inside the graph, between the runt
 
 A graph holds raw addresses of what it reads: the KV cache storage and the RoPE tables. When either moves
 (the cache grew for a longer prompt), the graphs are dropped and captured again.
+
+Every graph over one KV cache (plain decoding, draft steps, verifications of each depth, each window) draws its
+transient memory from one pool (`_POOLS`), not a pool of its own: the graphs of one sequence replay one at a
+time, and a graph's output (its logits) is read before another replays, so their scratch can overlap. With a pool
+each (by the caching allocator's rules at least a 20 MB segment for the logits), a speculative decoder that had
+captured a dozen graphs went 0.2 GiB over its budget (Qwen3-30B-A3B shapes on the H200, 2026-12-01).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -21,6 +28,9 @@ import torch
 from specter_gguf.errors import SpecterError
 from specter_gguf.layers import ExpertSource, KVCache, Positions, RoutingObserver, Transformer
 from specter_gguf.steps import Steps, Verdict
+
+
+_POOLS: weakref.WeakKeyDictionary[KVCache, Any] = weakref.WeakKeyDictionary()  # the memory pool of a cache's graphs
 
 
 class StepGraphs(Steps):
@@ -81,7 +91,8 @@ class StepGraphs(Steps):
         torch.cuda.current_stream(dev).wait_stream(side)
         self._storage_moved()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        pool = _POOLS.setdefault(self.cache, torch.cuda.graph_pool_handle())
+        with torch.cuda.graph(graph, pool=pool):
             logits = self._body(window)
         self._graphs[window] = (graph, logits)
         self.captures += 1
