@@ -15,7 +15,9 @@ Every graph over one KV cache (plain decoding, draft steps, verifications of eac
 transient memory from one pool (`_POOLS`), not a pool of its own: the graphs of one sequence replay one at a
 time, and a graph's output (its logits) is read before another replays, so their scratch can overlap. With a pool
 each (by the caching allocator's rules at least a 20 MB segment for the logits), a speculative decoder that had
-captured a dozen graphs went 0.2 GiB over its budget (Qwen3-30B-A3B shapes on the H200, 2026-12-01).
+captured a dozen graphs went 0.2 GiB over its budget (Qwen3-30B-A3B shapes on the H200, 2026-12-01). The pool is
+a `torch.cuda.MemPool` that lives as long as the cache: a bare pool handle dies with the last graph captured into
+it, and capturing into it again (after the graphs were dropped) fails an assertion of PyTorch's allocator.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from specter_gguf.layers import ExpertSource, KVCache, Positions, RoutingObserve
 from specter_gguf.steps import Steps, Verdict
 
 
-_POOLS: weakref.WeakKeyDictionary[KVCache, Any] = weakref.WeakKeyDictionary()  # the memory pool of a cache's graphs
+_POOLS: weakref.WeakKeyDictionary[KVCache, torch.cuda.MemPool] = weakref.WeakKeyDictionary()  # of a cache's graphs
 
 
 class StepGraphs(Steps):
@@ -91,8 +93,11 @@ class StepGraphs(Steps):
         torch.cuda.current_stream(dev).wait_stream(side)
         self._storage_moved()
         graph = torch.cuda.CUDAGraph()
-        pool = _POOLS.setdefault(self.cache, torch.cuda.graph_pool_handle())
-        with torch.cuda.graph(graph, pool=pool):
+        pool = _POOLS.get(self.cache)
+        if pool is None:
+            with torch.cuda.device(dev):
+                pool = _POOLS[self.cache] = torch.cuda.MemPool()
+        with torch.cuda.graph(graph, pool=pool.id):
             logits = self._body(window)
         self._graphs[window] = (graph, logits)
         self.captures += 1

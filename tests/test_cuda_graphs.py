@@ -114,9 +114,10 @@ def test_greedy_lookahead_equals_stepping_the_graphs(tiny_models, arch: str, n_p
 @torch.inference_mode()
 def test_the_graphs_of_one_cache_share_their_memory(tiny_models) -> None:
     """Speculative decoding captures a verification graph per depth: once the draft step's and the first
-    verifications' graphs are there, the graphs of six more depths reserve less memory than two graphs of their own
-    pools would (a private pool takes at least a 2 MiB segment of small blocks). Loaded at depth 8, so that lower
-    depths keep the graphs already captured (a deeper agreement buffer would drop them all)."""
+    verifications' graphs are there, the graphs of five more depths reserve less memory than two graphs of their own
+    pools would (a private pool takes at least a 2 MiB segment of small blocks). A first generation at depth 8
+    sizes the routing agreement's buffers for it, so that lower depths keep the graphs already captured (a deeper
+    agreement buffer would drop them all)."""
     target, draft = tiny_models[("qwen2moe", "f16")], tiny_models[("qwen2moe", "q2_k")]
     m = Model.load(target, draft=draft, device="cuda", progress=False, ctx_size=256, n_draft=8)
     greedy = SamplingParams(temperature=0.0)
@@ -127,11 +128,12 @@ def test_the_graphs_of_one_cache_share_their_memory(tiny_models) -> None:
         torch.cuda.synchronize()
         return torch.cuda.memory_reserved()
 
+    reserved_after(8)
     at_one = reserved_after(1)
     one = reserved_after(2) - at_one  # the verification graph of depth 2
     before = torch.cuda.memory_reserved()
-    for depth in range(3, 9):
+    for depth in range(3, 8):
         reserved_after(depth)
     added = torch.cuda.memory_reserved() - before
     assert m.decoder._captures() >= 9, "the draft step's and every depth's verification graphs"
-    assert added <= 2 * max(one, 2 << 20), f"six more depths' graphs reserved {added} bytes (one: {one})"
+    assert added <= 2 * max(one, 2 << 20), f"five more depths' graphs reserved {added} bytes (one: {one})"
