@@ -25,8 +25,11 @@ on MoE expert shapes, and the grouped MoE layer time.
   keys with the tokens at the window's end: torch SDPA as `Attention` ran it before (`layers.attend` with the mask
   of `Positions.window`, what the step graphs capture) against the native `kernels.decode_attention`, each in a
   CUDA graph cycling through 24 layers' caches (as a step reads them).
-Writes DIR/bench_kernels.json and prints a compact table last. `--only kernels|decode|sampling|attention` runs one
-part.
+- Dense: the products of a verification and of short prompts at Qwen3-30B-A3B's shapes (attention in and out, the
+  output head), 9-64 rows of x, Q8_0/Q4_K/Q6_K through the GEMV (passes of 8 rows) and the tiled kernel, beside
+  torch's f16 product of a float matrix of the same shape.
+Writes DIR/bench_kernels.json and prints a compact table last. `--only kernels|dense|decode|sampling|attention`
+runs one part.
 """
 
 from __future__ import annotations
@@ -134,6 +137,38 @@ def bench_gemv(dev: torch.device, iters: int, types: list[str]) -> list[dict]:
                 else:
                     res[f"us_m{m}"] = t * 1e6
             rows.append(res)
+            del ws, w0
+            torch.cuda.empty_cache()
+    return rows
+
+
+DENSE_SHAPES = {"qwen3 attn qkv 2048->5120": (5120, 2048), "qwen3 attn out 4096->2048": (2048, 4096),
+                "qwen3 head 2048->151936": (151936, 2048)}
+DENSE_ROWS = (9, 16, 32, 64)
+
+
+def bench_dense(dev: torch.device, iters: int) -> list[dict]:
+    """The dense products of a verification and of short prompts: the GEMV (passes of 8 rows) against the tiled
+    kernel at a few rows of x, beside torch's f16 product of a float matrix of the same shape."""
+    rows = []
+    for shape_name, (n, k) in DENSE_SHAPES.items():
+        w16 = torch.randn(n, k, device=dev, dtype=torch.float16) * 0.02
+        ws16 = [w16] + [torch.randn_like(w16) for _ in range(max(2, math.ceil(L2_DEFEAT_BYTES / w16.nbytes)) - 1)]
+        for m in DENSE_ROWS:
+            x16 = torch.randn(m, k, device=dev, dtype=torch.float16)
+            t = graph_time([lambda w=w: F.linear(x16, w) for w in ws16], iters)
+            rows.append(dict(kind="dense", shape=shape_name, type="torch-f16", m=m, us=t * 1e6))
+        del ws16, w16
+        for tname in ("Q8_0", "Q4_K", "Q6_K"):
+            ty = TYPES[tname]
+            w0 = random_weight(ty, n, k, dev)
+            ws = [w0] + [random_weight(ty, n, k, dev) for _ in range(max(2, math.ceil(L2_DEFEAT_BYTES / w0.nbytes)) - 1)]
+            for m in DENSE_ROWS:
+                xm = torch.randn(m, k, device=dev)
+                res = dict(kind="dense", shape=shape_name, type=tname, m=m)
+                for key, algo in (("gemv_us", kernels.ALGO_GEMV), ("tiled_us", kernels.ALGO_TILED)):
+                    res[key] = graph_time([lambda w=w, a=algo: kernels.qmatmul(xm, w, a) for w in ws], iters) * 1e6
+                rows.append(res)
             del ws, w0
             torch.cuda.empty_cache()
     return rows
@@ -291,7 +326,7 @@ def main() -> int:
     ap.add_argument("--out", default="bench-out", help="directory for bench_kernels.json")
     ap.add_argument("--iters", type=int, default=200, help="calls per captured CUDA graph")
     ap.add_argument("--quick", action="store_true", help="Q8_0/Q4_K/F16 only")
-    ap.add_argument("--only", choices=["kernels", "decode", "sampling", "attention"], default=None,
+    ap.add_argument("--only", choices=["kernels", "dense", "decode", "sampling", "attention"], default=None,
                     help="run one part")
     ap.add_argument("--decode-model", type=Path, default=None, help="GGUF for the whole-model decode part")
     ap.add_argument("--llama-bin", type=Path, default=None, help="directory of llama.cpp's llama-bench")
@@ -311,6 +346,8 @@ def main() -> int:
     if args.only in (None, "kernels"):
         result.update(copy_tbs=copy_rate(dev), nominal_tbs=NOMINAL_TBS, gemv=bench_gemv(dev, args.iters, types),
                       moe=bench_moe(dev, args.iters))
+    if args.only in (None, "dense"):
+        result["dense"] = bench_dense(dev, args.iters)
     if args.only in (None, "sampling"):
         result["sampling"] = bench_sampling(dev, args.iters)
     if args.only in (None, "attention"):
@@ -321,6 +358,8 @@ def main() -> int:
     (out_dir / "bench_kernels.json").write_text(json.dumps(result, indent=1))
     if "gemv" in result:
         print_kernels(result, types)
+    if "dense" in result:
+        print_dense(result["dense"])
     if "sampling" in result:
         print("\nverdict on the device, us per call (CUDA graph):")
         for r in result["sampling"]:
@@ -357,6 +396,17 @@ def print_kernels(result: dict, types: list[str]) -> None:
     for cname in MOE_CONFIGS:
         cells = [next(r for r in moe if r["config"] == cname and r["tokens"] == T) for T in (1, 8, 16)]
         print(f"{cname:12s}" + "".join(f"{r['us']:10.1f} ({r['tbs']:4.2f})" for r in cells))
+
+
+def print_dense(dense: list[dict]) -> None:
+    print("\ndense products at a few rows of x: us per call, GEMV / tiled (torch f16 for a float matrix)")
+    print(f"{'shape':28s}{'type':>10s}" + "".join(f"{f'm={m}':>16s}" for m in DENSE_ROWS))
+    for shape in DENSE_SHAPES:
+        for tname in ("torch-f16", "Q8_0", "Q4_K", "Q6_K"):
+            cells = [next(r for r in dense if r["shape"] == shape and r["type"] == tname and r["m"] == m)
+                     for m in DENSE_ROWS]
+            text = [f"{r['us']:16.1f}" if "us" in r else f"{r['gemv_us']:8.1f} /{r['tiled_us']:6.1f}" for r in cells]
+            print(f"{shape:28s}{tname:>10s}" + "".join(text))
 
 
 def print_decode(d: dict) -> None:

@@ -29,7 +29,7 @@ from specter_gguf import native
 from specter_gguf.errors import SpecterError
 
 ALGO_AUTO, ALGO_GEMV, ALGO_TILED = 0, 1, 2
-GEMV_MAX_ROWS = 8  # ALGO_AUTO's GEMV kernel takes up to this many rows of x
+GEMV_MAX_ROWS = 32  # ALGO_AUTO's GEMV kernel takes up to this many rows of x
 FLOAT_TYPES = {torch.float32: native.F32, torch.float16: native.F16, torch.bfloat16: native.BF16}
 _TORCH_OF = {native.F32: torch.float32, native.F16: torch.float16, native.BF16: torch.bfloat16}
 

@@ -27,11 +27,16 @@ from specter_gguf.kernels import (GEMV_MAX_ROWS, ExpertTable, QuantizedTensor, d
                                   rope_kv)
 
 
+_FLOAT_GEMV_MAX_ROWS = 8  # one pass of the native GEMV; past it cuBLAS, which reads a float weight once
+
+
 def _gemv(x: torch.Tensor, w: torch.Tensor | QuantizedTensor) -> bool:
-    """Whether x @ w.T runs on the native GEMV: few rows of x, and a quantized weight or one on CUDA (where
-    cuBLAS would run a GEMM plus a split-K reduction: 14 us for the reduction of a 60-expert router alone,
-    measured on the H200)."""
-    return x.numel() <= GEMV_MAX_ROWS * x.shape[-1] and (isinstance(w, QuantizedTensor) or w.is_cuda)
+    """Whether x @ w.T runs on the native GEMV: a quantized weight at the rows the native kernels give it, a float
+    one for one GEMV pass on CUDA (where cuBLAS would run a GEMM plus a split-K reduction: 14 us for the reduction
+    of a 60-expert router alone, measured on the H200)."""
+    if isinstance(w, QuantizedTensor):
+        return x.numel() <= GEMV_MAX_ROWS * x.shape[-1]
+    return x.numel() <= _FLOAT_GEMV_MAX_ROWS * x.shape[-1] and w.is_cuda
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor | QuantizedTensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ extern "C" {
 
 /* Algorithm choice of specter_cuda_qmatmul (the CPU has one algorithm and ignores it). */
 enum specter_qmatmul_algo {
-    SPECTER_ALGO_AUTO  = 0, /* GEMV for m <= 8, the tiled f16 tensor-core kernel above            */
+    SPECTER_ALGO_AUTO  = 0, /* GEMV for m <= 32, the tiled f16 tensor-core kernel above           */
     SPECTER_ALGO_GEMV  = 1, /* weights dequantized in registers, fp32 FMA, 8 rows of X per pass    */
     SPECTER_ALGO_TILED = 2  /* W tile dequantized to f16 in shared memory, X rounded to f16, mma  */
 };

@@ -100,19 +100,33 @@ __global__ void __launch_bounds__(256) gemv_kernel(const uint8_t * __restrict__ 
     }
 }
 
-template <class TT, class XT, bool SWIGLU>
-void launch_gemv(const uint8_t * w, long long rb, int n, int k, const XT * x, int m, float * y, cudaStream_t st) {
-    const int M = m <= 1 ? 1 : m <= 2 ? 2 : m <= 4 ? 4 : 8;
+template <class TT, int M, class XT, bool SWIGLU>
+void launch_gemv_pass(const uint8_t * w, long long rb, int n, int k, const XT * x, int m, float * y, cudaStream_t st) {
     const int nr = rows_per_cta(M, SWIGLU);
     const dim3 grid(unsigned((n + nr - 1) / nr), unsigned((m + M - 1) / M));
     const int threads = cta_threads((long long)(k / TT::QK) * TT::NU);
-    switch (M) {
-        case 1: gemv_kernel<TT, 1, XT, SWIGLU><<<grid, threads, 0, st>>>(w, rb, n, k, x, m, y); break;
-        case 2: gemv_kernel<TT, 2, XT, SWIGLU><<<grid, threads, 0, st>>>(w, rb, n, k, x, m, y); break;
-        case 4: gemv_kernel<TT, 4, XT, SWIGLU><<<grid, threads, 0, st>>>(w, rb, n, k, x, m, y); break;
-        default: gemv_kernel<TT, 8, XT, SWIGLU><<<grid, threads, 0, st>>>(w, rb, n, k, x, m, y); break;
-    }
+    gemv_kernel<TT, M, XT, SWIGLU><<<grid, threads, 0, st>>>(w, rb, n, k, x, m, y);
 }
+
+// Rows of X 8 at a time, then the rest in one pass of the fewest rows that holds it (a row's result is the same
+// in every pass): 9 rows cost a pass of 8 and one of 1, not two of 8.
+template <class TT, class XT, bool SWIGLU>
+void launch_gemv(const uint8_t * w, long long rb, int n, int k, const XT * x, int m, float * y, cudaStream_t st) {
+    const int full = m / 8 * 8, rest = m - full;
+    if (full > 0) launch_gemv_pass<TT, 8, XT, SWIGLU>(w, rb, n, k, x, full, y, st);
+    if (rest == 0) return;
+    x += (long long)full * k;
+    y += (long long)full * n;
+    if (rest == 1) launch_gemv_pass<TT, 1, XT, SWIGLU>(w, rb, n, k, x, rest, y, st);
+    else if (rest == 2) launch_gemv_pass<TT, 2, XT, SWIGLU>(w, rb, n, k, x, rest, y, st);
+    else if (rest <= 4) launch_gemv_pass<TT, 4, XT, SWIGLU>(w, rb, n, k, x, rest, y, st);
+    else launch_gemv_pass<TT, 8, XT, SWIGLU>(w, rb, n, k, x, rest, y, st);
+}
+
+// ALGO_AUTO's GEMV takes up to this many rows of X (a verification, short prompts): the tiled kernel's 64-wide
+// output tiles leave most SMs idle on the narrow dense matrices of a MoE model (Qwen3-30B-A3B's attention: 80 and
+// 32 CTAs), where it took 190 us a call on average for 9 rows (H200 profile of a verification, 2026-12-01).
+constexpr int kGemvMaxRows = 32;
 
 // ---- tiled GEMM: C[64 x 64] per CTA, k in chunks of 128, 4 warps each owning 16 columns of W ------
 constexpr int TBM = 64, TBN = 64, TBK = 128, TLD = TBK + 8, CLD = TBN + 4;
@@ -202,7 +216,7 @@ int qmatmul(int w_type, const void * w, int64_t n, int64_t k, int x_type, const 
         return launch_status();
     }
     if (!aligned_for(w_type, uintptr_t(w)) || uintptr_t(x) % 16 != 0) return SPECTER_ERR_INVALID_ARG;
-    const bool tiled = !swiglu && (algo == SPECTER_ALGO_TILED || (algo == SPECTER_ALGO_AUTO && m > 8));
+    const bool tiled = !swiglu && (algo == SPECTER_ALGO_TILED || (algo == SPECTER_ALGO_AUTO && m > kGemvMaxRows));
     if (tiled && m > 65535LL * 64) return SPECTER_ERR_INVALID_ARG;
     const bool vec = vec_ok(w_type, k, uintptr_t(w));
     const long long rb = row_bytes(*t, k);
