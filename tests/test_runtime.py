@@ -16,7 +16,7 @@ from specter_gguf.engine import Model
 from specter_gguf.errors import SpecterError
 from specter_gguf.gguf_file import GGUFFile
 from specter_gguf.runtime import MODES, DeviceRoutingCounts, OffloadCounters, RoutingProfile, plan_memory
-from specter_gguf.runtime.budget import moe_layers, record_layout
+from specter_gguf.runtime.budget import SPECULATION, moe_layers, record_layout
 from specter_gguf.config import ModelConfig
 from specter_gguf.sampling import SamplingParams
 from specter_gguf.sizes import parse_size
@@ -58,10 +58,13 @@ def test_plan_splits_the_budget(shipped_model) -> None:
     assert tight.fixed + tight.slots_bytes <= tight.budget
     text = tight.describe()
     assert f"{tight.n_slots} of {tight.n_experts_total}" in text and "minimum budget" in text
-    # a draft's routed experts are counted (here the model itself stands in for a draft)
+    # a draft's routed experts are counted (here the model itself stands in for a draft), and on CUDA what the
+    # speculative decoder holds beside them
     with_draft = plan_memory(f, "64GiB", CTX, "cuda", draft=f)
-    assert with_draft.draft_experts == huge.resident_expert_bytes
-    assert with_draft.minimum == huge.minimum + huge.resident_expert_bytes
+    assert with_draft.draft_experts == huge.resident_expert_bytes and with_draft.speculation == SPECULATION
+    assert with_draft.minimum == huge.minimum + huge.resident_expert_bytes + SPECULATION
+    assert "speculation" in with_draft.describe() and huge.speculation == 0
+    assert plan_memory(f, "64GiB", CTX, "cpu", draft=f).speculation == 0
 
 
 def test_budget_below_minimum_is_refused_before_loading(shipped_model, monkeypatch) -> None:

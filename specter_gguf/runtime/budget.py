@@ -1,7 +1,7 @@
 """The GPU memory plan: how one `--gpu-budget` figure is split before anything is loaded.
 
     budget = non-expert weights + KV cache (whole context) + workspace + CUDA runtime + draft experts
-             + expert-cache slots
+             + speculation + expert-cache slots
 
 - **non-expert weights**: every tensor except the routed experts, at the size it takes on the device
   (`device_bytes`: the file's bytes — `weights.load_tensor` keeps quantized tensors quantized). The runtime
@@ -13,14 +13,20 @@
   attention reads the KV cache in place, so only its [chunk, context] mask grows with the context.
 - **CUDA runtime**: what the process holds on the device beyond torch's allocations: the CUDA context, cuBLAS's
   workspace and the caching allocator's reserve (CUDA only; nvidia-smi showed 0.8 GiB more than torch's peak
-  allocation on the H200, 2026-12-01).
+  allocation for a small model on the H200, 0.99 GiB for Qwen3-30B-A3B shapes decoding from the expert cache,
+  2026-12-01).
 - **draft experts**: the routed experts of a `--draft` GGUF (its file bytes: the draft stays quantized on
   the GPU).
+- **speculation** (with a draft, on CUDA): what the speculative decoder holds beyond the plain decoder's, a
+  quarter GiB: its CUDA graphs (draft steps, a verification per depth) and their share of the allocator's
+  reserve, the verdict buffers. Without it, Qwen3-30B-A3B shapes went 0.10-0.19 GiB over 16 and 24 GiB budgets
+  (nvidia-smi on the H200, 2026-12-01: 1.08-1.10 GiB beyond torch's peak, and torch's peak 0.07-0.09 GiB past
+  what the plan gave it), where decoding from the expert cache fitted.
 - **slots**: what is left, in whole slots. A slot holds one routed expert's gate|up|down record in the
   target's GGUF type (the largest record over the layers: Q4_K_M files mix types between layers).
 
-**Minimum budget** = non-expert weights + KV + workspace + CUDA runtime + draft experts + `top_k` slots for every
-MoE layer: a prompt's chunk goes through the slots `top_k` experts at a time or more, and the per-layer LRU of
+**Minimum budget** = non-expert weights + KV + workspace + CUDA runtime + draft experts + speculation + `top_k`
+slots for every MoE layer: a prompt's chunk goes through the slots `top_k` experts at a time or more, and the per-layer LRU of
 Mixtral-offloading keeps each layer's slots apart. (A chunk that needs more distinct experts than a layer has
 slots runs in waves; small batches read the experts the cache lacks from host memory; correctness never needs
 more than `top_k` slots per layer.) A smaller budget is
@@ -47,6 +53,7 @@ from specter_gguf.sizes import GiB, format_size, parse_size
 SLOT_ALIGN = 256          # bytes: slot and part offsets (vector loads, any element type)
 WORKSPACE_SLACK = 1.1     # small tensors the estimate leaves out (measured on the H200: tests/test_memory_gpu.py)
 CUDA_RUNTIME = 1 * GiB
+SPECULATION = GiB // 4   # with a draft on CUDA: see the module docstring
 VERIFY_ROWS = 17          # logits rows a forward returns at most: a verification of 16 drafted tokens
 FIT_MARGIN = 1 * GiB      # left free when the budget is the device's free memory (llama.cpp's --fit leaves 1 GiB)
 DEFAULT_PREFILL_CHUNK = 256
@@ -170,6 +177,7 @@ class MemoryPlan:
     workspace: int
     cuda_runtime: int
     draft_experts: int
+    speculation: int
     slot_bytes: int
     slot_types: tuple[str, ...]
     n_moe_layers: int
@@ -183,7 +191,8 @@ class MemoryPlan:
 
     @property
     def fixed(self) -> int:
-        return self.non_expert + self.kv_cache + self.workspace + self.cuda_runtime + self.draft_experts
+        return (self.non_expert + self.kv_cache + self.workspace + self.cuda_runtime + self.draft_experts
+                + self.speculation)
 
     @property
     def slots_bytes(self) -> int:
@@ -202,6 +211,7 @@ class MemoryPlan:
                 f"{format_size(self.non_expert)} + KV cache {format_size(self.kv_cache)} + workspace "
                 f"{format_size(self.workspace)} + CUDA runtime {format_size(self.cuda_runtime)}"
                 + (f" + draft experts {format_size(self.draft_experts)}" if self.draft_experts else "")
+                + (f" + speculation {format_size(self.speculation)}" if self.speculation else "")
                 + f" + {self.top_k} expert slots per MoE layer × {self.n_moe_layers} layers of "
                 f"{format_size(self.slot_bytes)}); raise --gpu-budget or lower -c/--ctx-size")
 
@@ -210,6 +220,8 @@ class MemoryPlan:
                 ("workspace", self.workspace), ("CUDA context, cuBLAS, allocator reserve", self.cuda_runtime)]
         if self.draft_experts:
             rows.append(("draft experts", self.draft_experts))
+        if self.speculation:
+            rows.append(("speculation: its CUDA graphs and buffers", self.speculation))
         rows.append((f"expert cache ({self.n_slots} slots × {format_size(self.slot_bytes)})", self.slots_bytes))
         context = (f"context {self.ctx_size} tokens (the model's own)" if self.ctx_size == self.n_ctx_train else
                    f"context {self.ctx_size} tokens (the model's own is {self.n_ctx_train}: -c 0)")
@@ -259,13 +271,15 @@ def plan_memory(f: GGUFFile, budget: int | str, ctx_size: int | None = None, dev
     quantized = any(T[t] not in FLOAT_TYPES for t in types)
     ws = workspace_bytes(cfg, ctx, min(prefill_chunk, ctx), device_type, quantized)
     runtime = CUDA_RUNTIME if device_type == "cuda" else 0
-    fixed = non_expert + kv + ws + runtime + draft_bytes
+    speculation = SPECULATION if device_type == "cuda" and draft is not None else 0
+    fixed = non_expert + kv + ws + runtime + draft_bytes + speculation
     total = len(layers) * cfg.n_expert
     n_slots = max(0, min(total, (budget - fixed) // slot)) if slot else 0
     return MemoryPlan(
         budget=budget, device=device_type, ctx_size=ctx, n_ctx_train=cfg.n_ctx_train,
         prefill_chunk=min(prefill_chunk, ctx),
         non_expert=non_expert, kv_cache=kv, workspace=ws, cuda_runtime=runtime, draft_experts=draft_bytes,
+        speculation=speculation,
         slot_bytes=slot,
         slot_types=types, n_moe_layers=len(layers), n_expert=cfg.n_expert, top_k=cfg.n_expert_used,
         n_experts_total=total, resident_expert_bytes=resident, n_slots=int(n_slots),
