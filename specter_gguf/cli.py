@@ -380,7 +380,8 @@ def fidelity(model: Path | None, drafts: str, prompts_file: Path | None, n_predi
 def plan(model: Path, gpu_budget: str, draft: Path | str | None, ctx_size: int | None, device: str,
          as_json: bool) -> None:
     """Show how a GPU budget would be split for MODEL (nothing is loaded): non-expert weights, KV cache,
-    workspace, draft experts, expert-cache slots; and the minimum budget. Exits 1 when the budget is below it."""
+    workspace, draft experts and what speculation holds, expert-cache slots; and the minimum budget. Exits 1 when
+    the budget is below it."""
     from specter_gguf.engine import plan_budget
 
     p = plan_budget(model, gpu_budget, ctx_size, device, draft)

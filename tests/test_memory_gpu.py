@@ -5,7 +5,8 @@ context of 4096 and of 32768 tokens; it prefills a prompt that fills the context
 decodes. Torch's peak allocation (above the level before loading) must stay within the planned non-expert weights
 + KV cache + workspace + expert slots, and the transient part of it (the peak less the weights, slots and KV
 storage present at the end) must be at least two thirds of the planned workspace: the plan hides no waste.
-cuBLAS's workspace is made before measuring (the plan counts it apart from the workspace).
+cuBLAS's workspace is made before measuring (the plan counts it apart from the workspace). What speculation holds
+beyond a plain decoder, by the driver's count of free memory, must stay within the plan's speculation reserve.
 
     python -m pytest -q -s tests/test_memory_gpu.py   # on the GPU machine, about a minute
 """
@@ -124,3 +125,38 @@ def test_a_model_larger_than_the_free_memory_runs_without_flags(tiny_models, mon
         Model.load(path, device="cuda", ctx_size=256, progress=False, offload="none")
     r = CliRunner().invoke(cli, ["run", str(path), "-p", "Hi", "-n", "4", "--device", "cuda", "-c", "256"])
     assert r.exit_code == 0 and "offloaded within a budget" in r.output, r.output
+
+
+def _device_use(path: str, draft: str | None) -> int:
+    """Device memory (the driver's count: allocator reserve, graphs, everything) that loading `path` whole and
+    decoding greedily, then sampled over the whole vocabulary (top-k 0: the widest verdict buffers), took."""
+    require_native_cuda()
+    free_device()
+    before = torch.cuda.mem_get_info()[0]
+    m = Model.load(path, draft=draft, device="cuda", ctx_size=512, progress=False, n_draft=8 if draft else None,
+                   tokenizer=ids_only_unless_llama_cpp())
+    assert m.cuda_graphs
+    every_token = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=3)
+    for params in (SamplingParams(temperature=0), every_token):
+        m.generate([5, 17, 300, 42, 7], n_predict=48, sampling=params, ignore_eos=True).wait()
+    torch.cuda.synchronize()
+    used = before - torch.cuda.mem_get_info()[0]
+    del m
+    free_device()
+    return used
+
+
+def test_speculation_stays_within_its_reserve(qwen3_shaped) -> None:
+    """What a speculative decoder holds on the device beyond a plain decoder of the same model and its draft's
+    experts (CUDA graphs of draft steps and of a verification per depth, verdict buffers, the allocator's share)
+    stays within the plan's `speculation` line. The model stands in as its own draft."""
+    from specter_gguf.runtime.budget import SPECULATION
+
+    warm_up()
+    plain = _device_use(qwen3_shaped, None)
+    spec = _device_use(qwen3_shaped, qwen3_shaped)
+    draft = plan_memory(GGUFFile(qwen3_shaped), 1 << 40, 512, "cuda", draft=GGUFFile(qwen3_shaped)).draft_experts
+    extra = spec - plain - draft
+    print(f"\nspeculation held {format_size(extra)} beyond the plain decoder and the draft experts "
+          f"(reserve {format_size(SPECULATION)}; plain {format_size(plain)}, speculative {format_size(spec)})")
+    assert extra <= SPECULATION
