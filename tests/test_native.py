@@ -183,6 +183,34 @@ def test_every_half_value() -> None:
     assert (got.view(np.uint32) == h.astype(np.uint32) << 16).all()
 
 
+@pytest.mark.parametrize("vectors", ["none", "avx2"])
+def test_every_vector_path_gives_the_same_bits(vectors: str, tmp_path: Path) -> None:
+    """F16 and Q8_0 rows decode with AVX-512 or AVX2 instructions where the CPU has them: each path the CPU can
+    take (SPECTER_CPU_VECTORS caps it, in a fresh process: the choice is made once) gives this process's bits,
+    for every half value (NaN payloads kept) and for Q8_0 blocks of random bytes, on rows of 33 halfs (a
+    vector's tail)."""
+    import os
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(9)
+    halfs = np.arange(65536 + 33 * 7, dtype=np.uint32).astype(np.uint16)[: 33 * 1987].reshape(-1, 33)
+    blocks = rng.integers(0, 256, (64, 34 * 8), dtype=np.uint8)
+    blocks.reshape(-1, 34)[:, :2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)  # finite scales
+    np.save(tmp_path / "halfs.npy", halfs)
+    np.save(tmp_path / "blocks.npy", blocks)
+    script = (
+        "import sys, numpy as np; from specter_gguf import native; d = sys.argv[1]\n"
+        f"h = np.load(d + '/halfs.npy'); b = np.load(d + '/blocks.npy')\n"
+        f"np.save(d + '/h.npy', native.dequantize(h.view(np.uint8), {int(GT.F16)}, h.shape))\n"
+        f"np.save(d + '/b.npy', native.dequantize(b, {int(GT.Q8_0)}, (64, 256)))\n")
+    env = {**os.environ, "SPECTER_CPU_VECTORS": vectors}
+    subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, check=True)
+    here = native.dequantize(halfs.view(np.uint8), int(GT.F16), halfs.shape)
+    assert np.array_equal(np.load(tmp_path / "h.npy").view(np.uint32), here.view(np.uint32))  # NaNs: by bits
+    assert_bitwise_equal(np.load(tmp_path / "b.npy"), native.dequantize(blocks, int(GT.Q8_0), (64, 256)))
+
+
 def test_gguf_reader_layout_3d(ggml_base: ctypes.CDLL, rng: np.random.Generator) -> None:
     """An expert tensor as gguf's reader gives it: uint8 [experts, rows, bytes_per_row]."""
     experts, rows, n = 4, 6, 512
