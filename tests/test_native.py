@@ -185,10 +185,11 @@ def test_every_half_value() -> None:
 
 @pytest.mark.parametrize("vectors", ["none", "avx2"])
 def test_every_vector_path_gives_the_same_bits(vectors: str, tmp_path: Path) -> None:
-    """F16 and Q8_0 rows decode with AVX-512 or AVX2 instructions where the CPU has them: each path the CPU can
-    take (SPECTER_CPU_VECTORS caps it, in a fresh process: the choice is made once) gives this process's bits,
-    for every half value (NaN payloads kept) and for Q8_0 blocks of random bytes, on rows of 33 halfs (a
-    vector's tail)."""
+    """F16 and Q8_0 rows decode, and F16/BF16/Q8_0 rows are dotted with one row of x, with AVX-512 or AVX2
+    instructions where the CPU has them: each path the CPU can take (SPECTER_CPU_VECTORS caps it, in a fresh
+    process: the choice is made once) gives this process's bits, for every half value (NaN payloads kept), for
+    Q8_0 blocks of random bytes, and for one row of x times matrices of 520 halfs a row (a vector's tail) and of
+    17 Q8_0 blocks (the scalar path: the dequantized row's dot product)."""
     import os
     import subprocess
     import sys
@@ -197,18 +198,35 @@ def test_every_vector_path_gives_the_same_bits(vectors: str, tmp_path: Path) -> 
     halfs = np.arange(65536 + 33 * 7, dtype=np.uint32).astype(np.uint16)[: 33 * 1987].reshape(-1, 33)
     blocks = rng.integers(0, 256, (64, 34 * 8), dtype=np.uint8)
     blocks.reshape(-1, 34)[:, :2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)  # finite scales
-    np.save(tmp_path / "halfs.npy", halfs)
-    np.save(tmp_path / "blocks.npy", blocks)
+    ks = {GT.F16: 520, GT.BF16: 520, GT.Q8_0: 544}
+    floats = {t: rng.standard_normal((24, k)).astype(np.float32) for t, k in ks.items()}
+    mats = {GT.F16: floats[GT.F16].astype(np.float16).view(np.uint8),
+            GT.BF16: (floats[GT.BF16].view(np.uint32) >> 16).astype(np.uint16).view(np.uint8),
+            GT.Q8_0: quantize(GT.Q8_0, floats[GT.Q8_0], None)}
+    xs = {t: rng.standard_normal((1, k)).astype(np.float32) for t, k in ks.items()}
+    np.savez(tmp_path / "in.npz", halfs=halfs, blocks=blocks, **{f"w{int(t)}": m for t, m in mats.items()},
+             **{f"x{int(t)}": v for t, v in xs.items()})
     script = (
-        "import sys, numpy as np; from specter_gguf import native; d = sys.argv[1]\n"
-        f"h = np.load(d + '/halfs.npy'); b = np.load(d + '/blocks.npy')\n"
-        f"np.save(d + '/h.npy', native.dequantize(h.view(np.uint8), {int(GT.F16)}, h.shape))\n"
-        f"np.save(d + '/b.npy', native.dequantize(b, {int(GT.Q8_0)}, (64, 256)))\n")
+        "import sys, numpy as np, torch; from specter_gguf import kernels, native; d = sys.argv[1]\n"
+        "a = np.load(d + '/in.npz')\n"
+        f"out = dict(h=native.dequantize(a['halfs'].view(np.uint8), {int(GT.F16)}, a['halfs'].shape),\n"
+        f"           b=native.dequantize(a['blocks'], {int(GT.Q8_0)}, (64, 256)))\n"
+        f"for t, k in {[(int(t), k) for t, k in ks.items()]}:\n"
+        "    w = kernels.QuantizedTensor.from_numpy(a[f'w{t}'], t, (24, k))\n"
+        "    out[f'y{t}'] = kernels.qmatmul(torch.from_numpy(a[f'x{t}']), w).numpy()\n"
+        "np.savez(d + '/out.npz', **out)\n")
     env = {**os.environ, "SPECTER_CPU_VECTORS": vectors}
     subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, check=True)
+    got = np.load(tmp_path / "out.npz")
     here = native.dequantize(halfs.view(np.uint8), int(GT.F16), halfs.shape)
-    assert np.array_equal(np.load(tmp_path / "h.npy").view(np.uint32), here.view(np.uint32))  # NaNs: by bits
-    assert_bitwise_equal(np.load(tmp_path / "b.npy"), native.dequantize(blocks, int(GT.Q8_0), (64, 256)))
+    assert np.array_equal(got["h"].view(np.uint32), here.view(np.uint32))  # NaNs: by bits
+    assert_bitwise_equal(got["b"], native.dequantize(blocks, int(GT.Q8_0), (64, 256)))
+    from specter_gguf import kernels
+    import torch
+
+    for t, k in ks.items():
+        y = kernels.qmatmul(torch.from_numpy(xs[t]), kernels.QuantizedTensor.from_numpy(mats[t], int(t), (24, k)))
+        assert_bitwise_equal(got[f"y{int(t)}"], y.numpy())
 
 
 def test_gguf_reader_layout_3d(ggml_base: ctypes.CDLL, rng: np.random.Generator) -> None:

@@ -7,22 +7,9 @@
 #include <cstring>
 
 #include "fp16.h"
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define SPECTER_X86_VECTORS 1
-#endif
+#include "vectors_cpu.h"
 
 namespace specter {
-namespace {
-
-constexpr int QK_K = 256;
-
-// ---- F16 and Q8_0 rows with the CPU's vector instructions where it has them ------------------------
-// The conversions are exact (half to float, int8 to float) and a Q8_0 weight is one float multiply, as in the
-// scalar decoders: the same bits, several times faster (the scalar half conversion is a dozen integer operations).
-// The environment variable SPECTER_CPU_VECTORS=avx2|none caps the choice (the tests run every path).
-enum class Vectors { none, avx2, avx512 };
 
 Vectors cpu_vectors() {
 #ifdef SPECTER_X86_VECTORS
@@ -40,6 +27,14 @@ Vectors cpu_vectors() {
     return Vectors::none;
 #endif
 }
+
+namespace {
+
+constexpr int QK_K = 256;
+
+// ---- F16 and Q8_0 rows with the CPU's vector instructions where it has them ------------------------
+// The conversions are exact (half to float, int8 to float) and a Q8_0 weight is one float multiply, as in the
+// scalar decoders: the same bits, several times faster (the scalar half conversion is a dozen integer operations).
 
 #ifdef SPECTER_X86_VECTORS
 #pragma GCC diagnostic push

@@ -1,7 +1,9 @@
 // CPU reference implementation of specter_kernels.h: row gather, Y = X.W^T and the grouped MoE
 // feed-forward over GGUF-typed weights, and the fused ops of a decode step. Each weight row is
 // dequantized (bit-exact with ggml) into a float buffer once per call and dotted with every row of X
-// that needs it, in float32 with a fixed summation order, so results do not depend on the thread count.
+// that needs it, in float32 with a fixed summation order, so results do not depend on the thread count;
+// a row that meets one row of X only is decoded in registers instead where the type and the CPU allow
+// (F16, BF16, Q8_0 with AVX2 or AVX-512: `RowDots`), with the same bits.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -14,6 +16,7 @@
 #include "fp16.h"
 #include "kernels_common.h"
 #include "specter_kernels.h"
+#include "vectors_cpu.h"
 
 namespace specter {
 namespace {
@@ -51,7 +54,16 @@ void parallel_for(int64_t n, int n_threads, int64_t min_per, Fn fn) {
     for (std::thread & th : pool) th.join();
 }
 
-// float32 dot product with 16 independent partial sums (vectorizes; fixed order).
+// The 16 partial sums of a dot product, folded in a fixed order.
+inline float fold16(float * acc) {
+    for (int w = 8; w >= 1; w /= 2)
+        for (int j = 0; j < w; ++j) acc[j] += acc[j + w];
+    return acc[0];
+}
+
+// float32 dot product with 16 independent partial sums (vectorizes; fixed order): lane j sums the products of
+// the elements i = j mod 16 in order, each product rounded before it is added (no FMA), the tail goes to lanes
+// 0, 1, ...
 #if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(_M_X64))
 __attribute__((target_clones("avx512f", "avx2", "default")))
 #endif
@@ -61,10 +73,126 @@ float dot_f32(const float * a, const float * b, int64_t k) {
     for (; i + 16 <= k; i += 16)
         for (int j = 0; j < 16; ++j) acc[j] += a[i + j] * b[i + j];
     for (int64_t j = 0; i + j < k; ++j) acc[j] += a[i + j] * b[i + j];
-    for (int w = 8; w >= 1; w /= 2)
-        for (int j = 0; j < w; ++j) acc[j] += acc[j + w];
-    return acc[0];
+    return fold16(acc);
 }
+
+// ---- one weight row dotted with one row of x, decoded in registers ------------------------------------------
+// dot_f32 of the dequantized row, bit for bit (the same lanes, order and rounding), without writing the row out:
+// F16, BF16 and Q8_0 rows with AVX-512 or AVX2. An AVX2 step covers the 16 lanes with two 8-lane sums.
+#ifdef SPECTER_X86_VECTORS
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12's AVX-512 intrinsics (_mm512_undefined_*)
+__attribute__((target("avx512f"))) float dot_f16_avx512(const uint8_t * w, const float * x, int64_t k, bool bf) {
+    const uint16_t * h = reinterpret_cast<const uint16_t *>(w);
+    __m512 acc = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= k; i += 16) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(h + i));
+        const __m512 v = bf ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))
+                            : _mm512_cvtph_ps(raw);
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(v, _mm512_loadu_ps(x + i)));
+    }
+    float lanes[16];
+    _mm512_storeu_ps(lanes, acc);
+    for (int64_t j = 0; i + j < k; ++j)
+        lanes[j] += (bf ? bits_to_float(uint32_t(h[i + j]) << 16) : half_to_float(h[i + j])) * x[i + j];
+    return fold16(lanes);
+}
+
+__attribute__((target("avx2,f16c"))) inline __m256 halfs8_avx2(const uint16_t * h, bool bf) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i *>(h));
+    return bf ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)) : _mm256_cvtph_ps(raw);
+}
+
+__attribute__((target("avx2,f16c"))) float dot_f16_avx2(const uint8_t * w, const float * x, int64_t k, bool bf) {
+    const uint16_t * h = reinterpret_cast<const uint16_t *>(w);
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= k; i += 16) {
+        lo = _mm256_add_ps(lo, _mm256_mul_ps(halfs8_avx2(h + i, bf), _mm256_loadu_ps(x + i)));
+        hi = _mm256_add_ps(hi, _mm256_mul_ps(halfs8_avx2(h + i + 8, bf), _mm256_loadu_ps(x + i + 8)));
+    }
+    float lanes[16];
+    _mm256_storeu_ps(lanes, lo);
+    _mm256_storeu_ps(lanes + 8, hi);
+    for (int64_t j = 0; i + j < k; ++j)
+        lanes[j] += (bf ? bits_to_float(uint32_t(h[i + j]) << 16) : half_to_float(h[i + j])) * x[i + j];
+    return fold16(lanes);
+}
+
+// Q8_0: a block's 32 weights (quant times the block's scale, as the decoder rounds it) are two 16-lane steps.
+__attribute__((target("avx512f"))) float dot_q8_0_avx512(const uint8_t * w, const float * x, int64_t k) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += 32, w += 34) {
+        const __m512 d = _mm512_set1_ps(load_half(w));
+        for (int j = 0; j < 2; ++j) {
+            const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i *>(w + 2 + 16 * j));
+            const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d);
+            acc = _mm512_add_ps(acc, _mm512_mul_ps(v, _mm512_loadu_ps(x + i + 16 * j)));
+        }
+    }
+    float lanes[16];
+    _mm512_storeu_ps(lanes, acc);
+    return fold16(lanes);
+}
+
+__attribute__((target("avx2"))) float dot_q8_0_avx2(const uint8_t * w, const float * x, int64_t k) {
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t i = 0; i < k; i += 32, w += 34) {
+        const __m256 d = _mm256_set1_ps(load_half(w));
+        for (int j = 0; j < 4; ++j) {
+            const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(w + 2 + 8 * j));
+            const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
+            acc[j & 1] = _mm256_add_ps(acc[j & 1], _mm256_mul_ps(v, _mm256_loadu_ps(x + i + 8 * j)));
+        }
+    }
+    float lanes[16];
+    _mm256_storeu_ps(lanes, acc[0]);
+    _mm256_storeu_ps(lanes + 8, acc[1]);
+    return fold16(lanes);
+}
+#pragma GCC diagnostic pop
+#endif
+
+// false when neither the type nor the CPU has a path (the caller dequantizes the row).
+bool dot_row_f32(const TypeInfo & t, const uint8_t * w, const float * x, int64_t k, float * out) {
+#ifdef SPECTER_X86_VECTORS
+    const Vectors v = cpu_vectors();
+    if (v == Vectors::none) return false;
+    const bool avx512 = v == Vectors::avx512;
+    if (t.type == SPECTER_TYPE_F16 || t.type == SPECTER_TYPE_BF16) {
+        const bool bf = t.type == SPECTER_TYPE_BF16;
+        *out = avx512 ? dot_f16_avx512(w, x, k, bf) : dot_f16_avx2(w, x, k, bf);
+        return true;
+    }
+    if (t.type == SPECTER_TYPE_Q8_0) {
+        *out = avx512 ? dot_q8_0_avx512(w, x, k) : dot_q8_0_avx2(w, x, k);
+        return true;
+    }
+#endif
+    (void)t, (void)w, (void)x, (void)k, (void)out;
+    return false;
+}
+
+// One weight row at a time, dotted with the rows of x that need it: each product is dot_f32 of the dequantized
+// row. When the row meets one row of x only (`alone`: one token, or an expert one token chose), the fused
+// `dot_row_f32` takes it where it can; otherwise the row is dequantized once into `buf`.
+struct RowDots {
+    const TypeInfo & t;
+    int64_t k;
+    std::vector<float> buf;
+    const uint8_t * row = nullptr;
+    bool decoded = false;
+
+    RowDots(const TypeInfo & type, int64_t row_len) : t(type), k(row_len), buf(size_t(row_len) + 1) {}
+    void start(const uint8_t * w) { row = w, decoded = false; }
+    float dot(const float * x, bool alone) {
+        float r;
+        if (alone && dot_row_f32(t, row, x, k, &r)) return r;
+        if (!decoded) dequantize_rows_f32(t, row, buf.data(), 1, k), decoded = true;
+        return dot_f32(buf.data(), x, k);
+    }
+};
 
 // Work per thread: at least this many weight elements.
 constexpr int64_t kMinElems = 1 << 16;
@@ -104,13 +232,13 @@ int qmatmul(int w_type, const void * w, int64_t n, int64_t k, int x_type, const 
         const uint8_t * ws = static_cast<const uint8_t *>(w);
         const int64_t per = std::max<int64_t>(1, rows_per_thread(swiglu ? 2 * k : k) / std::max<int64_t>(1, m));
         parallel_for(n, n_threads, per, [&](int64_t b, int64_t e) {
-            std::vector<float> row(size_t(k) + 1), up(swiglu ? size_t(k) + 1 : 0);
+            RowDots gate(*t, k), up(*t, swiglu ? k : 0);
             for (int64_t r = b; r < e; ++r) {
-                dequantize_rows_f32(*t, ws + r * rb, row.data(), 1, k);
-                if (swiglu) dequantize_rows_f32(*t, ws + (n + r) * rb, up.data(), 1, k);
+                gate.start(ws + r * rb);
+                if (swiglu) up.start(ws + (n + r) * rb);
                 for (int64_t i = 0; i < m; ++i) {
-                    const float g = dot_f32(row.data(), xs + i * k, k);
-                    y[i * n + r] = swiglu ? silu(g) * dot_f32(up.data(), xs + i * k, k) : g;
+                    const float g = gate.dot(xs + i * k, m == 1);
+                    y[i * n + r] = swiglu ? silu(g) * up.dot(xs + i * k, m == 1) : g;
                 }
             }
         });
@@ -207,30 +335,29 @@ int specter_moe_ffn(const float * x, int64_t n_tokens, int64_t d_model, const in
 
         // gate/up: one work item = (group, row of d_ff); act = silu(gate . x) * (up . x)
         parallel_for(G * d_ff, n_threads, rows_per_thread(2 * d_model), [&](int64_t b, int64_t e) {
-            std::vector<float> rg(size_t(d_model) + 1), ru(size_t(d_model) + 1);
+            RowDots gate(*tg, d_model), up(*tu, d_model);
             for (int64_t it = b; it < e; ++it) {
                 const int64_t gi = it / d_ff, r = it % d_ff, ex = groups[size_t(gi)];
-                const uint8_t * wg = reinterpret_cast<const uint8_t *>(uintptr_t(gate_ptrs[ex]));
-                const uint8_t * wu = reinterpret_cast<const uint8_t *>(uintptr_t(up_ptrs[ex]));
-                dequantize_rows_f32(*tg, wg + r * rb_g, rg.data(), 1, d_model);
-                dequantize_rows_f32(*tu, wu + r * rb_u, ru.data(), 1, d_model);
-                for (int64_t q = count[size_t(ex)]; q < count[size_t(ex) + 1]; ++q) {
+                const int64_t q0 = count[size_t(ex)], q1 = count[size_t(ex) + 1];
+                gate.start(reinterpret_cast<const uint8_t *>(uintptr_t(gate_ptrs[ex])) + r * rb_g);
+                up.start(reinterpret_cast<const uint8_t *>(uintptr_t(up_ptrs[ex])) + r * rb_u);
+                for (int64_t q = q0; q < q1; ++q) {
                     const int64_t p = perm[size_t(q)];
                     const float * xt = x + (p / top_k) * d_model;
-                    act[p * d_ff + r] = silu(dot_f32(rg.data(), xt, d_model)) * dot_f32(ru.data(), xt, d_model);
+                    act[p * d_ff + r] = silu(gate.dot(xt, q1 - q0 == 1)) * up.dot(xt, q1 - q0 == 1);
                 }
             }
         });
         // down: one work item = (group, row of d_model); ypair = down . act
         parallel_for(G * d_model, n_threads, rows_per_thread(d_ff), [&](int64_t b, int64_t e) {
-            std::vector<float> rd(size_t(d_ff) + 1);
+            RowDots down(*td, d_ff);
             for (int64_t it = b; it < e; ++it) {
                 const int64_t gi = it / d_model, r = it % d_model, ex = groups[size_t(gi)];
-                const uint8_t * wd = reinterpret_cast<const uint8_t *>(uintptr_t(down_ptrs[ex]));
-                dequantize_rows_f32(*td, wd + r * rb_d, rd.data(), 1, d_ff);
-                for (int64_t q = count[size_t(ex)]; q < count[size_t(ex) + 1]; ++q) {
+                const int64_t q0 = count[size_t(ex)], q1 = count[size_t(ex) + 1];
+                down.start(reinterpret_cast<const uint8_t *>(uintptr_t(down_ptrs[ex])) + r * rb_d);
+                for (int64_t q = q0; q < q1; ++q) {
                     const int64_t p = perm[size_t(q)];
-                    ypair[p * d_model + r] = dot_f32(rd.data(), act + p * d_ff, d_ff);
+                    ypair[p * d_model + r] = down.dot(act + p * d_ff, q1 - q0 == 1);
                 }
             }
         });
