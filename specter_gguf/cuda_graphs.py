@@ -12,12 +12,13 @@ A graph holds raw addresses of what it reads: the KV cache storage and the RoPE 
 (the cache grew for a longer prompt), the graphs are dropped and captured again.
 
 Every graph over one KV cache (plain decoding, draft steps, verifications of each depth, each window) draws its
-transient memory from one pool (`_POOLS`), not a pool of its own: the graphs of one sequence replay one at a
-time, and a graph's output (its logits) is read before another replays, so their scratch can overlap. With a pool
-each (by the caching allocator's rules at least a 20 MB segment for the logits), a speculative decoder that had
-captured a dozen graphs went 0.2 GiB over its budget (Qwen3-30B-A3B shapes on the H200, 2026-12-01). The pool is
-a `torch.cuda.MemPool` that lives as long as the cache: a bare pool handle dies with the last graph captured into
-it, and capturing into it again (after the graphs were dropped) fails an assertion of PyTorch's allocator.
+transient memory from one pool (`_POOLS`), not a pool of its own (by the caching allocator's rules at least a
+2 MiB segment each, 20 MiB for a 9-token verification's logits over a 152K vocabulary): the graphs of one
+sequence replay one at a time, and a graph's output (its logits) is read before another replays, so their
+scratch can overlap. The pool is a `torch.cuda.MemPool` that lives as long as the cache: a bare pool handle dies
+with the last graph captured into it, and capturing into it again (after the graphs were dropped) fails an
+assertion of PyTorch's allocator. What speculation's graphs hold is counted by the memory plan's speculation line
+(`runtime/budget.py`).
 """
 
 from __future__ import annotations

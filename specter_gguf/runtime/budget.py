@@ -26,11 +26,10 @@
   target's GGUF type (the largest record over the layers: Q4_K_M files mix types between layers).
 
 **Minimum budget** = non-expert weights + KV + workspace + CUDA runtime + draft experts + speculation + `top_k`
-slots for every MoE layer: a prompt's chunk goes through the slots `top_k` experts at a time or more, and the per-layer LRU of
-Mixtral-offloading keeps each layer's slots apart. (A chunk that needs more distinct experts than a layer has
-slots runs in waves; small batches read the experts the cache lacks from host memory; correctness never needs
-more than `top_k` slots per layer.) A smaller budget is
-refused before loading, naming this minimum.
+slots for every MoE layer: a prompt's chunk goes through the slots `top_k` experts at a time or more, and the
+per-layer LRU of Mixtral-offloading keeps each layer's slots apart. (A chunk that needs more distinct experts than
+a layer has slots runs in waves; small batches read the experts the cache lacks from host memory; correctness
+never needs more than `top_k` slots per layer.) A smaller budget is refused before loading, naming this minimum.
 """
 
 from __future__ import annotations
