@@ -162,7 +162,8 @@ def bench_dense(dev: torch.device, iters: int) -> list[dict]:
         for tname in ("Q8_0", "Q4_K", "Q6_K"):
             ty = TYPES[tname]
             w0 = random_weight(ty, n, k, dev)
-            ws = [w0] + [random_weight(ty, n, k, dev) for _ in range(max(2, math.ceil(L2_DEFEAT_BYTES / w0.nbytes)) - 1)]
+            copies = max(2, math.ceil(L2_DEFEAT_BYTES / w0.nbytes))
+            ws = [w0] + [random_weight(ty, n, k, dev) for _ in range(copies - 1)]
             for m in DENSE_ROWS:
                 xm = torch.randn(m, k, device=dev)
                 res = dict(kind="dense", shape=shape_name, type=tname, m=m)
