@@ -256,6 +256,54 @@ def test_multithreaded_equals_single_threaded(qtype: GT, rng: np.random.Generato
     assert_bitwise_equal(one, gguf.quants.dequantize(q, qtype).astype(np.float32, copy=False))
 
 
+def test_the_worker_pool_from_threads_and_a_forked_child(rng: np.random.Generator) -> None:
+    """The CPU kernels share one pool of worker threads: calls from several Python threads at once (one holds the
+    pool, the others start threads of their own) give the single-threaded bits, and so does a child made by
+    fork() after the pool started (it has none of its parent's threads: it makes its own pool)."""
+    import os
+    import threading
+    import time
+    import warnings
+
+    rows, n = 67, 4096
+    q = quantize(GT.Q8_0, random_rows(rng, rows, n), None)
+    one = native.dequantize(q, int(GT.Q8_0), (rows, n), n_threads=1)
+    native.dequantize(q, int(GT.Q8_0), (rows, n), n_threads=3)  # the pool is running
+    results: list[np.ndarray] = []
+
+    def work() -> None:
+        for _ in range(20):
+            results.append(native.dequantize(q, int(GT.Q8_0), (rows, n), n_threads=3))
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(results) == 80
+    for r in results:
+        assert_bitwise_equal(r, one)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # Python's warning on forking a threaded process
+        pid = os.fork()
+    if pid == 0:  # the child: exit 0 when the kernels gave the same bits
+        same = np.array_equal(native.dequantize(q, int(GT.Q8_0), (rows, n), n_threads=3).view(np.uint32),
+                              one.view(np.uint32))
+        os._exit(0 if same else 1)
+    deadline = time.monotonic() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's kernel call did not end within 60 s")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 # ---------------------------------------------------------------------------------------------
 # ABI: type table, error codes
 

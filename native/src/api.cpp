@@ -4,11 +4,11 @@
 #include <cstdint>
 #include <exception>
 #include <new>
-#include <thread>
 #include <vector>
 
 #include "dequant_cpu.h"
 #include "specter.h"
+#include "threads_cpu.h"
 
 #ifndef SPECTER_VERSION_STRING
 #define SPECTER_VERSION_STRING "0.0.0"
@@ -16,39 +16,13 @@
 
 namespace {
 
-// Rows [r0, r1) of the work go to one thread; keep at least this many elements per thread so
-// that small tensors do not pay for thread start-up.
+// Keep at least this many elements per thread, so that small tensors run on one.
 constexpr int64_t kMinElemsPerThread = 1 << 15;
 
 template <class Fn>
 void parallel_rows(int64_t n_rows, int64_t row_len, int n_threads, Fn fn) {
-    int hw = int(std::thread::hardware_concurrency());
-    if (hw <= 0) hw = 1;
-    int64_t nt = n_threads > 0 ? n_threads : hw;
-    nt = std::min<int64_t>(nt, n_rows);
-    nt = std::min<int64_t>(nt, std::max<int64_t>(1, (n_rows * row_len) / kMinElemsPerThread));
-    if (nt <= 1) {
-        fn(0, n_rows);
-        return;
-    }
-    const int64_t per = n_rows / nt, extra = n_rows % nt;
-    std::vector<std::thread> pool;
-    pool.reserve(size_t(nt - 1));
-    int64_t r0 = 0;
-    for (int64_t t = 0; t < nt; ++t) {
-        const int64_t r1 = r0 + per + (t < extra ? 1 : 0);
-        if (t == nt - 1) {
-            fn(r0, r1);  // the calling thread takes the last share
-        } else {
-            try {
-                pool.emplace_back(fn, r0, r1);
-            } catch (...) {
-                fn(r0, r1);  // could not start a thread: do this share here
-            }
-        }
-        r0 = r1;
-    }
-    for (std::thread & th : pool) th.join();
+    specter::parallel_for(n_rows, n_threads, std::max<int64_t>(1, kMinElemsPerThread / std::max<int64_t>(1, row_len)),
+                          fn);
 }
 
 int check_rows(int type, const void * src, const void * dst, int64_t n_rows, int64_t row_len,

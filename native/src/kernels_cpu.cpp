@@ -9,50 +9,17 @@
 #include <cstring>
 #include <exception>
 #include <new>
-#include <thread>
 #include <vector>
 
 #include "dequant_cpu.h"
 #include "fp16.h"
 #include "kernels_common.h"
 #include "specter_kernels.h"
+#include "threads_cpu.h"
 #include "vectors_cpu.h"
 
 namespace specter {
 namespace {
-
-// Split [0, n) over up to n_threads threads (n_threads <= 0: all cores); at least `min_per` items
-// per thread. fn(begin, end) runs on the calling thread for the last share.
-template <class Fn>
-void parallel_for(int64_t n, int n_threads, int64_t min_per, Fn fn) {
-    if (n <= 0) return;
-    int hw = int(std::thread::hardware_concurrency());
-    if (hw <= 0) hw = 1;
-    int64_t nt = n_threads > 0 ? n_threads : hw;
-    nt = std::min<int64_t>(nt, std::max<int64_t>(1, n / std::max<int64_t>(1, min_per)));
-    if (nt <= 1) {
-        fn(int64_t(0), n);
-        return;
-    }
-    std::vector<std::thread> pool;
-    pool.reserve(size_t(nt - 1));
-    const int64_t per = n / nt, extra = n % nt;
-    int64_t b = 0;
-    for (int64_t i = 0; i < nt; ++i) {
-        const int64_t e = b + per + (i < extra ? 1 : 0);
-        if (i == nt - 1) {
-            fn(b, e);
-        } else {
-            try {
-                pool.emplace_back(fn, b, e);
-            } catch (...) {
-                fn(b, e);
-            }
-        }
-        b = e;
-    }
-    for (std::thread & th : pool) th.join();
-}
 
 // The 16 partial sums of a dot product, folded in a fixed order.
 inline float fold16(float * acc) {

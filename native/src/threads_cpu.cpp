@@ -1,0 +1,132 @@
+// A process-wide pool of worker threads for the CPU kernels (threads_cpu.h).
+#include "threads_cpu.h"
+
+#include <unistd.h>
+
+#include <condition_variable>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace specter {
+namespace {
+
+class Pool {
+public:
+    // The workers wait for jobs until the process ends (the pool is never destroyed).
+    explicit Pool(int n_workers) {
+        for (int i = 0; i < n_workers; ++i) workers_.emplace_back([this] { work(); });
+    }
+
+    // false when another call holds the pool
+    bool try_run(int n_jobs, const std::function<void(int)> & job) {
+        std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
+        if (!busy.owns_lock()) return false;
+        {
+            std::lock_guard<std::mutex> lk(m_);
+            job_ = &job, n_jobs_ = n_jobs, next_ = 0, pending_ = n_jobs, error_ = nullptr;
+        }
+        wake_.notify_all();
+        std::unique_lock<std::mutex> lk(m_);
+        take_jobs(lk);
+        done_.wait(lk, [this] { return pending_ == 0; });
+        job_ = nullptr;
+        if (error_) std::rethrow_exception(error_);
+        return true;
+    }
+
+private:
+    // Runs jobs while there are any left (`lk` held on entry and on return).
+    void take_jobs(std::unique_lock<std::mutex> & lk) {
+        while (next_ < n_jobs_) {
+            const int i = next_++;
+            const std::function<void(int)> & job = *job_;
+            lk.unlock();
+            std::exception_ptr error;
+            try {
+                job(i);
+            } catch (...) {
+                error = std::current_exception();
+            }
+            lk.lock();
+            if (error && !error_) error_ = error;
+            if (--pending_ == 0) done_.notify_all();
+        }
+    }
+
+    void work() {
+        std::unique_lock<std::mutex> lk(m_);
+        for (;;) {
+            wake_.wait(lk, [this] { return next_ < n_jobs_; });
+            take_jobs(lk);
+        }
+    }
+
+    std::mutex busy_;  // held by the call running its jobs
+    std::mutex m_;     // guards everything below
+    std::condition_variable wake_, done_;
+    const std::function<void(int)> * job_ = nullptr;
+    int n_jobs_ = 0, next_ = 0, pending_ = 0;
+    std::exception_ptr error_;
+    std::vector<std::thread> workers_;
+};
+
+// The pool of this process, made on first use: a child made by fork() has none of its parent's threads, so it
+// makes its own (the parent's pool object is left alone there).
+Pool * pool() {
+    static std::mutex made;
+    static Pool * p = nullptr;
+    static pid_t owner = 0;
+    std::lock_guard<std::mutex> lk(made);
+    if (!p || owner != getpid()) {
+        try {
+            p = new Pool(hardware_threads() - 1);
+        } catch (...) {
+            return nullptr;  // no threads to be had: the caller runs its jobs itself
+        }
+        owner = getpid();
+    }
+    return p;
+}
+
+// Jobs on threads started for them (the pool is busy or cannot be had), the calling thread taking the last.
+void run_on_new_threads(int n_jobs, const std::function<void(int)> & job) {
+    std::vector<std::thread> threads;
+    std::exception_ptr error;
+    std::mutex m;
+    auto guarded = [&](int i) {
+        try {
+            job(i);
+        } catch (...) {
+            std::lock_guard<std::mutex> lk(m);
+            if (!error) error = std::current_exception();
+        }
+    };
+    for (int i = 0; i + 1 < n_jobs; ++i) {
+        try {
+            threads.emplace_back(guarded, i);
+        } catch (...) {
+            guarded(i);  // could not start a thread: this job runs here
+        }
+    }
+    guarded(n_jobs - 1);
+    for (std::thread & t : threads) t.join();
+    if (error) std::rethrow_exception(error);
+}
+
+}  // namespace
+
+int hardware_threads() {
+    static const int n = std::max(1, int(std::thread::hardware_concurrency()));
+    return n;
+}
+
+void run_jobs(int n_jobs, const std::function<void(int)> & job) {
+    if (n_jobs <= 0) return;
+    if (n_jobs == 1) return job(0);
+    Pool * p = pool();
+    if (!p || !p->try_run(n_jobs, job)) run_on_new_threads(n_jobs, job);
+}
+
+}  // namespace specter
