@@ -185,10 +185,10 @@ def test_every_half_value() -> None:
 
 @pytest.mark.parametrize("vectors", ["none", "avx2"])
 def test_every_vector_path_gives_the_same_bits(vectors: str, tmp_path: Path) -> None:
-    """F16, Q8_0 and Q4_K rows decode, and F16/BF16/Q8_0 rows are dotted with one row of x, with AVX-512 or AVX2
+    """F16, Q8_0, Q4_K and Q6_K rows decode, and F16/BF16/Q8_0 rows are dotted with one row of x, with AVX-512 or AVX2
     instructions where the CPU has them: each path the CPU can take (SPECTER_CPU_VECTORS caps it, in a fresh
     process: the choice is made once) gives this process's bits, for every half value (NaN payloads kept), for
-    Q8_0 and Q4_K blocks of random bytes, and for one row of x times matrices of 520 halfs a row (a vector's
+    Q8_0, Q4_K and Q6_K blocks of random bytes, and for one row of x times matrices of 520 halfs a row (a vector's
     tail) and of 17 Q8_0 blocks (the scalar path: the dequantized row's dot product)."""
     import os
     import subprocess
@@ -200,20 +200,23 @@ def test_every_vector_path_gives_the_same_bits(vectors: str, tmp_path: Path) -> 
     blocks.reshape(-1, 34)[:, :2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)  # finite scales
     k4 = rng.integers(0, 256, (8, 144 * 4), dtype=np.uint8)
     k4.reshape(-1, 144)[:, :4] = np.frombuffer(np.float16([0.01, 0.002]).tobytes(), np.uint8)  # d, dmin
+    k6 = rng.integers(0, 256, (8, 210 * 4), dtype=np.uint8)
+    k6.reshape(-1, 210)[:, 208:] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)  # d
     ks = {GT.F16: 520, GT.BF16: 520, GT.Q8_0: 544}
     floats = {t: rng.standard_normal((24, k)).astype(np.float32) for t, k in ks.items()}
     mats = {GT.F16: floats[GT.F16].astype(np.float16).view(np.uint8),
             GT.BF16: (floats[GT.BF16].view(np.uint32) >> 16).astype(np.uint16).view(np.uint8),
             GT.Q8_0: quantize(GT.Q8_0, floats[GT.Q8_0], None)}
     xs = {t: rng.standard_normal((1, k)).astype(np.float32) for t, k in ks.items()}
-    np.savez(tmp_path / "in.npz", halfs=halfs, blocks=blocks, k4=k4,
+    np.savez(tmp_path / "in.npz", halfs=halfs, blocks=blocks, k4=k4, k6=k6,
              **{f"w{int(t)}": m for t, m in mats.items()}, **{f"x{int(t)}": v for t, v in xs.items()})
     script = (
         "import sys, numpy as np, torch; from specter_gguf import kernels, native; d = sys.argv[1]\n"
         "a = np.load(d + '/in.npz')\n"
         f"out = dict(h=native.dequantize(a['halfs'].view(np.uint8), {int(GT.F16)}, a['halfs'].shape),\n"
         f"           b=native.dequantize(a['blocks'], {int(GT.Q8_0)}, (64, 256)),\n"
-        f"           k4=native.dequantize(a['k4'], {int(GT.Q4_K)}, (8, 1024)))\n"
+        f"           k4=native.dequantize(a['k4'], {int(GT.Q4_K)}, (8, 1024)),\n"
+        f"           k6=native.dequantize(a['k6'], {int(GT.Q6_K)}, (8, 1024)))\n"
         f"for t, k in {[(int(t), k) for t, k in ks.items()]}:\n"
         "    w = kernels.QuantizedTensor.from_numpy(a[f'w{t}'], t, (24, k))\n"
         "    out[f'y{t}'] = kernels.qmatmul(torch.from_numpy(a[f'x{t}']), w).numpy()\n"
@@ -225,6 +228,7 @@ def test_every_vector_path_gives_the_same_bits(vectors: str, tmp_path: Path) -> 
     assert np.array_equal(got["h"].view(np.uint32), here.view(np.uint32))  # NaNs: by bits
     assert_bitwise_equal(got["b"], native.dequantize(blocks, int(GT.Q8_0), (64, 256)))
     assert_bitwise_equal(got["k4"], native.dequantize(k4, int(GT.Q4_K), (8, 1024)))
+    assert_bitwise_equal(got["k6"], native.dequantize(k6, int(GT.Q6_K), (8, 1024)))
     from specter_gguf import kernels
     import torch
 
