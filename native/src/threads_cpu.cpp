@@ -14,9 +14,16 @@ namespace {
 
 class Pool {
 public:
-    // The workers wait for jobs until the process ends (the pool is never destroyed).
+    // The workers wait for jobs until the process ends (the pool is never destroyed); when no more threads can be
+    // started, the pool has the ones it got.
     explicit Pool(int n_workers) {
-        for (int i = 0; i < n_workers; ++i) workers_.emplace_back([this] { work(); });
+        for (int i = 0; i < n_workers; ++i) {
+            try {
+                workers_.emplace_back([this] { work(); });
+            } catch (...) {
+                break;
+            }
+        }
     }
 
     // false when another call holds the pool
