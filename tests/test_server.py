@@ -269,10 +269,12 @@ def test_bad_requests(server: str, client, model: Model) -> None:
 
 
 def test_requests_are_queued(server: str, client) -> None:
+    """Three requests at once: one runs, the others wait (seen by polling /health while the first one generates:
+    48 tokens, so that it takes long enough to be seen on a fast CPU)."""
     results: dict[int, str] = {}
 
     def go(k: int) -> None:
-        results[k] = client.completions.create(model="m", prompt="Hello", max_tokens=6, temperature=0).choices[0].text
+        results[k] = client.completions.create(model="m", prompt="Hello", max_tokens=48, temperature=0).choices[0].text
 
     threads = [threading.Thread(target=go, args=(k,)) for k in range(3)]
     for t in threads:
@@ -282,7 +284,7 @@ def test_requests_are_queued(server: str, client) -> None:
         h = json.loads(_get(server + "/health"))  # answered while the worker generates
         depth, running = max(depth, h["queue_depth"]), max(running, h["running"])
         assert h["running"] <= 1
-        time.sleep(0.05)
+        time.sleep(0.005)
     for t in threads:
         t.join()
     assert len(set(results.values())) == 1 and len(results) == 3
