@@ -11,20 +11,16 @@
 
 namespace specter {
 
-Vectors cpu_vectors() {
+bool cpu_avx2() {
 #ifdef SPECTER_X86_VECTORS
-    static const Vectors v = [] {
-        Vectors best = __builtin_cpu_supports("avx512f")                                  ? Vectors::avx512
-                       : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") ? Vectors::avx2
-                                                                                           : Vectors::none;
+    static const bool v = [] {
         const char * cap = std::getenv("SPECTER_CPU_VECTORS");
-        if (cap && std::strcmp(cap, "none") == 0) best = Vectors::none;
-        if (cap && std::strcmp(cap, "avx2") == 0 && best == Vectors::avx512) best = Vectors::avx2;
-        return best;
+        if (cap && std::strcmp(cap, "none") == 0) return false;
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
     }();
     return v;
 #else
-    return Vectors::none;
+    return false;
 #endif
 }
 
@@ -32,27 +28,13 @@ namespace {
 
 constexpr int QK_K = 256;
 
-// ---- F16 and Q8_0 rows with the CPU's vector instructions where it has them ------------------------
-// The conversions are exact (half to float, int8 to float) and a Q8_0 weight is one float multiply, as in the
-// scalar decoders: the same bits, several times faster (the scalar half conversion is a dozen integer operations).
+// ---- F16, Q8_0, Q4_K and Q6_K rows with AVX2 where the CPU has it (cpu_avx2) -------------------------
+// The conversions are exact (half to float, int8 to float) and each weight takes the scalar decoder's float
+// operations: the same bits, several times faster (the scalar half conversion is a dozen integer operations).
 
 #ifdef SPECTER_X86_VECTORS
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12's AVX-512 intrinsics (_mm512_undefined_*)
 // The instructions quiet a signalling NaN; a vector holding a NaN takes the scalar conversion, which keeps the
 // payload as numpy (and gguf's reference) does.
-__attribute__((target("avx512f"))) int64_t halfs_avx512(const uint16_t * h, float * y, int64_t n) {
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(h + i)));
-        if (_mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q))
-            for (int j = 0; j < 16; ++j) y[i + j] = half_to_float(h[i + j]);
-        else
-            _mm512_storeu_ps(y + i, f);
-    }
-    return i;
-}
-
 __attribute__((target("avx2,f16c"))) int64_t halfs_avx2(const uint16_t * h, float * y, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
@@ -65,16 +47,6 @@ __attribute__((target("avx2,f16c"))) int64_t halfs_avx2(const uint16_t * h, floa
     return i;
 }
 
-__attribute__((target("avx512f"))) void q8_0_avx512(const uint8_t * src, float * y, int64_t n_blocks) {
-    for (int64_t b = 0; b < n_blocks; ++b, src += 34, y += 32) {
-        const __m512 d = _mm512_set1_ps(load_half(src));
-        for (int j = 0; j < 2; ++j) {
-            const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i *>(src + 2 + 16 * j));
-            _mm512_storeu_ps(y + 16 * j, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d));
-        }
-    }
-}
-
 __attribute__((target("avx2"))) void q8_0_avx2(const uint8_t * src, float * y, int64_t n_blocks) {
     for (int64_t b = 0; b < n_blocks; ++b, src += 34, y += 32) {
         const __m256 d = _mm256_set1_ps(load_half(src));
@@ -84,29 +56,15 @@ __attribute__((target("avx2"))) void q8_0_avx2(const uint8_t * src, float * y, i
         }
     }
 }
-#pragma GCC diagnostic pop
 #endif
 
-// Converts n halfs; the vector paths take whole vectors, the scalar loop the rest.
+// Converts n halfs: the vector path takes whole vectors, the scalar loop the rest.
 void halfs_to_floats(const uint16_t * h, float * y, int64_t n) {
     int64_t i = 0;
 #ifdef SPECTER_X86_VECTORS
-    const Vectors v = cpu_vectors();
-    if (v == Vectors::avx512) i = halfs_avx512(h, y, n);
-    else if (v == Vectors::avx2) i = halfs_avx2(h, y, n);
+    if (cpu_avx2()) i = halfs_avx2(h, y, n);
 #endif
     for (; i < n; ++i) y[i] = half_to_float(h[i]);
-}
-
-// Q8_0 blocks: true when a vector path did them.
-bool q8_0_blocks(const uint8_t * src, float * y, int64_t n_blocks) {
-#ifdef SPECTER_X86_VECTORS
-    const Vectors v = cpu_vectors();
-    if (v == Vectors::avx512) return q8_0_avx512(src, y, n_blocks), true;
-    if (v == Vectors::avx2) return q8_0_avx2(src, y, n_blocks), true;
-#endif
-    (void)src, (void)y, (void)n_blocks;
-    return false;
 }
 
 void dec_f32(const uint8_t * b, float * y) { std::memcpy(y, b, 4); }
@@ -250,30 +208,8 @@ void dec_q4_k(const uint8_t * b, float * y) {
 }
 
 #ifdef SPECTER_X86_VECTORS
-// Q4_K blocks with vector instructions: per sub-block the scale and offset as dec_q4_k computes them, then
-// d1 * q - m1 rounded twice as there (a multiply, then a subtraction): the same bits. The block loop is written
-// once per instruction set: the vector work called through a pointer per 32 weights took about twice as long.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12's AVX-512 intrinsics (_mm512_undefined_*)
-__attribute__((target("avx512f"))) void q4_k_avx512(const uint8_t * b, float * y, int64_t n_blocks) {
-    const __m128i low = _mm_set1_epi8(0x0f);
-    for (int64_t i = 0; i < n_blocks; ++i, b += 144, y += QK_K) {
-        const float d = load_half(b), dmin = load_half(b + 2);
-        for (int c = 0; c < 4; ++c)
-            for (int h = 0; h < 2; ++h) {
-                int sc, m;
-                k4_scale_min(b + 4, 2 * c + h, sc, m);
-                const __m512 d1 = _mm512_set1_ps(d * float(sc)), m1 = _mm512_set1_ps(dmin * float(m));
-                for (int half = 0; half < 2; ++half) {
-                    const __m128i q8 = _mm_loadu_si128(reinterpret_cast<const __m128i *>(b + 16 + c * 32 + 16 * half));
-                    const __m128i q = _mm_and_si128(h ? _mm_srli_epi16(q8, 4) : q8, low);
-                    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q));
-                    _mm512_storeu_ps(y + c * 64 + h * 32 + 16 * half, _mm512_sub_ps(_mm512_mul_ps(d1, v), m1));
-                }
-            }
-    }
-}
-
+// Q4_K blocks: per sub-block the scale and offset as dec_q4_k computes them, then d1 * q - m1 rounded twice as
+// there (a multiply, then a subtraction).
 __attribute__((target("avx2"))) void q4_k_avx2(const uint8_t * b, float * y, int64_t n_blocks) {
     const __m128i low = _mm_set1_epi8(0x0f);
     for (int64_t i = 0; i < n_blocks; ++i, b += 144, y += QK_K) {
@@ -292,19 +228,7 @@ __attribute__((target("avx2"))) void q4_k_avx2(const uint8_t * b, float * y, int
             }
     }
 }
-#pragma GCC diagnostic pop
 #endif
-
-// Q4_K blocks: true when a vector path did them.
-bool q4_k_blocks(const uint8_t * src, float * y, int64_t n_blocks) {
-#ifdef SPECTER_X86_VECTORS
-    const Vectors v = cpu_vectors();
-    if (v == Vectors::avx512) return q4_k_avx512(src, y, n_blocks), true;
-    if (v == Vectors::avx2) return q4_k_avx2(src, y, n_blocks), true;
-#endif
-    (void)src, (void)y, (void)n_blocks;
-    return false;
-}
 
 // block_q5_K: f16 d; f16 dmin; uint8 scales[12]; uint8 qh[32]; uint8 qs[128].
 // As Q4_K, plus a fifth bit for sub-block g from bit g of qh[l].
@@ -354,11 +278,9 @@ void dec_q6_k(const uint8_t * b, float * y) {
 }
 
 #ifdef SPECTER_X86_VECTORS
-// Q6_K blocks with vector instructions: the four 6-bit quants of each byte triple as dec_q6_k assembles them, each
-// weight the sub-block's d * scale times (q - 32), one float multiply as there: the same bits. A step takes 16
-// (8) consecutive l of a half block, within one sub-block.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12's AVX-512 intrinsics (_mm512_undefined_*)
+// Q6_K blocks: the four 6-bit quants of each byte triple as dec_q6_k assembles them, each weight the sub-block's
+// d * scale times (q - 32), one float multiply as there. A step takes 8 consecutive l of a half block, within one
+// sub-block.
 // The quants q_0..q_3 of bytes l of ql, ql + 32 and qh (a vector of consecutive l).
 inline void q6_quants(__m128i a, __m128i b, __m128i h, __m128i * q) {
     const __m128i low = _mm_set1_epi8(0x0f);
@@ -367,26 +289,6 @@ inline void q6_quants(__m128i a, __m128i b, __m128i h, __m128i * q) {
     q[2] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), low), _mm_and_si128(h, _mm_set1_epi8(0x30)));
     q[3] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(b, 4), low),
                         _mm_and_si128(_mm_srli_epi16(h, 2), _mm_set1_epi8(0x30)));
-}
-
-__attribute__((target("avx512f"))) void q6_k_avx512(const uint8_t * b, float * y, int64_t n_blocks) {
-    for (int64_t i = 0; i < n_blocks; ++i, b += 210, y += QK_K) {
-        const int8_t * sc = reinterpret_cast<const int8_t *>(b + 192);
-        const float d = load_half(b + 208);
-        for (int j = 0; j < 2; ++j)
-            for (int l = 0; l < 32; l += 16) {
-                const uint8_t * ql = b + j * 64 + l;
-                __m128i q[4];
-                q6_quants(_mm_loadu_si128(reinterpret_cast<const __m128i *>(ql)),
-                          _mm_loadu_si128(reinterpret_cast<const __m128i *>(ql + 32)),
-                          _mm_loadu_si128(reinterpret_cast<const __m128i *>(b + 128 + j * 32 + l)), q);
-                for (int k = 0; k < 4; ++k) {
-                    const __m512i v = _mm512_sub_epi32(_mm512_cvtepu8_epi32(q[k]), _mm512_set1_epi32(32));
-                    const __m512 dl = _mm512_set1_ps(d * float(sc[j * 8 + (l >> 4) + 2 * k]));
-                    _mm512_storeu_ps(y + j * 128 + k * 32 + l, _mm512_mul_ps(dl, _mm512_cvtepi32_ps(v)));
-                }
-            }
-    }
 }
 
 __attribute__((target("avx2"))) void q6_k_avx2(const uint8_t * b, float * y, int64_t n_blocks) {
@@ -408,19 +310,7 @@ __attribute__((target("avx2"))) void q6_k_avx2(const uint8_t * b, float * y, int
             }
     }
 }
-#pragma GCC diagnostic pop
 #endif
-
-// Q6_K blocks: true when a vector path did them.
-bool q6_k_blocks(const uint8_t * src, float * y, int64_t n_blocks) {
-#ifdef SPECTER_X86_VECTORS
-    const Vectors v = cpu_vectors();
-    if (v == Vectors::avx512) return q6_k_avx512(src, y, n_blocks), true;
-    if (v == Vectors::avx2) return q6_k_avx2(src, y, n_blocks), true;
-#endif
-    (void)src, (void)y, (void)n_blocks;
-    return false;
-}
 
 const TypeInfo kTypes[] = {
     {SPECTER_TYPE_F32, 1, 4, dec_f32},
@@ -468,9 +358,16 @@ void dequantize_rows_f32(const TypeInfo & t, const uint8_t * src, float * dst, i
         return;
     }
     const int64_t n_blocks = n / t.block_elems;
-    if (t.type == SPECTER_TYPE_Q8_0 && q8_0_blocks(src, dst, n_blocks)) return;
-    if (t.type == SPECTER_TYPE_Q4_K && q4_k_blocks(src, dst, n_blocks)) return;
-    if (t.type == SPECTER_TYPE_Q6_K && q6_k_blocks(src, dst, n_blocks)) return;
+#ifdef SPECTER_X86_VECTORS
+    if (cpu_avx2()) {
+        switch (t.type) {
+            case SPECTER_TYPE_Q8_0: return q8_0_avx2(src, dst, n_blocks);
+            case SPECTER_TYPE_Q4_K: return q4_k_avx2(src, dst, n_blocks);
+            case SPECTER_TYPE_Q6_K: return q6_k_avx2(src, dst, n_blocks);
+            default: break;
+        }
+    }
+#endif
     for (int64_t i = 0; i < n_blocks; ++i) t.decode(src + i * t.block_bytes, dst + i * t.block_elems);
 }
 

@@ -3,7 +3,7 @@
 // dequantized (bit-exact with ggml) into a float buffer once per call and dotted with every row of X
 // that needs it, in float32 with a fixed summation order, so results do not depend on the thread count;
 // a row that meets one row of X only is decoded in registers instead where the type and the CPU allow
-// (F16, BF16, Q8_0 with AVX2 or AVX-512: `RowDots`), with the same bits.
+// (F16, BF16, Q8_0 with AVX2: `RowDots`), with the same bits.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -45,27 +45,8 @@ float dot_f32(const float * a, const float * b, int64_t k) {
 
 // ---- one weight row dotted with one row of x, decoded in registers ------------------------------------------
 // dot_f32 of the dequantized row, bit for bit (the same lanes, order and rounding), without writing the row out:
-// F16, BF16 and Q8_0 rows with AVX-512 or AVX2. An AVX2 step covers the 16 lanes with two 8-lane sums.
+// F16, BF16 and Q8_0 rows with AVX2. A step covers the 16 lanes with two 8-lane sums.
 #ifdef SPECTER_X86_VECTORS
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12's AVX-512 intrinsics (_mm512_undefined_*)
-__attribute__((target("avx512f"))) float dot_f16_avx512(const uint8_t * w, const float * x, int64_t k, bool bf) {
-    const uint16_t * h = reinterpret_cast<const uint16_t *>(w);
-    __m512 acc = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= k; i += 16) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(h + i));
-        const __m512 v = bf ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))
-                            : _mm512_cvtph_ps(raw);
-        acc = _mm512_add_ps(acc, _mm512_mul_ps(v, _mm512_loadu_ps(x + i)));
-    }
-    float lanes[16];
-    _mm512_storeu_ps(lanes, acc);
-    for (int64_t j = 0; i + j < k; ++j)
-        lanes[j] += (bf ? bits_to_float(uint32_t(h[i + j]) << 16) : half_to_float(h[i + j])) * x[i + j];
-    return fold16(lanes);
-}
-
 __attribute__((target("avx2,f16c"))) inline __m256 halfs8_avx2(const uint16_t * h, bool bf) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i *>(h));
     return bf ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)) : _mm256_cvtph_ps(raw);
@@ -88,21 +69,6 @@ __attribute__((target("avx2,f16c"))) float dot_f16_avx2(const uint8_t * w, const
 }
 
 // Q8_0: a block's 32 weights (quant times the block's scale, as the decoder rounds it) are two 16-lane steps.
-__attribute__((target("avx512f"))) float dot_q8_0_avx512(const uint8_t * w, const float * x, int64_t k) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < k; i += 32, w += 34) {
-        const __m512 d = _mm512_set1_ps(load_half(w));
-        for (int j = 0; j < 2; ++j) {
-            const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i *>(w + 2 + 16 * j));
-            const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d);
-            acc = _mm512_add_ps(acc, _mm512_mul_ps(v, _mm512_loadu_ps(x + i + 16 * j)));
-        }
-    }
-    float lanes[16];
-    _mm512_storeu_ps(lanes, acc);
-    return fold16(lanes);
-}
-
 __attribute__((target("avx2"))) float dot_q8_0_avx2(const uint8_t * w, const float * x, int64_t k) {
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t i = 0; i < k; i += 32, w += 34) {
@@ -118,22 +84,18 @@ __attribute__((target("avx2"))) float dot_q8_0_avx2(const uint8_t * w, const flo
     _mm256_storeu_ps(lanes + 8, acc[1]);
     return fold16(lanes);
 }
-#pragma GCC diagnostic pop
 #endif
 
 // false when neither the type nor the CPU has a path (the caller dequantizes the row).
 bool dot_row_f32(const TypeInfo & t, const uint8_t * w, const float * x, int64_t k, float * out) {
 #ifdef SPECTER_X86_VECTORS
-    const Vectors v = cpu_vectors();
-    if (v == Vectors::none) return false;
-    const bool avx512 = v == Vectors::avx512;
+    if (!cpu_avx2()) return false;
     if (t.type == SPECTER_TYPE_F16 || t.type == SPECTER_TYPE_BF16) {
-        const bool bf = t.type == SPECTER_TYPE_BF16;
-        *out = avx512 ? dot_f16_avx512(w, x, k, bf) : dot_f16_avx2(w, x, k, bf);
+        *out = dot_f16_avx2(w, x, k, t.type == SPECTER_TYPE_BF16);
         return true;
     }
     if (t.type == SPECTER_TYPE_Q8_0) {
-        *out = avx512 ? dot_q8_0_avx512(w, x, k) : dot_q8_0_avx2(w, x, k);
+        *out = dot_q8_0_avx2(w, x, k);
         return true;
     }
 #endif

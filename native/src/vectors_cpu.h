@@ -1,4 +1,4 @@
-// Which vector instructions the CPU kernels use (internal header of libspecter).
+// Whether the CPU kernels use vector instructions (internal header of libspecter).
 #pragma once
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -8,10 +8,9 @@
 
 namespace specter {
 
-enum class Vectors { none, avx2, avx512 };
-
-// The best the CPU has (AVX2 with F16C, or AVX-512F), chosen once; the environment variable
-// SPECTER_CPU_VECTORS=avx2|none caps it (the tests run every path).
-Vectors cpu_vectors();
+// Whether the CPU has AVX2 and F16C, chosen once; the environment variable SPECTER_CPU_VECTORS=none turns the
+// vector code off (the tests compare both paths' bits). One vector width only: AVX-512 versions of these loops
+// were no faster on an AVX-512 development machine (2026-12-01, one thread, Qwen3-sized experts).
+bool cpu_avx2();
 
 }  // namespace specter
