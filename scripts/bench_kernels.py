@@ -105,14 +105,18 @@ def copy_rate(dev: torch.device) -> float:
     return 2 * n / t / 1e12
 
 
+def l2_copies(first, make) -> list:
+    """`first` and enough more weights from `make()` (at least one) that together they exceed L2_DEFEAT_BYTES."""
+    return [first] + [make() for _ in range(max(2, math.ceil(L2_DEFEAT_BYTES / first.nbytes)) - 1)]
+
+
 def bench_gemv(dev: torch.device, iters: int, types: list[str]) -> list[dict]:
     rows = []
     for shape_name, (n, k) in SHAPES.items():
         x = torch.randn(1, k, device=dev)
         # torch fp16 baseline
         w16 = torch.randn(n, k, device=dev, dtype=torch.float16) * 0.02
-        copies = max(2, math.ceil(L2_DEFEAT_BYTES / w16.nbytes))
-        ws16 = [w16] + [torch.randn_like(w16) for _ in range(copies - 1)]
+        ws16 = l2_copies(w16, lambda w=w16: torch.randn_like(w))
         x16 = x.half()
         t = graph_time([lambda w=w: F.linear(x16, w) for w in ws16], iters)
         rows.append(dict(kind="gemv", shape=shape_name, type="torch-f16", n=n, k=k, m=1, bytes=w16.nbytes,
@@ -125,8 +129,7 @@ def bench_gemv(dev: torch.device, iters: int, types: list[str]) -> list[dict]:
                 rows.append(dict(kind="gemv", shape=shape_name, type=tname, n=n, k=k, m=1, na=f"k % {elems} != 0"))
                 continue
             w0 = random_weight(ty, n, k, dev)
-            copies = max(2, math.ceil(L2_DEFEAT_BYTES / w0.nbytes))
-            ws = [w0] + [random_weight(ty, n, k, dev) for _ in range(copies - 1)]
+            ws = l2_copies(w0, lambda: random_weight(ty, n, k, dev))
             res = dict(kind="gemv", shape=shape_name, type=tname, n=n, k=k, m=1, bytes=w0.nbytes)
             for m in (1, 8, 16):
                 xm = torch.randn(m, k, device=dev)
@@ -153,7 +156,7 @@ def bench_dense(dev: torch.device, iters: int) -> list[dict]:
     rows = []
     for shape_name, (n, k) in DENSE_SHAPES.items():
         w16 = torch.randn(n, k, device=dev, dtype=torch.float16) * 0.02
-        ws16 = [w16] + [torch.randn_like(w16) for _ in range(max(2, math.ceil(L2_DEFEAT_BYTES / w16.nbytes)) - 1)]
+        ws16 = l2_copies(w16, lambda w=w16: torch.randn_like(w))
         for m in DENSE_ROWS:
             x16 = torch.randn(m, k, device=dev, dtype=torch.float16)
             t = graph_time([lambda w=w: F.linear(x16, w) for w in ws16], iters)
@@ -162,8 +165,7 @@ def bench_dense(dev: torch.device, iters: int) -> list[dict]:
         for tname in ("Q8_0", "Q4_K", "Q6_K"):
             ty = TYPES[tname]
             w0 = random_weight(ty, n, k, dev)
-            copies = max(2, math.ceil(L2_DEFEAT_BYTES / w0.nbytes))
-            ws = [w0] + [random_weight(ty, n, k, dev) for _ in range(copies - 1)]
+            ws = l2_copies(w0, lambda: random_weight(ty, n, k, dev))
             for m in DENSE_ROWS:
                 xm = torch.randn(m, k, device=dev)
                 res = dict(kind="dense", shape=shape_name, type=tname, m=m)
