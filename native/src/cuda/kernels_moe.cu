@@ -157,19 +157,34 @@ __global__ void silu_mul_kernel(float * __restrict__ act, const float * __restri
     if (i < n) act[i] = silu(act[i]) * aux[i];
 }
 
+// The token's slots 8 at a time: a chunk's routing, table and result loads are independent of each other, so they
+// are in flight together (one after the other, a top-8 token waited on 24 loads in sequence); the sum stays in
+// slot order.
 __global__ void reduce_kernel(const float * __restrict__ ypair, const int32_t * __restrict__ ids,
                               const float * __restrict__ weights, int top_k, int n_expert,
                               const uint64_t * __restrict__ gp, const uint64_t * __restrict__ up,
                               const uint64_t * __restrict__ dp, long long T, int d, float * __restrict__ out,
                               int accumulate) {
+    constexpr int kChunk = 8;
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= T * d) return;
     const long long t = i / d;
     const int c = int(i % d);
     float s = accumulate ? out[i] : 0.0f;
-    for (int j = 0; j < top_k; ++j) {
-        const long long p = t * top_k + j;
-        if (expert_ok(ids[p], n_expert, gp, up, dp)) s = fmaf(weights[p], ypair[p * d + c], s);
+    for (int j0 = 0; j0 < top_k; j0 += kChunk) {
+        bool ok[kChunk];
+        float w[kChunk], y[kChunk];
+#pragma unroll
+        for (int j = 0; j < kChunk; ++j) {
+            const long long p = t * top_k + j0 + j;
+            ok[j] = j0 + j < top_k && expert_ok(ids[p], n_expert, gp, up, dp);
+            w[j] = j0 + j < top_k ? weights[p] : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < kChunk; ++j) y[j] = ok[j] ? ypair[(t * top_k + j0 + j) * d + c] : 0.0f;
+#pragma unroll
+        for (int j = 0; j < kChunk; ++j)
+            if (ok[j]) s = fmaf(w[j], y[j], s);
     }
     out[i] = s;
 }

@@ -70,7 +70,7 @@ __global__ void topk_kernel(const float * __restrict__ logits, int T, int E, lon
     for (int e = lane; e < E; e += 32) sum += expf(l[e] - mx);
 #pragma unroll
     for (int o = 16; o >= 1; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    float last_v = INFINITY, wsum = 0.0f;
+    float last_v = INFINITY, wsum = 0.0f, mine = 0.0f;  // mine: the weight of this lane's last round (j % 32)
     int last_i = -1;
     for (int j = 0; j < K; ++j) {
         float bv = 0.0f;
@@ -88,11 +88,12 @@ __global__ void topk_kernel(const float * __restrict__ logits, int T, int E, lon
         last_v = bv, last_i = bi;
         const float p = bi >= 0 ? expf(bv - mx) / sum : 0.0f;
         wsum += p;
-        if (lane == 0) ids[(long long)t * K + j] = bi, weights[(long long)t * K + j] = p;
+        if (lane == (j & 31)) ids[(long long)t * K + j] = bi, weights[(long long)t * K + j] = p, mine = p;
     }
-    if (lane == 0 && (normalize || (scale != 0.0f && scale != 1.0f)))
-        for (int j = 0; j < K; ++j) {
-            float w = weights[(long long)t * K + j];
+    // each lane rescales its own rounds, the last of them from its register: no lane reads back a row of stores
+    if (normalize || (scale != 0.0f && scale != 1.0f))
+        for (int j = lane; j < K; j += 32) {
+            float w = j + 32 >= K ? mine : weights[(long long)t * K + j];
             if (normalize) w /= fmaxf(wsum, 6.103515625e-5f);
             if (scale != 0.0f && scale != 1.0f) w *= scale;
             weights[(long long)t * K + j] = w;
