@@ -267,13 +267,15 @@ def moe_topk(logits: torch.Tensor, top_k: int, normalize: bool = False,
 
 def rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: tuple[torch.Tensor | None, ...],
             cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, head_dim: int, rope_dim: int, neox: bool,
-            k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+            k_cache: torch.Tensor, v_cache: torch.Tensor,
+            norms: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
     """The attention inputs of T tokens in one kernel: q `[T, n_head * head_dim]`, k, v `[T, n_head_kv *
-    head_dim]` (float32, contiguous rows) plus their biases (`bias` = (q, k, v), None: none); the first
-    `rope_dim` features of each head of q and k rotated by the angles of positions `pos` (int64 `[T]`) from the
-    tables cos, sin `[n_pos, ..., rope_dim/2]` (neox: pairs (i, i + rope_dim/2), else (2i, 2i+1)); k and v
-    stored at those positions of k_cache, v_cache `[n_head_kv, capacity, head_dim]`. Returns q as
-    `[n_head, T, head_dim]` in the caches' dtype (float16 or float32)."""
+    head_dim]` (float32, contiguous rows) plus their biases (`bias` = (q, k, v), None: none); with `norms` = (q
+    weight, k weight, eps) each head of q and k RMS-normalized (weights of head_dim); the first `rope_dim`
+    features of each head of q and k rotated by the angles of positions `pos` (int64 `[T]`) from the tables cos,
+    sin `[n_pos, ..., rope_dim/2]` (neox: pairs (i, i + rope_dim/2), else (2i, 2i+1)); k and v stored at those
+    positions of k_cache, v_cache `[n_head_kv, capacity, head_dim]`. Returns q as `[n_head, T, head_dim]` in the
+    caches' dtype (float16 or float32)."""
     T = q.shape[0]
     n_head, n_head_kv = q.shape[1] // head_dim, k.shape[1] // head_dim
     dtype = k_cache.dtype
@@ -283,12 +285,16 @@ def rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: tuple[torch
         raise SpecterError("rope_kv: the KV cache and the RoPE tables must be contiguous")
     rows = [t if t.dtype == torch.float32 and t.stride(-1) == 1 else t.float().contiguous() for t in (q, k, v)]
     biases = [None if b is None else b.float().contiguous() for b in bias]
+    q_norm, k_norm, eps = (None, None, 0.0) if norms is None else (*(w.float().contiguous() for w in norms[:2]), norms[2])
+    if norms is not None and not q_norm.numel() == k_norm.numel() == head_dim:
+        raise SpecterError(f"rope_kv: the q and k norms must weigh one head ({head_dim} features)")
     q_out = torch.empty((n_head, T, head_dim), dtype=dtype, device=q.device)
     strides = [r.stride(0) if T > 1 else r.shape[1] for r in rows]
     p = _float_ptr
-    args = (p(rows[0]), strides[0], p(rows[1]), strides[1], p(rows[2]), strides[2], *(p(b) for b in biases), T,
-            n_head, n_head_kv, head_dim, rope_dim, int(neox), p(cos), p(sin), cos.shape[0], _ptr(pos, "int64_t *"),
-            FLOAT_TYPES[dtype], _ptr(q_out), _ptr(k_cache), _ptr(v_cache), k_cache.shape[1])
+    args = (p(rows[0]), strides[0], p(rows[1]), strides[1], p(rows[2]), strides[2], *(p(b) for b in biases),
+            p(q_norm), p(k_norm), eps, T, n_head, n_head_kv, head_dim, rope_dim, int(neox), p(cos), p(sin),
+            cos.shape[0], _ptr(pos, "int64_t *"), FLOAT_TYPES[dtype], _ptr(q_out), _ptr(k_cache), _ptr(v_cache),
+            k_cache.shape[1])
     _call("rope_kv", args, q.device,
           f"rope_kv (T={T}, {n_head}/{n_head_kv} heads of {head_dim}: a position outside the KV cache?)")
     return q_out

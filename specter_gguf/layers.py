@@ -337,8 +337,9 @@ _SDPA_MAX_KEYS = 256
 @dataclass
 class Attention:
     """Grouped-query attention; optional RMSNorm of q and k, either per head (weight of head_dim) or over
-    all heads at once (weight of heads*head_dim), as the weight's size says. The q/k/v biases, RoPE and the KV
-    cache store run in one kernel (`rope_kv`), unless a q/k norm needs the biases first. On CUDA one query (decode
+    all heads at once (weight of heads*head_dim), as the weight's size says. The q/k/v biases, per-head norms, RoPE
+    and the KV cache store run in one kernel (`rope_kv`); norms over all heads run before it, the biases with the
+    projections then. On CUDA one query (decode
     and draft steps), or a few over more than `_SDPA_MAX_KEYS` keys (verifications later in a sequence), attend in
     the native `decode_attention`; more queries (prefill), a few over a short window, and every query on the CPU
     in torch's SDPA (`attend`)."""
@@ -354,19 +355,27 @@ class Attention:
     bias: list[torch.Tensor | None] = field(default_factory=lambda: [None, None, None], init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.q_norm is None:
+        if self.q_norm is None or self._head_norms() is not None:
             self.qkv, self.bias = self.qkv.unbiased()
+
+    def _head_norms(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """(q weight, k weight, eps) of per-head q/k norms that `rope_kv` applies; None: none, or norms it cannot."""
+        q, k = self.q_norm, self.k_norm
+        if q is None or k is None or q.bias is not None or k.bias is not None or q.eps != k.eps:
+            return None
+        return (q.weight, k.weight, q.eps) if q.weight.numel() == k.weight.numel() == self.head_dim else None
 
     def __call__(self, x: torch.Tensor, layer: int, at: Positions, cache: KVCache) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv(x)
-        if self.q_norm is not None:
+        head_norms = self._head_norms()
+        if self.q_norm is not None and head_norms is None:
             q = self.q_norm(q.view(T, -1, self.q_norm.weight.numel())).view(T, -1)
             k = self.k_norm(k.view(T, -1, self.k_norm.weight.numel())).view(T, -1)
         k_store, v_store = cache.storage(layer, at)
         cos, sin = self.rope.table(at.keys, x.device, cache.max_len)
         q = rope_kv(q, k, v, self.bias, cos, sin, at.ids, self.head_dim, self.rope.dim, self.rope.neox, k_store,
-                    v_store)  # [n_head, T, head_dim] in the cache's dtype
+                    v_store, head_norms)  # [n_head, T, head_dim] in the cache's dtype
         scale = 1.0 / math.sqrt(self.head_dim)
         if q.is_cuda and decode_attention_supported(T, self.head_dim) and (T == 1 or at.keys > _SDPA_MAX_KEYS):
             # query t sees keys <= at.ids[t], what the mask of `Positions.window` says (and `Positions.at` with one

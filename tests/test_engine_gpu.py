@@ -88,3 +88,51 @@ def test_cuda_speculative_greedy_equals_target_only(tiny_models, arch: str) -> N
         if d is not None:  # verifications wait for the prefetches in flight: they read none of them in place
             assert g.stats.prefetched > 0 and g.stats.prefetch_late == 0
         m.offload.close()
+
+
+_LAUNCHES_SCRIPT = """
+import sys, numpy as np, torch
+from specter_gguf.cuda_graphs import StepGraphs
+from specter_gguf.engine import Model
+from specter_gguf.gguf_file import GGUFFile
+from specter_gguf.runtime import plan_memory
+from specter_gguf.sampling import SamplingParams
+target, draft, out = sys.argv[1:]
+prompt, greedy = [5, 17, 300, 42, 7, 99], SamplingParams(temperature=0)
+plan = plan_memory(GGUFFile(target), 1 << 40, 256, "cuda", draft=GGUFFile(draft))
+m = Model.load(target, draft=draft, device="cuda", progress=False, ctx_size=256, offload="lru", n_draft=4,
+               gpu_budget=plan.minimum + plan.n_moe_layers * plan.slot_bytes)
+tokens = m.generate(prompt, 32, greedy).wait().tokens
+m.offload.close()
+t = Model.load(target, device="cuda", progress=False, ctx_size=256).transformer
+with torch.inference_mode():
+    cache = t.new_cache(256)
+    batch = t.forward(torch.tensor(prompt + tokens[:9], device="cuda"), cache)
+    graphs = StepGraphs(t, cache)
+    steps = torch.stack([graphs.step([tok])[0] for tok in tokens[9:17]])
+np.savez(out, tokens=np.array(tokens), batch=batch.cpu().numpy(), steps=steps.cpu().numpy())
+"""
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "tiny-deepseek2"])
+def test_overlapped_launches_give_the_bits_of_plain_ones(tiny_models, tmp_path, arch: str) -> None:
+    """Kernels launched to overlap the kernel before them (native/src/cuda/launch.cuh) still run after it: a
+    speculative generation from an expert cache that must evict (draft steps and verifications replayed as graphs,
+    waits for the lookahead's copies), the logits of a 15-token forward and of eight graph-replayed decode steps
+    are bitwise those of launching every kernel the plain way (SPECTER_CUDA_PDL=0; a fresh process each, the choice
+    is made once per process)."""
+    import os
+    import subprocess
+    import sys
+
+    target, draft = tiny_models[(arch, "q8_0")], tiny_models[(arch, "q4_k_m")]
+    runs = {}
+    for pdl in ("1", "0"):
+        out = tmp_path / f"pdl{pdl}.npz"
+        subprocess.run([sys.executable, "-c", _LAUNCHES_SCRIPT, str(target), str(draft), str(out)],
+                       env={**os.environ, "SPECTER_CUDA_PDL": pdl}, check=True)
+        runs[pdl] = np.load(out)
+    on, off = runs["1"], runs["0"]
+    assert on["tokens"].tolist() == off["tokens"].tolist()
+    for name in ("batch", "steps"):
+        assert np.isfinite(on[name]).all() and np.array_equal(on[name], off[name]), name

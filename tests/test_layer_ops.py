@@ -6,7 +6,8 @@ random data, on the CPU and (when a GPU is visible) on CUDA:
 - `rms_norm`: the norm (and the residual sum) within TOL_NORM = 1e-6 relative of float64, also in place;
 - `moe_topk`: ids equal to a stable descending sort of the logits (ties to the lower index), weights within
   TOL_TOPK = 1e-6 relative of the float64 softmax (renormalized / scaled as asked);
-- `rope_kv`: q, k rotated (NeoX and adjacent pairs, partial rotation, biases) and stored with v at the given
+- `rope_kv`: q, k rotated (NeoX and adjacent pairs, partial rotation, biases, per-head RMS norms) and stored with v
+  at the given
   positions of a NaN-poisoned cache; float32 outputs within TOL_ROPE = 1e-6 relative of float64, float16 outputs
   within one f16 rounding (2^-11 relative) of it; the cache rows of other positions stay untouched.
 """
@@ -170,8 +171,9 @@ def rope_reference(x: np.ndarray, pos: np.ndarray, cos: np.ndarray, sin: np.ndar
 @pytest.mark.parametrize("neox", [True, False], ids=["neox", "pairs"])
 @pytest.mark.parametrize("rope_dim", [64, 32], ids=["full", "partial"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-def test_rope_kv(device: str, neox: bool, rope_dim: int, bias: bool) -> None:
-    rng = np.random.default_rng(rope_dim + 2 * neox + bias)
+@pytest.mark.parametrize("norm", [False, True], ids=["nonorm", "norm"])
+def test_rope_kv(device: str, neox: bool, rope_dim: int, bias: bool, norm: bool) -> None:
+    rng = np.random.default_rng(rope_dim + 2 * neox + 4 * bias + 8 * norm)
     T, H, Hkv, d, cap, n_pos = 3, 4, 2, 64, 24, 32
     pos = np.array([5, 17, 3])
     wide = rng.standard_normal((T, (H + 2 * Hkv) * d + 8)).astype(np.float32)  # q | k | v | padding: strided
@@ -179,16 +181,21 @@ def test_rope_kv(device: str, neox: bool, rope_dim: int, bias: bool) -> None:
     biases = [rng.standard_normal(n).astype(np.float32) if bias else None for n in (H * d, Hkv * d, Hkv * d)]
     angles = rng.uniform(-np.pi, np.pi, (n_pos, rope_dim // 2))
     cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    norms = (*rng.uniform(0.5, 2.0, (2, d)).astype(np.float32), 1e-6) if norm else None
     dt = torch.tensor(wide, device=device)
     q, k, v = dt[:, :H * d], dt[:, H * d:(H + Hkv) * d], dt[:, (H + Hkv) * d:(H + 2 * Hkv) * d]
 
-    def with_bias(x: np.ndarray, b: np.ndarray | None, heads: int) -> np.ndarray:
-        x = x.astype(np.float64) + (0 if b is None else b.astype(np.float64))
-        return x.reshape(T, heads, d)
+    def with_bias(x: np.ndarray, b: np.ndarray | None, heads: int, weight: np.ndarray | None = None) -> np.ndarray:
+        x = (x.astype(np.float64) + (0 if b is None else b.astype(np.float64))).reshape(T, heads, d)
+        if weight is None:
+            return x
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + norms[2]) * weight.astype(np.float64)
 
     c64, s64 = cos.astype(np.float64), sin.astype(np.float64)
-    ref_q = rope_reference(with_bias(q_np, biases[0], H), pos, c64, s64, rope_dim, neox).transpose(1, 0, 2)
-    ref_k = rope_reference(with_bias(k_np, biases[1], Hkv), pos, c64, s64, rope_dim, neox).transpose(1, 0, 2)
+    q_in, k_in = (with_bias(x, b, n, w) for x, b, n, w in ((q_np, biases[0], H, norms and norms[0]),
+                                                           (k_np, biases[1], Hkv, norms and norms[1])))
+    ref_q = rope_reference(q_in, pos, c64, s64, rope_dim, neox).transpose(1, 0, 2)
+    ref_k = rope_reference(k_in, pos, c64, s64, rope_dim, neox).transpose(1, 0, 2)
     ref_v = with_bias(v_np, biases[2], Hkv).transpose(1, 0, 2)
     dtypes = [torch.float32] + ([torch.float16] if device == "cuda" else [])
     for dtype in dtypes:
@@ -196,7 +203,9 @@ def test_rope_kv(device: str, neox: bool, rope_dim: int, bias: bool) -> None:
         v_cache = torch.full((Hkv, cap, d), float("nan"), dtype=dtype, device=device)
         q_out = kernels.rope_kv(q, k, v, [None if b is None else torch.from_numpy(b).to(device) for b in biases],
                                 torch.from_numpy(cos).to(device), torch.from_numpy(sin).to(device),
-                                torch.from_numpy(pos).to(device), d, rope_dim, neox, k_cache, v_cache)
+                                torch.from_numpy(pos).to(device), d, rope_dim, neox, k_cache, v_cache,
+                                norms and (torch.from_numpy(norms[0]).to(device), torch.from_numpy(norms[1]).to(device),
+                                           norms[2]))
         _sync(device)
         assert q_out.dtype == dtype and q_out.shape == (H, T, d)
         got = [q_out.double().cpu().numpy(), k_cache[:, pos].double().cpu().numpy(),

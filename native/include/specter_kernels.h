@@ -99,7 +99,9 @@ SPECTER_API int specter_cuda_moe_topk(const float * logits, int64_t n_tokens, in
 
 /* For n_tokens tokens: q [T, n_head * head_dim], k and v [T, n_head_kv * head_dim], float32, token t's row at
  * q + t * q_stride (k_stride, v_stride); biases q_bias [n_head * head_dim], k_bias, v_bias (NULL: none) are added
- * first. The first rope_dim features (even, <= head_dim) of every head of q and k are rotated by the angles of
+ * first. Then each head of q is RMS-normalized when q_norm [head_dim] is not NULL: h / sqrt(mean(h^2) + norm_eps)
+ * * q_norm (Qwen3's per-head norms; k_norm likewise for k; the CPU sums the squares in double, as specter_rms_norm).
+ * The first rope_dim features (even, <= head_dim) of every head of q and k are rotated by the angles of
  * the token's position p = pos[t]: pairs (i, i + rope_dim/2) when `neox`, else (2i, 2i+1), pair i by angle i
  * with cos[p * rope_dim/2 + i] and sin[...] (float32 tables of n_pos positions); the other features pass
  * through. Writes q to q_out [n_head, T, head_dim] and k, v to row p of k_cache and v_cache
@@ -109,13 +111,15 @@ SPECTER_API int specter_cuda_moe_topk(const float * logits, int64_t n_tokens, in
  * token is written. */
 SPECTER_API int specter_rope_kv(const float * q, int64_t q_stride, const float * k, int64_t k_stride,
                                 const float * v, int64_t v_stride, const float * q_bias, const float * k_bias,
-                                const float * v_bias, int64_t n_tokens, int64_t n_head, int64_t n_head_kv,
+                                const float * v_bias, const float * q_norm, const float * k_norm, float norm_eps,
+                                int64_t n_tokens, int64_t n_head, int64_t n_head_kv,
                                 int64_t head_dim, int64_t rope_dim, int neox, const float * cos,
                                 const float * sin, int64_t n_pos, const int64_t * pos, int out_type,
                                 void * q_out, void * k_cache, void * v_cache, int64_t capacity, int n_threads);
 SPECTER_API int specter_cuda_rope_kv(const float * q, int64_t q_stride, const float * k, int64_t k_stride,
                                      const float * v, int64_t v_stride, const float * q_bias,
-                                     const float * k_bias, const float * v_bias, int64_t n_tokens,
+                                     const float * k_bias, const float * v_bias, const float * q_norm,
+                                     const float * k_norm, float norm_eps, int64_t n_tokens,
                                      int64_t n_head, int64_t n_head_kv, int64_t head_dim, int64_t rope_dim,
                                      int neox, const float * cos, const float * sin, int64_t n_pos,
                                      const int64_t * pos, int out_type, void * q_out, void * k_cache,

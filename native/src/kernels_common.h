@@ -56,6 +56,8 @@ struct RopeKvArgs {
     const float *q, *k, *v;
     int64_t q_stride, k_stride, v_stride;
     const float *q_bias, *k_bias, *v_bias;
+    const float *q_norm, *k_norm;  // per-head RMS norm weights [head_dim] (NULL: none)
+    float norm_eps;
     int64_t n_tokens, n_head, n_head_kv, head_dim, rope_dim;
     int neox;
     const float *cos, *sin;
@@ -70,6 +72,7 @@ inline int check_rope_kv(const RopeKvArgs & a) {
     if (a.out_type != SPECTER_TYPE_F32 && a.out_type != SPECTER_TYPE_F16) return SPECTER_ERR_UNSUPPORTED_TYPE;
     if (a.n_tokens < 0 || a.n_head < 0 || a.n_head_kv < 0 || a.head_dim < 0 || a.n_pos < 0 || a.capacity < 0)
         return SPECTER_ERR_INVALID_ARG;
+    if ((a.q_norm || a.k_norm) && !(a.norm_eps >= 0.0f)) return SPECTER_ERR_INVALID_ARG;
     if (a.head_dim % 2 || a.rope_dim < 0 || a.rope_dim % 2 || a.rope_dim > a.head_dim) return SPECTER_ERR_INVALID_ARG;
     if (a.q_stride < a.n_head * a.head_dim || a.k_stride < a.n_head_kv * a.head_dim ||
         a.v_stride < a.n_head_kv * a.head_dim)

@@ -379,12 +379,14 @@ int specter_moe_topk(const float * logits, int64_t n_tokens, int64_t n_expert, i
 
 int specter_rope_kv(const float * q, int64_t q_stride, const float * k, int64_t k_stride, const float * v,
                     int64_t v_stride, const float * q_bias, const float * k_bias, const float * v_bias,
-                    int64_t n_tokens, int64_t n_head, int64_t n_head_kv, int64_t head_dim, int64_t rope_dim,
-                    int neox, const float * cos, const float * sin, int64_t n_pos, const int64_t * pos,
-                    int out_type, void * q_out, void * k_cache, void * v_cache, int64_t capacity, int n_threads) {
+                    const float * q_norm, const float * k_norm, float norm_eps, int64_t n_tokens, int64_t n_head,
+                    int64_t n_head_kv, int64_t head_dim, int64_t rope_dim, int neox, const float * cos,
+                    const float * sin, int64_t n_pos, const int64_t * pos, int out_type, void * q_out,
+                    void * k_cache, void * v_cache, int64_t capacity, int n_threads) {
     (void)n_threads;  // a few thousand values per token: not worth threads
-    const RopeKvArgs a{q, k, v, q_stride, k_stride, v_stride, q_bias, k_bias, v_bias, n_tokens, n_head, n_head_kv,
-                       head_dim, rope_dim, neox, cos, sin, n_pos, pos, out_type, q_out, k_cache, v_cache, capacity};
+    const RopeKvArgs a{q, k, v, q_stride, k_stride, v_stride, q_bias, k_bias, v_bias, q_norm, k_norm, norm_eps,
+                       n_tokens, n_head, n_head_kv, head_dim, rope_dim, neox, cos, sin, n_pos, pos, out_type, q_out,
+                       k_cache, v_cache, capacity};
     const int rc = check_rope_kv(a);
     if (rc != SPECTER_OK) return rc;
     for (int64_t t = 0; t < n_tokens; ++t)
@@ -400,10 +402,17 @@ int specter_rope_kv(const float * q, int64_t q_stride, const float * k, int64_t 
                 std::copy(h.begin(), h.end(), static_cast<float *>(base) + index);
             }
         };
-        // head `hd` of row x (+ bias) into h, its first rope_dim features rotated at position p when `rotate`
-        auto load = [&](const float * x, const float * bias, int64_t hd, int64_t p, bool rotate) {
+        // head `hd` of row x (+ bias) into h, normalized when `norm` (specter_rms_norm's arithmetic), its first
+        // rope_dim features rotated at position p when `rotate`
+        auto load = [&](const float * x, const float * bias, const float * norm, int64_t hd, int64_t p, bool rotate) {
             for (int64_t i = 0; i < head_dim; ++i)
                 h[size_t(i)] = x[hd * head_dim + i] + (bias ? bias[hd * head_dim + i] : 0.0f);
+            if (norm) {
+                double ss = 0.0;
+                for (int64_t i = 0; i < head_dim; ++i) ss += double(h[size_t(i)]) * h[size_t(i)];
+                const float scale = float(1.0 / std::sqrt(ss / double(head_dim) + double(norm_eps)));
+                for (int64_t i = 0; i < head_dim; ++i) h[size_t(i)] = h[size_t(i)] * scale * norm[i];
+            }
             if (!rotate) return;
             for (int64_t i = 0; i < half; ++i) {
                 const int64_t ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
@@ -415,13 +424,13 @@ int specter_rope_kv(const float * q, int64_t q_stride, const float * k, int64_t 
         for (int64_t t = 0; t < n_tokens; ++t) {
             const int64_t p = pos[t];
             for (int64_t hd = 0; hd < n_head; ++hd) {
-                load(q + t * q_stride, q_bias, hd, p, true);
+                load(q + t * q_stride, q_bias, q_norm, hd, p, true);
                 store(q_out, (hd * n_tokens + t) * head_dim);
             }
             for (int64_t hd = 0; hd < n_head_kv; ++hd) {
-                load(k + t * k_stride, k_bias, hd, p, true);
+                load(k + t * k_stride, k_bias, k_norm, hd, p, true);
                 store(k_cache, (hd * capacity + p) * head_dim);
-                load(v + t * v_stride, v_bias, hd, p, false);
+                load(v + t * v_stride, v_bias, nullptr, hd, p, false);
                 store(v_cache, (hd * capacity + p) * head_dim);
             }
         }

@@ -24,8 +24,9 @@ int specter_cuda_moe_topk(const float *, int64_t, int64_t, int64_t, int64_t, int
     return SPECTER_ERR_NO_CUDA;
 }
 int specter_cuda_rope_kv(const float *, int64_t, const float *, int64_t, const float *, int64_t, const float *,
-                         const float *, const float *, int64_t, int64_t, int64_t, int64_t, int64_t, int, const float *,
-                         const float *, int64_t, const int64_t *, int, void *, void *, void *, int64_t, void *) {
+                         const float *, const float *, const float *, const float *, float, int64_t, int64_t, int64_t,
+                         int64_t, int64_t, int, const float *, const float *, int64_t, const int64_t *, int, void *,
+                         void *, void *, int64_t, void *) {
     return SPECTER_ERR_NO_CUDA;
 }
 int specter_cuda_decode_attention(int, const void *, const void *, const void *, int64_t, int64_t, int64_t, int64_t,

@@ -2,7 +2,30 @@
 // this file; this unit answers what the build and the machine offer.
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+#include <cstring>
+
+#include "launch.cuh"
 #include "specter.h"
+
+namespace specter {
+namespace cuda {
+
+bool overlapped_launches() {
+    static const bool on = [] {
+        const char * env = std::getenv("SPECTER_CUDA_PDL");
+        if (env && std::strcmp(env, "0") == 0) return false;
+        int device = 0, major = 0;
+        const bool known = cudaGetDevice(&device) == cudaSuccess &&
+                           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess;
+        cudaGetLastError();
+        return known && major >= 9;
+    }();
+    return on;
+}
+
+}  // namespace cuda
+}  // namespace specter
 
 extern "C" {
 

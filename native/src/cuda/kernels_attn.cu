@@ -23,6 +23,7 @@
 #include <cstdint>
 
 #include "kernels_common.h"
+#include "launch.cuh"
 #include "quant.cuh"
 
 namespace specter {
@@ -82,6 +83,7 @@ constexpr int kValuesAhead = int(kAttnSplitUnit);  // value rows loaded before t
 // threads a key, 16-byte loads), and the first kValuesAhead value rows before the scores are computed.
 template <int D, int TM, class KV>
 __global__ void __launch_bounds__(D) attn_split_kernel(AttnParams a) {
+    start_after_prior_kernels();
     constexpr int FP = D / kParts, KPR = D / kParts, NW = D / 32, QW = D + kParts;  // QW: a padded q row
     __shared__ float q_s[TM * QW];         // q[h, t, :] as float32: token t at t * QW, part p at p * (FP + 1)
     __shared__ float p_s[TM * kSplitMax];  // token t's scores at t * kSplitMax, then exp(score - m)
@@ -189,6 +191,7 @@ __global__ void __launch_bounds__(D) attn_split_kernel(AttnParams a) {
 
 template <class KV>
 __global__ void attn_combine_kernel(AttnParams a, int D) {
+    start_after_prior_kernels();
     const int t = blockIdx.x, h = blockIdx.y, c = threadIdx.x, NS = a.n_splits;
     const long long r = (long long)h * a.T + t;  // (head, token): row of out, of m and l
     const float * m = a.m + r * NS;
@@ -211,10 +214,10 @@ template <int D, class KV>
 void launch_attention(const AttnParams & p, unsigned n_head, cudaStream_t stream) {
     const dim3 grid(unsigned(p.n_splits), n_head);
     if (p.T == 1)
-        attn_split_kernel<D, 1, KV><<<grid, D, 0, stream>>>(p);
+        launch(attn_split_kernel<D, 1, KV>, grid, D, stream, p);
     else
-        attn_split_kernel<D, SPECTER_DECODE_ATTN_MAX_TOKENS, KV><<<grid, D, 0, stream>>>(p);
-    attn_combine_kernel<KV><<<dim3(unsigned(p.T), n_head), D, 0, stream>>>(p, D);
+        launch(attn_split_kernel<D, SPECTER_DECODE_ATTN_MAX_TOKENS, KV>, grid, D, stream, p);
+    launch(attn_combine_kernel<KV>, dim3(unsigned(p.T), n_head), D, stream, p, D);
 }
 
 template <class KV>

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "kernels_common.h"
+#include "launch.cuh"
 #include "quant.cuh"
 
 namespace specter {
@@ -17,6 +18,7 @@ namespace {
 template <class TT, bool HALF>
 __global__ void dequant_kernel(const uint8_t * __restrict__ src, long long rb, long long n_out_rows, int k,
                                const int32_t * __restrict__ ids, long long n_src_rows, void * __restrict__ dst) {
+    start_after_prior_kernels();
     const long long upr = (long long)(k / TT::QK) * TT::NU;  // units per row
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n_out_rows * upr) return;
@@ -64,8 +66,8 @@ int dequant(int type, const void * src, long long n_src_rows, long long row_len,
         const long long total = n_out * (row_len / TT::QK) * TT::NU;
         const unsigned blocks = unsigned((total + 255) / 256);
         auto kern = half ? dequant_kernel<TT, true> : dequant_kernel<TT, false>;
-        kern<<<blocks, 256, 0, cudaStream_t(stream)>>>(static_cast<const uint8_t *>(src), rb, n_out, int(row_len),
-                                                        ids, n_src_rows, dst);
+        launch(kern, blocks, 256, cudaStream_t(stream), static_cast<const uint8_t *>(src), rb, n_out, int(row_len),
+               ids, n_src_rows, dst);
     });
     return launch_status();
 }
@@ -77,6 +79,7 @@ int dequant(int type, const void * src, long long n_src_rows, long long row_len,
 template <class TT, int M, class XT, bool SWIGLU>
 __global__ void __launch_bounds__(256) gemv_kernel(const uint8_t * __restrict__ w, long long rb, int n, int k,
                                                    const XT * __restrict__ x, int m, float * __restrict__ y) {
+    start_after_prior_kernels();
     constexpr int NR = rows_per_cta(M, SWIGLU);
     constexpr int ND = SWIGLU ? 2 * NR : NR;  // weight rows dotted
     __shared__ float red[8 * ND * M];
@@ -105,7 +108,7 @@ void launch_gemv_pass(const uint8_t * w, long long rb, int n, int k, const XT * 
     const int nr = rows_per_cta(M, SWIGLU);
     const dim3 grid(unsigned((n + nr - 1) / nr), unsigned((m + M - 1) / M));
     const int threads = cta_threads((long long)(k / TT::QK) * TT::NU);
-    gemv_kernel<TT, M, XT, SWIGLU><<<grid, threads, 0, st>>>(w, rb, n, k, x, m, y);
+    launch(gemv_kernel<TT, M, XT, SWIGLU>, grid, threads, st, w, rb, n, k, x, m, y);
 }
 
 // Rows of X 8 at a time, then the rest in one pass of the fewest rows that holds it (a row's result is the same
@@ -135,6 +138,7 @@ template <class TT>
 __global__ void __launch_bounds__(128) tiled_kernel(const uint8_t * __restrict__ w, long long rb, int n, int k,
                                                     int x_half, const void * __restrict__ xv, int m,
                                                     float * __restrict__ y) {
+    start_after_prior_kernels();
     using namespace nvcuda;
     static_assert(TT::NU * TBK % TT::QK == 0, "a k-chunk must hold whole units");
     constexpr int UPC = TT::NU * TBK / TT::QK;  // units per row per k-chunk
@@ -225,7 +229,7 @@ int qmatmul(int w_type, const void * w, int64_t n, int64_t k, int x_type, const 
         using TT = typename decltype(tag)::type;
         if (tiled) {
             const dim3 grid(unsigned((n + TBN - 1) / TBN), unsigned((m + TBM - 1) / TBM));
-            tiled_kernel<TT><<<grid, 128, 0, st>>>(wb, rb, int(n), int(k), x_type == SPECTER_TYPE_F16, x, int(m), y);
+            launch(tiled_kernel<TT>, grid, 128, st, wb, rb, int(n), int(k), x_type == SPECTER_TYPE_F16, x, int(m), y);
         } else if (x_type == SPECTER_TYPE_F16) {
             auto xh = static_cast<const __half *>(x);
             swiglu ? launch_gemv<TT, __half, true>(wb, rb, int(n), int(k), xh, int(m), y, st)

@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "kernels_common.h"
+#include "launch.cuh"
 #include "quant.cuh"
 
 namespace specter {
@@ -33,6 +34,7 @@ __global__ void __launch_bounds__(256) route_kernel(const int32_t * __restrict__
                                                     const uint64_t * __restrict__ up,
                                                     const uint64_t * __restrict__ dp, int * __restrict__ meta,
                                                     int G) {
+    start_after_prior_kernels();
     __shared__ int cnt[kMaxExperts];
     __shared__ int start[kMaxExperts];
     int * group_expert = meta;
@@ -114,6 +116,7 @@ __global__ void __launch_bounds__(256) moe_rows_kernel(const uint64_t * __restri
                                                        int k, const float * __restrict__ xin, int x_per_pair,
                                                        int top_k, const int * __restrict__ meta, int G,
                                                        float * __restrict__ dst) {
+    start_after_prior_kernels();
     constexpr int RF = rows_per_cta(M, FUSED);     // rows per matrix
     constexpr int NR = FUSED ? 2 * RF : RF;    // rows dotted per CTA
     __shared__ float red[8 * NR * M];
@@ -153,6 +156,7 @@ __global__ void __launch_bounds__(256) moe_rows_kernel(const uint64_t * __restri
 }
 
 __global__ void silu_mul_kernel(float * __restrict__ act, const float * __restrict__ aux, long long n) {
+    start_after_prior_kernels();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) act[i] = silu(act[i]) * aux[i];
 }
@@ -165,6 +169,7 @@ __global__ void reduce_kernel(const float * __restrict__ ypair, const int32_t * 
                               const uint64_t * __restrict__ gp, const uint64_t * __restrict__ up,
                               const uint64_t * __restrict__ dp, long long T, int d, float * __restrict__ out,
                               int accumulate) {
+    start_after_prior_kernels();
     constexpr int kChunk = 8;
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= T * d) return;
@@ -193,12 +198,13 @@ template <class TT, bool FUSED>
 void launch_rows(int M, dim3 grid, int threads, cudaStream_t st, const uint64_t * tabA, const uint64_t * tabB,
                  long long rb, int n_out, int k, const float * xin, int x_per_pair, int top_k, const int * meta, int G,
                  float * dst) {
+    auto kernel = moe_rows_kernel<TT, 8, FUSED>;
     switch (M) {
-        case 1: moe_rows_kernel<TT, 1, FUSED><<<grid, threads, 0, st>>>(tabA, tabB, rb, n_out, k, xin, x_per_pair, top_k, meta, G, dst); break;
-        case 2: moe_rows_kernel<TT, 2, FUSED><<<grid, threads, 0, st>>>(tabA, tabB, rb, n_out, k, xin, x_per_pair, top_k, meta, G, dst); break;
-        case 4: moe_rows_kernel<TT, 4, FUSED><<<grid, threads, 0, st>>>(tabA, tabB, rb, n_out, k, xin, x_per_pair, top_k, meta, G, dst); break;
-        default: moe_rows_kernel<TT, 8, FUSED><<<grid, threads, 0, st>>>(tabA, tabB, rb, n_out, k, xin, x_per_pair, top_k, meta, G, dst); break;
+        case 1: kernel = moe_rows_kernel<TT, 1, FUSED>; break;
+        case 2: kernel = moe_rows_kernel<TT, 2, FUSED>; break;
+        case 4: kernel = moe_rows_kernel<TT, 4, FUSED>; break;
     }
+    launch(kernel, grid, threads, st, tabA, tabB, rb, n_out, k, xin, x_per_pair, top_k, meta, G, dst);
 }
 
 // dst[pair, rows] for one projection (single matrix per expert)
@@ -246,7 +252,7 @@ extern "C" int specter_cuda_moe_ffn(const float * x, int64_t n_tokens, int64_t d
     const int P = int(L.P), G = int(L.G), T = int(n_tokens), K = int(top_k), E = int(n_expert);
     const int D = int(d_model), F = int(d_ff);
     if (P > 0 && E > 0) {
-        route_kernel<<<1, 256, 0, st>>>(ids, P, E, gate_ptrs, up_ptrs, down_ptrs, meta, G);
+        launch(route_kernel, 1, 256, st, ids, P, E, gate_ptrs, up_ptrs, down_ptrs, meta, G);
         const int M = T <= 1 ? 1 : T <= 2 ? 2 : T <= 4 ? 4 : 8;  // rows of X per pass (<= tokens per group)
         if (F == 0) {
             cudaMemsetAsync(ypair, 0, size_t(P) * D * sizeof(float), st);
@@ -264,13 +270,13 @@ extern "C" int specter_cuda_moe_ffn(const float * x, int64_t n_tokens, int64_t d
                 project(gate_type, *tg, gate_ptrs, F, D, x, 0, K, meta, G, M, act, st);
                 project(up_type, *tu, up_ptrs, F, D, x, 0, K, meta, G, M, aux, st);
                 const long long n = (long long)P * F;
-                silu_mul_kernel<<<unsigned((n + 255) / 256), 256, 0, st>>>(act, aux, n);
+                launch(silu_mul_kernel, unsigned((n + 255) / 256), 256, st, act, aux, n);
             }
             project(down_type, *td, down_ptrs, D, F, act, 1, K, meta, G, M, ypair, st);
         }
     }
     const long long n = (long long)T * D;
-    reduce_kernel<<<unsigned((n + 255) / 256), 256, 0, st>>>(ypair, ids, weights, K, E, gate_ptrs, up_ptrs,
-                                                             down_ptrs, T, D, out, accumulate);
+    launch(reduce_kernel, unsigned((n + 255) / 256), 256, st, ypair, ids, weights, K, E, gate_ptrs, up_ptrs,
+           down_ptrs, T, D, out, accumulate);
     return launch_status();
 }

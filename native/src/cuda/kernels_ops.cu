@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "kernels_common.h"
+#include "launch.cuh"
 #include "quant.cuh"
 
 namespace specter {
@@ -17,6 +18,7 @@ __global__ void __launch_bounds__(256) rms_norm_kernel(const float * x, const fl
                                                        const float * __restrict__ weight,
                                                        const float * __restrict__ bias, long long n, float eps,
                                                        float * sum, float * y) {
+    start_after_prior_kernels();
     __shared__ float red[8];
     const long long base = (long long)blockIdx.x * n;
     float s[kNormPerThread], wt[kNormPerThread], bs[kNormPerThread];
@@ -59,6 +61,7 @@ __global__ void __launch_bounds__(256) rms_norm_kernel(const float * x, const fl
 // expert ranked after the previous choice in (logit desc, index asc) order, so no per-expert state is kept.
 __global__ void topk_kernel(const float * __restrict__ logits, int T, int E, long long stride, int K, int normalize,
                             float scale, int32_t * __restrict__ ids, float * __restrict__ weights) {
+    start_after_prior_kernels();
     const int t = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
     if (t >= T) return;
     const float * l = logits + t * stride;
@@ -101,9 +104,12 @@ __global__ void topk_kernel(const float * __restrict__ logits, int T, int E, lon
 }
 
 // One thread per feature pair of one head of q, k or v of one token: heads [0, H) are q's, [H, H + Hkv) k's,
-// [H + Hkv, H + 2 Hkv) v's. Pair i < rope_dim/2 is rotated (q, k); the others pass through as (2i, 2i+1).
+// [H + Hkv, H + 2 Hkv) v's. Pair i < rope_dim/2 is rotated (q, k); the others pass through as (2i, 2i+1). A head's
+// RMS norm: each of its threads sums the squares of the whole head (the same loads across a warp, a few hundred
+// cycles), cheaper than a kernel of its own.
 template <class OUT>
 __global__ void rope_kv_kernel(RopeKvArgs a) {
+    start_after_prior_kernels();
     const long long half_dim = a.head_dim / 2, heads = a.n_head + 2 * a.n_head_kv;
     const long long item = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (item >= a.n_tokens * heads * half_dim) return;
@@ -112,25 +118,36 @@ __global__ void rope_kv_kernel(RopeKvArgs a) {
     if (p < 0 || p >= a.n_pos || p >= a.capacity) return;
     const float * x;
     const float * bias;
+    const float * norm;
     OUT * out;
     long long hd;
     bool rotate = true;
     if (hh < a.n_head) {
-        hd = hh, x = a.q + t * a.q_stride, bias = a.q_bias;
+        hd = hh, x = a.q + t * a.q_stride, bias = a.q_bias, norm = a.q_norm;
         out = static_cast<OUT *>(a.q_out) + (hd * a.n_tokens + t) * a.head_dim;
     } else if (hh < a.n_head + a.n_head_kv) {
-        hd = hh - a.n_head, x = a.k + t * a.k_stride, bias = a.k_bias;
+        hd = hh - a.n_head, x = a.k + t * a.k_stride, bias = a.k_bias, norm = a.k_norm;
         out = static_cast<OUT *>(a.k_cache) + (hd * a.capacity + p) * a.head_dim;
     } else {
-        hd = hh - a.n_head - a.n_head_kv, x = a.v + t * a.v_stride, bias = a.v_bias, rotate = false;
+        hd = hh - a.n_head - a.n_head_kv, x = a.v + t * a.v_stride, bias = a.v_bias, norm = nullptr, rotate = false;
         out = static_cast<OUT *>(a.v_cache) + (hd * a.capacity + p) * a.head_dim;
     }
     const long long half = a.rope_dim / 2;
     rotate = rotate && i < half;
     const long long ia = rotate && a.neox ? i : 2 * i, ib = rotate && a.neox ? i + half : 2 * i + 1;
     x += hd * a.head_dim;
+    if (bias) bias += hd * a.head_dim;
     float xa = x[ia], xb = x[ib];
-    if (bias) xa += bias[hd * a.head_dim + ia], xb += bias[hd * a.head_dim + ib];
+    if (bias) xa += bias[ia], xb += bias[ib];
+    if (norm) {
+        float s0 = 0.0f, s1 = 0.0f;
+        for (long long j = 0; j < a.head_dim; j += 2) {  // head_dim is even
+            const float h0 = x[j] + (bias ? bias[j] : 0.0f), h1 = x[j + 1] + (bias ? bias[j + 1] : 0.0f);
+            s0 = fmaf(h0, h0, s0), s1 = fmaf(h1, h1, s1);
+        }
+        const float scale = rsqrtf((s0 + s1) / float(a.head_dim) + a.norm_eps);
+        xa = xa * scale * norm[ia], xb = xb * scale * norm[ib];
+    }
     if (rotate) {
         const float c = a.cos[p * half + i], s = a.sin[p * half + i];
         const float ra = __fsub_rn(__fmul_rn(xa, c), __fmul_rn(xb, s));  // no FMA: the CPU's rounding
@@ -155,6 +172,7 @@ __device__ __forceinline__ unsigned long long global_ns() {
 // on the raising side) and the next kernel's loads see them.
 __global__ void wait_counter_kernel(const volatile long long * counter, const long long * base, long long offset,
                                     long long timeout_ns, unsigned long long * waited_ns) {
+    wait_for_prior_kernels();  // and no early launch of the next kernel (launch.cuh)
     const long long want = *base + offset;
     if (*counter >= want) return;
     const unsigned long long t0 = global_ns();
@@ -182,7 +200,7 @@ int specter_cuda_rms_norm(const float * x, const float * delta, const float * we
     if (rc != SPECTER_OK || n_rows == 0) return rc;
     if (n_rows > 0x7fffffffLL) return SPECTER_ERR_INVALID_ARG;
     cudaGetLastError();
-    rms_norm_kernel<<<unsigned(n_rows), 256, 0, cudaStream_t(stream)>>>(x, delta, weight, bias, n, eps, sum, y);
+    launch(rms_norm_kernel, unsigned(n_rows), 256, cudaStream_t(stream), x, delta, weight, bias, n, eps, sum, y);
     return launch_status();
 }
 
@@ -192,19 +210,20 @@ int specter_cuda_moe_topk(const float * logits, int64_t n_tokens, int64_t n_expe
     if (rc != SPECTER_OK || n_tokens == 0) return rc;
     cudaGetLastError();
     const unsigned blocks = unsigned((n_tokens + 3) / 4);  // 4 warps of 32 threads per CTA
-    topk_kernel<<<blocks, 128, 0, cudaStream_t(stream)>>>(logits, int(n_tokens), int(n_expert), row_stride,
-                                                           int(top_k), normalize, scale, ids, weights);
+    launch(topk_kernel, blocks, 128, cudaStream_t(stream), logits, int(n_tokens), int(n_expert), row_stride,
+           int(top_k), normalize, scale, ids, weights);
     return launch_status();
 }
 
 int specter_cuda_rope_kv(const float * q, int64_t q_stride, const float * k, int64_t k_stride, const float * v,
                          int64_t v_stride, const float * q_bias, const float * k_bias, const float * v_bias,
-                         int64_t n_tokens, int64_t n_head, int64_t n_head_kv, int64_t head_dim, int64_t rope_dim,
-                         int neox, const float * cos, const float * sin, int64_t n_pos, const int64_t * pos,
-                         int out_type, void * q_out, void * k_cache, void * v_cache, int64_t capacity,
-                         void * stream) {
-    const RopeKvArgs a{q, k, v, q_stride, k_stride, v_stride, q_bias, k_bias, v_bias, n_tokens, n_head, n_head_kv,
-                       head_dim, rope_dim, neox, cos, sin, n_pos, pos, out_type, q_out, k_cache, v_cache, capacity};
+                         const float * q_norm, const float * k_norm, float norm_eps, int64_t n_tokens,
+                         int64_t n_head, int64_t n_head_kv, int64_t head_dim, int64_t rope_dim, int neox,
+                         const float * cos, const float * sin, int64_t n_pos, const int64_t * pos, int out_type,
+                         void * q_out, void * k_cache, void * v_cache, int64_t capacity, void * stream) {
+    const RopeKvArgs a{q, k, v, q_stride, k_stride, v_stride, q_bias, k_bias, v_bias, q_norm, k_norm, norm_eps,
+                       n_tokens, n_head, n_head_kv, head_dim, rope_dim, neox, cos, sin, n_pos, pos, out_type, q_out,
+                       k_cache, v_cache, capacity};
     const int rc = check_rope_kv(a);
     if (rc != SPECTER_OK) return rc;
     const long long items = n_tokens * (n_head + 2 * n_head_kv) * (head_dim / 2);
@@ -212,9 +231,9 @@ int specter_cuda_rope_kv(const float * q, int64_t q_stride, const float * k, int
     cudaGetLastError();
     const unsigned blocks = unsigned((items + 255) / 256);
     if (out_type == SPECTER_TYPE_F16)
-        rope_kv_kernel<__half><<<blocks, 256, 0, cudaStream_t(stream)>>>(a);
+        launch(rope_kv_kernel<__half>, blocks, 256, cudaStream_t(stream), a);
     else
-        rope_kv_kernel<float><<<blocks, 256, 0, cudaStream_t(stream)>>>(a);
+        launch(rope_kv_kernel<float>, blocks, 256, cudaStream_t(stream), a);
     return launch_status();
 }
 
@@ -222,10 +241,9 @@ int specter_cuda_wait_counter(const int64_t * counter, const int64_t * base, int
                               int64_t * waited_ns, void * stream) {
     if (!counter || !base) return SPECTER_ERR_INVALID_ARG;
     cudaGetLastError();
-    wait_counter_kernel<<<1, 1, 0, cudaStream_t(stream)>>>(reinterpret_cast<const volatile long long *>(counter),
-                                                           reinterpret_cast<const long long *>(base), offset,
-                                                           timeout_ns,
-                                                           reinterpret_cast<unsigned long long *>(waited_ns));
+    launch(wait_counter_kernel, 1, 1, cudaStream_t(stream), reinterpret_cast<const volatile long long *>(counter),
+           reinterpret_cast<const long long *>(base), offset, timeout_ns,
+           reinterpret_cast<unsigned long long *>(waited_ns));
     return launch_status();
 }
 

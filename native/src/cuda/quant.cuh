@@ -495,10 +495,5 @@ inline bool aligned_for(int type, uintptr_t p) {
     return p % 2 == 0;
 }
 
-inline int launch_status() {
-    const cudaError_t e = cudaGetLastError();
-    return e == cudaSuccess ? SPECTER_OK : SPECTER_ERR_CUDA;
-}
-
 }  // namespace cuda
 }  // namespace specter
