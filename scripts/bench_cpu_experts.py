@@ -38,6 +38,7 @@ from specter_gguf.kernels import ExpertTable, QuantizedTensor, moe_ffn  # noqa: 
 SHAPES = {"Qwen1.5-MoE": (2048, 1408), "Qwen3-30B-A3B": (2048, 768), "Phi-3.5-MoE": (4096, 6400)}
 TYPES = {"F16": native.F16, "BF16": native.BF16, "Q8_0": native.Q8_0, "Q4_K": native.Q4_K}
 CACHE_DEFEAT_BYTES = 512 << 20  # copies of each expert cycled through: more than any CPU cache holds
+WORK_BYTES = 64 << 20  # ggml's work buffer for one expert (x converted to the weights' dot type, per-thread rows)
 
 
 class GGML:
@@ -54,6 +55,7 @@ class GGML:
         self.cpu = ctypes.CDLL(str(lib_dir / "libggml-cpu.so"), mode=ctypes.RTLD_GLOBAL)
         vp, i64 = ctypes.c_void_p, ctypes.c_int64
         for name, res, args in (("ggml_init", vp, [self.InitParams]), ("ggml_free", None, [vp]),
+                                ("ggml_reset", None, [vp]),
                                 ("ggml_new_tensor_2d", vp, [vp, ctypes.c_int, i64, i64]),
                                 ("ggml_get_data", vp, [vp]), ("ggml_nbytes", ctypes.c_size_t, [vp]),
                                 ("ggml_mul_mat", vp, [vp, vp, vp]), ("ggml_silu", vp, [vp, vp]),
@@ -90,10 +92,14 @@ class GGML:
         y = self.base.ggml_mul_mat(ctx, tensors[2], self.base.ggml_mul(ctx, self.base.ggml_silu(ctx, g), u))
         graph = self.base.ggml_new_graph(ctx)
         self.base.ggml_build_forward_expand(graph, y)
-        self._contexts.append(ctx)
+        # ggml_graph_compute_with_ctx takes its work buffer from the context it is given, anew in every call: a
+        # context of its own, emptied before each call (in the weights' context the calls ran out of room)
+        work = self.base.ggml_init(self.InitParams(WORK_BYTES, None, False))
+        self._contexts += [ctx, work]
 
         def run() -> None:
-            if self.cpu.ggml_graph_compute_with_ctx(ctx, graph, threads) != 0:
+            self.base.ggml_reset(work)
+            if self.cpu.ggml_graph_compute_with_ctx(work, graph, threads) != 0:
                 raise RuntimeError("ggml_graph_compute_with_ctx failed")
         return run
 
