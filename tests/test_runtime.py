@@ -64,6 +64,13 @@ def test_plan_splits_the_budget(shipped_model) -> None:
     assert with_draft.draft_experts == huge.resident_expert_bytes and with_draft.speculation == SPECULATION
     assert with_draft.minimum == huge.minimum + huge.resident_expert_bytes + SPECULATION
     assert "speculation" in with_draft.describe() and huge.speculation == 0
+    # what the draft costs the expert cache: the same budget without it
+    tight_draft = plan_memory(f, tight.budget + huge.resident_expert_bytes + SPECULATION - slot, CTX, "cuda",
+                              draft=f)
+    assert tight_draft.n_slots == tight.n_slots - 1
+    assert tight_draft.n_slots_without_draft == plan_memory(f, tight_draft.budget, CTX, "cuda").n_slots
+    assert f"without the draft: {tight_draft.n_slots_without_draft} of" in tight_draft.describe()
+    assert "without the draft" not in tight.describe() and "without the draft" not in with_draft.describe()
     assert plan_memory(f, "64GiB", CTX, "cpu", draft=f).speculation == 0
 
 

@@ -201,6 +201,12 @@ class MemoryPlan:
     def cached_fraction(self) -> float:
         return self.n_slots / self.n_experts_total if self.n_experts_total else 1.0
 
+    @property
+    def n_slots_without_draft(self) -> int:
+        """The slots of the same budget with no draft: what its experts and speculation cost the expert cache."""
+        free = self.budget - (self.fixed - self.draft_experts - self.speculation)
+        return max(0, min(self.n_experts_total, free // self.slot_bytes)) if self.slot_bytes else 0
+
     def check(self) -> None:
         """Refuse a budget below the minimum, naming it."""
         if self.budget < self.minimum:
@@ -232,6 +238,10 @@ class MemoryPlan:
         lines.append(f"experts cached: {self.n_slots} of {self.n_experts_total} "
                      f"({100 * self.cached_fraction:.1f}%; {self.n_moe_layers} MoE layers × {self.n_expert} "
                      f"experts, top-{self.top_k}); slot = gate|up|down in {'/'.join(self.slot_types)}")
+        without = self.n_slots_without_draft
+        if self.draft_experts and without > self.n_slots:
+            lines.append(f"without the draft: {without} of {self.n_experts_total} experts cached "
+                         f"({100 * without / max(1, self.n_experts_total):.1f}%)")
         lines.append(f"minimum budget {format_size(self.minimum)} ({self.minimum} bytes)")
         if self.fits_all:
             lines.append("the whole model fits: no offloading needed (all experts resident)")
@@ -241,7 +251,7 @@ class MemoryPlan:
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "fixed": self.fixed, "slots_bytes": self.slots_bytes,
-                "cached_fraction": self.cached_fraction}
+                "cached_fraction": self.cached_fraction, "n_slots_without_draft": self.n_slots_without_draft}
 
 
 def plan_memory(f: GGUFFile, budget: int | str, ctx_size: int | None = None, device_type: str = "cuda",
