@@ -285,9 +285,12 @@ def rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: tuple[torch
         raise SpecterError("rope_kv: the KV cache and the RoPE tables must be contiguous")
     rows = [t if t.dtype == torch.float32 and t.stride(-1) == 1 else t.float().contiguous() for t in (q, k, v)]
     biases = [None if b is None else b.float().contiguous() for b in bias]
-    q_norm, k_norm, eps = (None, None, 0.0) if norms is None else (*(w.float().contiguous() for w in norms[:2]), norms[2])
-    if norms is not None and not q_norm.numel() == k_norm.numel() == head_dim:
-        raise SpecterError(f"rope_kv: the q and k norms must weigh one head ({head_dim} features)")
+    q_norm = k_norm = None
+    eps = 0.0
+    if norms is not None:
+        q_norm, k_norm, eps = norms[0].float().contiguous(), norms[1].float().contiguous(), norms[2]
+        if not q_norm.numel() == k_norm.numel() == head_dim:
+            raise SpecterError(f"rope_kv: the q and k norms must weigh one head ({head_dim} features)")
     q_out = torch.empty((n_head, T, head_dim), dtype=dtype, device=q.device)
     strides = [r.stride(0) if T > 1 else r.shape[1] for r in rows]
     p = _float_ptr

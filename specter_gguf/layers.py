@@ -339,10 +339,9 @@ class Attention:
     """Grouped-query attention; optional RMSNorm of q and k, either per head (weight of head_dim) or over
     all heads at once (weight of heads*head_dim), as the weight's size says. The q/k/v biases, per-head norms, RoPE
     and the KV cache store run in one kernel (`rope_kv`); norms over all heads run before it, the biases with the
-    projections then. On CUDA one query (decode
-    and draft steps), or a few over more than `_SDPA_MAX_KEYS` keys (verifications later in a sequence), attend in
-    the native `decode_attention`; more queries (prefill), a few over a short window, and every query on the CPU
-    in torch's SDPA (`attend`)."""
+    projections then. On CUDA one query (decode and draft steps), or a few over more than `_SDPA_MAX_KEYS` keys
+    (verifications later in a sequence), attend in the native `decode_attention`; more queries (prefill), a few
+    over a short window, and every query on the CPU in torch's SDPA (`attend`)."""
 
     n_head: int
     n_head_kv: int
