@@ -141,6 +141,13 @@ int guarded(Fn fn) {
 
 inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
 
+// 1 / sqrt(mean(s^2) + eps) of n values, the sum of squares in double as ggml's CPU rms_norm.
+inline float rms_scale(const float * s, int64_t n, float eps) {
+    double ss = 0.0;
+    for (int64_t i = 0; i < n; ++i) ss += double(s[i]) * s[i];
+    return float(1.0 / std::sqrt(ss / double(n) + double(eps)));
+}
+
 // y = x . w^T, or with `swiglu` y = silu(x . gate^T) * (x . up^T) for w = [gate; up] of 2n rows.
 int qmatmul(int w_type, const void * w, int64_t n, int64_t k, int x_type, const void * x, int64_t m, float * y,
             bool swiglu, int n_threads) {
@@ -321,12 +328,8 @@ int specter_rms_norm(const float * x, const float * delta, const float * weight,
         parallel_for(n_rows, n_threads, std::max<int64_t>(1, kMinElems / n), [&](int64_t b, int64_t e) {
             std::vector<float> s(static_cast<size_t>(n));
             for (int64_t r = b; r < e; ++r) {
-                double ss = 0.0;  // as ggml's CPU rms_norm: the sum of squares in double
-                for (int64_t i = 0; i < n; ++i) {
-                    s[size_t(i)] = x[r * n + i] + (delta ? delta[r * n + i] : 0.0f);
-                    ss += double(s[size_t(i)]) * s[size_t(i)];
-                }
-                const float scale = float(1.0 / std::sqrt(ss / double(n) + double(eps)));
+                for (int64_t i = 0; i < n; ++i) s[size_t(i)] = x[r * n + i] + (delta ? delta[r * n + i] : 0.0f);
+                const float scale = rms_scale(s.data(), n, eps);
                 for (int64_t i = 0; i < n; ++i) {
                     if (sum) sum[r * n + i] = s[size_t(i)];
                     y[r * n + i] = s[size_t(i)] * scale * weight[i] + (bias ? bias[i] : 0.0f);
@@ -402,15 +405,13 @@ int specter_rope_kv(const float * q, int64_t q_stride, const float * k, int64_t 
                 std::copy(h.begin(), h.end(), static_cast<float *>(base) + index);
             }
         };
-        // head `hd` of row x (+ bias) into h, normalized when `norm` (specter_rms_norm's arithmetic), its first
+        // head `hd` of row x (+ bias) into h, normalized when `norm` (rms_scale, as specter_rms_norm), its first
         // rope_dim features rotated at position p when `rotate`
         auto load = [&](const float * x, const float * bias, const float * norm, int64_t hd, int64_t p, bool rotate) {
             for (int64_t i = 0; i < head_dim; ++i)
                 h[size_t(i)] = x[hd * head_dim + i] + (bias ? bias[hd * head_dim + i] : 0.0f);
             if (norm) {
-                double ss = 0.0;
-                for (int64_t i = 0; i < head_dim; ++i) ss += double(h[size_t(i)]) * h[size_t(i)];
-                const float scale = float(1.0 / std::sqrt(ss / double(head_dim) + double(norm_eps)));
+                const float scale = rms_scale(h.data(), head_dim, norm_eps);
                 for (int64_t i = 0; i < head_dim; ++i) h[size_t(i)] = h[size_t(i)] * scale * norm[i];
             }
             if (!rotate) return;

@@ -57,6 +57,12 @@ VERIFY_ROWS = 17          # logits rows a forward returns at most: a verificatio
 FIT_MARGIN = 1 * GiB      # left free when the budget is the device's free memory (llama.cpp's --fit leaves 1 GiB)
 DEFAULT_PREFILL_CHUNK = 256
 
+
+def _slots_in(free: int, slot_bytes: int, n_experts_total: int) -> int:
+    """Whole expert slots in `free` bytes, at most one per expert (none without experts)."""
+    return max(0, min(n_experts_total, free // slot_bytes)) if slot_bytes else 0
+
+
 def _align(n: int) -> int:
     return (n + SLOT_ALIGN - 1) // SLOT_ALIGN * SLOT_ALIGN
 
@@ -205,7 +211,7 @@ class MemoryPlan:
     def n_slots_without_draft(self) -> int:
         """The slots of the same budget with no draft: what its experts and speculation cost the expert cache."""
         free = self.budget - (self.fixed - self.draft_experts - self.speculation)
-        return max(0, min(self.n_experts_total, free // self.slot_bytes)) if self.slot_bytes else 0
+        return _slots_in(free, self.slot_bytes, self.n_experts_total)
 
     def check(self) -> None:
         """Refuse a budget below the minimum, naming it."""
@@ -283,7 +289,7 @@ def plan_memory(f: GGUFFile, budget: int | str, ctx_size: int | None = None, dev
     speculation = SPECULATION if device_type == "cuda" and draft is not None else 0
     fixed = non_expert + kv + ws + runtime + draft_bytes + speculation
     total = len(layers) * cfg.n_expert
-    n_slots = max(0, min(total, (budget - fixed) // slot)) if slot else 0
+    n_slots = _slots_in(budget - fixed, slot, total)
     return MemoryPlan(
         budget=budget, device=device_type, ctx_size=ctx, n_ctx_train=cfg.n_ctx_train,
         prefill_chunk=min(prefill_chunk, ctx),
@@ -313,7 +319,7 @@ def fitted_budget(f: GGUFFile, device: Any, ctx_size: int, draft: GGUFFile | Non
 def slots_after_load(plan: MemoryPlan, measured_non_expert: int) -> int:
     """Slots that fit once the non-expert weights are on the device and their real size is known."""
     free = plan.budget - (plan.fixed - plan.non_expert + measured_non_expert)
-    return max(0, min(plan.n_experts_total, free // plan.slot_bytes)) if plan.slot_bytes else 0
+    return _slots_in(free, plan.slot_bytes, plan.n_experts_total)
 
 
 __all__ = ["MemoryPlan", "plan_memory", "fitted_budget", "free_device_memory",
