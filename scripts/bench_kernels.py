@@ -10,9 +10,10 @@ on MoE expert shapes, and the grouped MoE layer time.
   Bandwidth = weight bytes / time per call, against the measured device-to-device copy rate (read+write bytes
   / time) and the H200's nominal 4.3 TB/s. Beside it: torch's fp16 GEMV (F.linear, cuBLAS) on the same shape.
   K-quants need k % 256 == 0: 1408 is not (llama.cpp falls back to Q5_0/Q8_0 there), so those cells are n/a.
-- MoE: one Qwen1.5-MoE layer (60 experts, top-4, 2048/1408) for 1, 8, 16 tokens, different random routings
-  cycled through, captured in a CUDA graph; types: all F16, all Q8_0, all Q4_0, Q4_K gate/up + Q8_0 or Q5_0
-  down, Q2_K gate/up + Q4_0 down (the types llama.cpp's quantizer gives a 1408-wide down matrix).
+- MoE: one Qwen1.5-MoE layer (60 experts, top-4, 2048/1408) and one Qwen3-30B-A3B layer (128 experts, top-8,
+  2048/768) for 1, 8, 9 and 16 tokens, different random routings cycled through, captured in a CUDA graph;
+  types: all F16, all Q8_0, all Q4_0, Q4_K gate/up + Q8_0 or Q5_0 down, Q2_K gate/up + Q4_0 down (the types
+  llama.cpp's quantizer gives a 1408-wide down matrix).
 - Decode (`--decode-model FILE`, e.g. the Q4_K_M file of a Qwen1.5-MoE-shaped model): whole-model greedy decoding
   fully on the GPU, our engine with its decode step in CUDA graphs (and eagerly, for comparison) beside
   llama.cpp's `llama-bench -p 0 -n N -ngl 99` on the same file in the same run (`--llama-bin DIR`), plus the GPU
@@ -28,8 +29,8 @@ on MoE expert shapes, and the grouped MoE layer time.
 - Dense: the products of a verification and of short prompts at Qwen3-30B-A3B's shapes (attention in and out, the
   output head), 9-64 rows of x, Q8_0/Q4_K/Q6_K through the GEMV (passes of 8 rows) and the tiled kernel, beside
   torch's f16 product of a float matrix of the same shape.
-Writes DIR/bench_kernels.json and prints a compact table last. `--only kernels|dense|decode|sampling|attention`
-runs one part.
+Writes DIR/bench_kernels.json and prints a compact table last. `--only kernels|moe|dense|decode|sampling|attention`
+runs one part (`moe`: the MoE layer alone, which `kernels` includes).
 """
 
 from __future__ import annotations
@@ -182,8 +183,16 @@ MOE_CONFIGS = {"F16": ("F16", "F16", "F16"), "Q8_0": ("Q8_0", "Q8_0", "Q8_0"), "
                "Q2_K+Q4_0": ("Q2_K", "Q2_K", "Q4_0")}
 
 
+MOE_SHAPES = {"Qwen1.5-MoE": (60, 4, 2048, 1408), "Qwen3-30B-A3B": (128, 8, 2048, 768)}  # experts, top-k, d, d_ff
+MOE_TOKENS = (1, 8, 9, 16)
+
+
 def bench_moe(dev: torch.device, iters: int) -> list[dict]:
-    E, top_k, d, f = 60, 4, 2048, 1408
+    return [r for shape in MOE_SHAPES for r in bench_moe_shape(dev, iters, shape)]
+
+
+def bench_moe_shape(dev: torch.device, iters: int, shape: str) -> list[dict]:
+    E, top_k, d, f = MOE_SHAPES[shape]
     rows = []
     g = torch.Generator(device="cpu").manual_seed(0)
     for cname, tnames in MOE_CONFIGS.items():
@@ -194,7 +203,7 @@ def bench_moe(dev: torch.device, iters: int) -> list[dict]:
                           ((gate, (f, d)), (up, (f, d)), (down, (d, f))))
         table = ExpertTable.from_tensors(gate, up, down)
         expert_bytes = (gate.nbytes + up.nbytes + down.nbytes) / E
-        for T in (1, 8, 16):
+        for T in MOE_TOKENS:
             x = torch.randn(T, d, device=dev)
             routings = []
             for _ in range(64):
@@ -205,7 +214,7 @@ def bench_moe(dev: torch.device, iters: int) -> list[dict]:
             fns = [lambda r=r, tab=table: kernels.moe_ffn(x, r[0], r[1], tab, out=out, workspace=ws) for r in routings]
             t = graph_time(fns, iters)
             distinct = sum(r[2] for r in routings) / len(routings)
-            rows.append(dict(kind="moe", config=cname, tokens=T, top_k=top_k, n_expert=E, us=t * 1e6,
+            rows.append(dict(kind="moe", shape=shape, config=cname, tokens=T, top_k=top_k, n_expert=E, us=t * 1e6,
                              experts_touched=distinct, tbs=distinct * expert_bytes / t / 1e12))
         del gate, up, down, table
         torch.cuda.empty_cache()
@@ -329,7 +338,7 @@ def main() -> int:
     ap.add_argument("--out", default="bench-out", help="directory for bench_kernels.json")
     ap.add_argument("--iters", type=int, default=200, help="calls per captured CUDA graph")
     ap.add_argument("--quick", action="store_true", help="Q8_0/Q4_K/F16 only")
-    ap.add_argument("--only", choices=["kernels", "dense", "decode", "sampling", "attention"], default=None,
+    ap.add_argument("--only", choices=["kernels", "moe", "dense", "decode", "sampling", "attention"], default=None,
                     help="run one part")
     ap.add_argument("--decode-model", type=Path, default=None, help="GGUF for the whole-model decode part")
     ap.add_argument("--llama-bin", type=Path, default=None, help="directory of llama.cpp's llama-bench")
@@ -347,8 +356,9 @@ def main() -> int:
     result = dict(date=time.strftime("%Y-%m-%d %H:%M:%S"), gpu=torch.cuda.get_device_name(dev),
                   torch=torch.__version__, command=" ".join(sys.argv))
     if args.only in (None, "kernels"):
-        result.update(copy_tbs=copy_rate(dev), nominal_tbs=NOMINAL_TBS, gemv=bench_gemv(dev, args.iters, types),
-                      moe=bench_moe(dev, args.iters))
+        result.update(copy_tbs=copy_rate(dev), nominal_tbs=NOMINAL_TBS, gemv=bench_gemv(dev, args.iters, types))
+    if args.only in (None, "kernels", "moe"):
+        result["moe"] = bench_moe(dev, args.iters)
     if args.only in (None, "dense"):
         result["dense"] = bench_dense(dev, args.iters)
     if args.only in (None, "sampling"):
@@ -360,7 +370,9 @@ def main() -> int:
     result["seconds"] = time.time() - t0
     (out_dir / "bench_kernels.json").write_text(json.dumps(result, indent=1))
     if "gemv" in result:
-        print_kernels(result, types)
+        print_gemv(result, types)
+    if "moe" in result:
+        print_moe(result["moe"])
     if "dense" in result:
         print_dense(result["dense"])
     if "sampling" in result:
@@ -377,8 +389,8 @@ def main() -> int:
     return 0
 
 
-def print_kernels(result: dict, types: list[str]) -> None:
-    gemv, moe, copy = result["gemv"], result["moe"], result["copy_tbs"]
+def print_gemv(result: dict, types: list[str]) -> None:
+    gemv, copy = result["gemv"], result["copy_tbs"]
     print(f"\n{result['gpu']}  device copy {copy:.2f} TB/s (read+write)  nominal {NOMINAL_TBS} TB/s  "
           f"({result['seconds']:.0f} s)")
     print("GEMV m=1: us per call / TB/s of weights / % of 4.3 TB/s   [us at m=8, m=16]")
@@ -394,11 +406,16 @@ def print_kernels(result: dict, types: list[str]) -> None:
             extra = f" [{r['us_m8']:.0f},{r['us_m16']:.0f}]" if "us_m8" in r else ""
             cells.append(f"{r['us']:6.1f} {r['tbs']:5.2f} {100 * r['tbs'] / NOMINAL_TBS:3.0f}%{extra:>11s}")
         print(f"{tname:10s}" + "".join(cells))
-    print("MoE layer (Qwen1.5-MoE: 60 experts, top-4, 2048/1408): us per layer (TB/s of touched experts)")
-    print(f"{'config':12s}" + "".join(f"{f'T={T}':>18s}" for T in (1, 8, 16)))
-    for cname in MOE_CONFIGS:
-        cells = [next(r for r in moe if r["config"] == cname and r["tokens"] == T) for T in (1, 8, 16)]
-        print(f"{cname:12s}" + "".join(f"{r['us']:10.1f} ({r['tbs']:4.2f})" for r in cells))
+
+
+def print_moe(moe: list[dict]) -> None:
+    for shape, (E, top_k, d, f) in MOE_SHAPES.items():
+        print(f"MoE layer ({shape}: {E} experts, top-{top_k}, {d}/{f}): us per layer (TB/s of touched experts)")
+        print(f"{'config':12s}" + "".join(f"{f'T={T}':>18s}" for T in MOE_TOKENS))
+        for cname in MOE_CONFIGS:
+            cells = [next(r for r in moe if r["shape"] == shape and r["config"] == cname and r["tokens"] == T)
+                     for T in MOE_TOKENS]
+            print(f"{cname:12s}" + "".join(f"{r['us']:10.1f} ({r['tbs']:4.2f})" for r in cells))
 
 
 def print_dense(dense: list[dict]) -> None:

@@ -374,6 +374,28 @@ def test_moe_ffn_fallback_width(device: str, types: tuple[GT, GT, GT]) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("qtype", [GT.F16, GT.F32], ids=lambda t: t.name)
+def test_moe_ffn_rows_that_leave_a_cta_short(device: str, qtype: GT) -> None:
+    """Widths that no CTA's rows divide (34 gate/up rows, 66 down rows): a CTA of several tokens' passes takes four
+    batches of rows and the grid's last one stops short; every output is written, the same as alone."""
+    rng = np.random.default_rng(12)
+    E, d, f = 5, 66, 34
+    types = (qtype, qtype, qtype)
+    (gr, gv), (ur, uv), (dr, dv) = make_experts(types, E, d, f, rng)
+    gate, up, down = (qt(r, t, v.shape, device) for (r, v), t in zip(((gr, gv), (ur, uv), (dr, dv)), types))
+    table = ExpertTable.from_tensors(gate, up, down)
+    for T, top_k in ((1, 2), (3, 2), (9, 3)):
+        x = rng.standard_normal((T, d)).astype(np.float32)
+        ids, wts = routing(T, E, top_k, rng)
+        ref = moe_reference(x, ids, wts, gv, uv, dv)
+        y = run_moe(x, ids, wts, table, device)
+        assert np.isfinite(y).all(), f"T={T}: unwritten outputs"
+        assert np.abs(y - ref).max() / np.abs(ref).max() <= TOL_MOE, f"T={T}"
+        alone = run_moe(x[-1:].copy(), ids[-1:].copy(), wts[-1:].copy(), table, device)
+        assert np.array_equal(alone[0], y[-1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_moe_float_tensors(device: str) -> None:
     """Float experts given as torch tensors (the engine's F16/BF16/F32 path)."""
     rng = np.random.default_rng(11)

@@ -3,11 +3,11 @@
 //
 // Launches (all on the caller's stream, fixed workspace, capturable in a CUDA graph):
 //   1. route:   group the (token, slot) pairs by expert, deterministically (one CTA);
-//   2. gate/up: grid (d_ff rows / 1-2, groups); each CTA reads 1-2 gate rows and up rows of its group's
-//               expert once per chunk of <= 8 tokens (a pass sized to the chunk: 1, 2, 4 or 8 X rows)
-//               and writes act = silu(gate.x) * (up.x)
+//   2. gate/up: grid (d_ff rows / 2 or 4, groups); each CTA reads 1 batch (one token) or 4 batches (more) of 2
+//               or 1 gate and up rows of its group's expert, each batch once per chunk of <= 8 tokens (a pass
+//               sized to the chunk: 1, 2, 4 or 8 X rows), and writes act = silu(gate.x) * (up.x)
 //               (gate and up of different types: two launches and an elementwise silu-mul);
-//   3. down:    grid (d_model rows / 2-4, groups): ypair[pair] = down . act[pair];
+//   3. down:    grid (d_model rows / 4 or 8, groups): ypair[pair] = down . act[pair];
 //   4. reduce:  out[t] (+)= sum over the token's slots, in slot order, of weight * ypair.
 // Every value is computed by a fixed sequence of operations, so results are bitwise reproducible
 // and each token's result is independent of the other tokens in the batch.
@@ -22,6 +22,13 @@ namespace cuda {
 namespace {
 
 constexpr int kMaxExperts = 2048;
+
+// Row batches per CTA of a rows launch with passes of M rows of X. One token's CTAs each take one batch: the more
+// CTAs in flight the better for a layer that is a few waves of small loads (a Qwen1.5-MoE layer at T = 1: 30.7 us
+// with one batch, 45.2 with four). Several tokens' take four, which pays the load chain once per four batches
+// (T = 9: 287.6 -> 242.2 us in F16, Qwen3-30B-A3B's Q8_0 345.5 -> 283.8; two batches or ~16 KB of weights per CTA
+// were in between). H200, scripts/bench_kernels.py's MoE layer, 2026-12-02.
+constexpr int row_batches(int M) { return M == 1 ? 1 : 4; }
 
 __device__ __forceinline__ bool expert_ok(int e, int n_expert, const uint64_t * gp, const uint64_t * up,
                                           const uint64_t * dp) {
@@ -104,18 +111,20 @@ __device__ __forceinline__ void rows_pass(const uint8_t * const (&rows)[FUSED ? 
     }
 }
 
-// FUSED: rows RF*blockIdx.x + r (r < RF) of tabA (gate) and tabB (up) -> dst[pair, row] = silu(a) * b.
-// else:  rows R*blockIdx.x + r of tabA -> dst[pair, row] = a.
+// Batch b of a CTA is rows row0 + r (r < RF), row0 = RF * (batches * blockIdx.x + b):
+// FUSED: of tabA (gate) and tabB (up) -> dst[pair, row] = silu(a) * b; else of tabA -> dst[pair, row] = a.
 // X row of a pair: xin + (x_per_pair ? pair : pair / top_k) * k.
 // A group's tokens go M at a time; a chunk of fewer (with many experts most groups hold one or two tokens) takes
 // the pass for the fewest X rows that hold it, with the same results: each (weight row, X row) value is summed
-// the same way whatever the pass.
+// the same way whatever the pass. A CTA takes `batches` consecutive batches of rows, so the chain of
+// dependent loads before its first weight byte (group -> expert -> its table entry) is paid once for all of them:
+// a one-token layer is a few waves of CTAs that each read only a few KB of weights.
 template <class TT, int M, bool FUSED>
 __global__ void __launch_bounds__(256) moe_rows_kernel(const uint64_t * __restrict__ tabA,
                                                        const uint64_t * __restrict__ tabB, long long rb, int n_out,
                                                        int k, const float * __restrict__ xin, int x_per_pair,
                                                        int top_k, const int * __restrict__ meta, int G,
-                                                       float * __restrict__ dst) {
+                                                       int batches, float * __restrict__ dst) {
     start_after_prior_kernels();
     constexpr int RF = rows_per_cta(M, FUSED);     // rows per matrix
     constexpr int NR = FUSED ? 2 * RF : RF;    // rows dotted per CTA
@@ -125,33 +134,41 @@ __global__ void __launch_bounds__(256) moe_rows_kernel(const uint64_t * __restri
     if (gi >= meta[2 * G + 1]) return;  // fewer groups than the grid allows for
     const int e = meta[gi], q0 = meta[G + gi], q1 = meta[G + gi + 1];
     const int * perm = meta + 2 * G + 2;
-    const int row0 = blockIdx.x * RF;
-    const uint8_t * rows[NR];
+    const uint8_t * const wa = reinterpret_cast<const uint8_t *>(tabA[e]);
+    const uint8_t * const wb = FUSED ? reinterpret_cast<const uint8_t *>(tabB[e]) : nullptr;
+    for (int batch = 0; batch < batches; ++batch) {
+        const int row0 = (blockIdx.x * batches + batch) * RF;
+        if (row0 >= n_out) break;
+        const uint8_t * rows[NR];
 #pragma unroll
-    for (int r = 0; r < RF; ++r) {
-        const long long off = (long long)min(row0 + r, n_out - 1) * rb;
-        rows[r] = reinterpret_cast<const uint8_t *>(tabA[e]) + off;
-        if (FUSED) rows[RF + r] = reinterpret_cast<const uint8_t *>(tabB[e]) + off;
-    }
-    for (int q = q0; q < q1; q += M) {
-        const int cnt = min(M, q1 - q);
-        const int mp = cnt == 1 ? 1 : cnt == 2 ? 2 : cnt <= 4 ? 4 : 8;
-        if constexpr (M > 1)
-            if (mp == 1) {
-                rows_pass<TT, 1, RF, FUSED>(rows, row0, n_out, k, xin, x_per_pair, top_k, perm, q, cnt, red, res, dst);
-                continue;
-            }
-        if constexpr (M > 2)
-            if (mp == 2) {
-                rows_pass<TT, 2, RF, FUSED>(rows, row0, n_out, k, xin, x_per_pair, top_k, perm, q, cnt, red, res, dst);
-                continue;
-            }
-        if constexpr (M > 4)
-            if (mp == 4) {
-                rows_pass<TT, 4, RF, FUSED>(rows, row0, n_out, k, xin, x_per_pair, top_k, perm, q, cnt, red, res, dst);
-                continue;
-            }
-        rows_pass<TT, M, RF, FUSED>(rows, row0, n_out, k, xin, x_per_pair, top_k, perm, q, cnt, red, res, dst);
+        for (int r = 0; r < RF; ++r) {
+            const long long off = (long long)min(row0 + r, n_out - 1) * rb;
+            rows[r] = wa + off;
+            if (FUSED) rows[RF + r] = wb + off;
+        }
+        for (int q = q0; q < q1; q += M) {
+            const int cnt = min(M, q1 - q);
+            const int mp = cnt == 1 ? 1 : cnt == 2 ? 2 : cnt <= 4 ? 4 : 8;
+            if constexpr (M > 1)
+                if (mp == 1) {
+                    rows_pass<TT, 1, RF, FUSED>(rows, row0, n_out, k, xin, x_per_pair, top_k, perm, q, cnt, red, res,
+                                                dst);
+                    continue;
+                }
+            if constexpr (M > 2)
+                if (mp == 2) {
+                    rows_pass<TT, 2, RF, FUSED>(rows, row0, n_out, k, xin, x_per_pair, top_k, perm, q, cnt, red, res,
+                                                dst);
+                    continue;
+                }
+            if constexpr (M > 4)
+                if (mp == 4) {
+                    rows_pass<TT, 4, RF, FUSED>(rows, row0, n_out, k, xin, x_per_pair, top_k, perm, q, cnt, red, res,
+                                                dst);
+                    continue;
+                }
+            rows_pass<TT, M, RF, FUSED>(rows, row0, n_out, k, xin, x_per_pair, top_k, perm, q, cnt, red, res, dst);
+        }
     }
 }
 
@@ -194,29 +211,30 @@ __global__ void reduce_kernel(const float * __restrict__ ypair, const int32_t * 
     out[i] = s;
 }
 
+// The rows launch of one matrix (or of gate and up, FUSED) over the groups: grid (CTAs of the rows, G).
 template <class TT, bool FUSED>
-void launch_rows(int M, dim3 grid, int threads, cudaStream_t st, const uint64_t * tabA, const uint64_t * tabB,
-                 long long rb, int n_out, int k, const float * xin, int x_per_pair, int top_k, const int * meta, int G,
-                 float * dst) {
+void launch_rows(int M, int G, cudaStream_t st, const uint64_t * tabA, const uint64_t * tabB, long long rb, int n_out,
+                 int k, const float * xin, int x_per_pair, int top_k, const int * meta, float * dst) {
     auto kernel = moe_rows_kernel<TT, 8, FUSED>;
     switch (M) {
         case 1: kernel = moe_rows_kernel<TT, 1, FUSED>; break;
         case 2: kernel = moe_rows_kernel<TT, 2, FUSED>; break;
         case 4: kernel = moe_rows_kernel<TT, 4, FUSED>; break;
     }
-    launch(kernel, grid, threads, st, tabA, tabB, rb, n_out, k, xin, x_per_pair, top_k, meta, G, dst);
+    const int rpb = rows_per_cta(M, FUSED);
+    const int batches = row_batches(M);
+    const int n_batches = (n_out + rpb - 1) / rpb;
+    const dim3 grid(unsigned((n_batches + batches - 1) / batches), unsigned(G));
+    launch(kernel, grid, cta_threads((long long)(k / TT::QK) * TT::NU), st, tabA, tabB, rb, n_out, k, xin, x_per_pair,
+           top_k, meta, G, batches, dst);
 }
 
 // dst[pair, rows] for one projection (single matrix per expert)
 void project(int type, const TypeInfo & t, const uint64_t * tab, int n_out, int k, const float * xin, int x_per_pair,
              int top_k, const int * meta, int G, int M, float * dst, cudaStream_t st) {
-    const bool vec = vec_ok(type, k, 0);
-    with_type(type, vec, [&](auto tag) {
+    with_type(type, vec_ok(type, k, 0), [&](auto tag) {
         using TT = typename decltype(tag)::type;
-        const int rpc = rows_per_cta(M, false);
-        const dim3 grid(unsigned((n_out + rpc - 1) / rpc), unsigned(G));
-        launch_rows<TT, false>(M, grid, cta_threads((long long)(k / TT::QK) * TT::NU), st, tab, nullptr,
-                               row_bytes(t, k), n_out, k, xin, x_per_pair, top_k, meta, G, dst);
+        launch_rows<TT, false>(M, G, st, tab, nullptr, row_bytes(t, k), n_out, k, xin, x_per_pair, top_k, meta, dst);
     });
 }
 
@@ -261,10 +279,7 @@ extern "C" int specter_cuda_moe_ffn(const float * x, int64_t n_tokens, int64_t d
             if (gate_type == up_type) {
                 with_type(gate_type, vec, [&](auto tag) {
                     using TT = typename decltype(tag)::type;
-                    const int rpc = rows_per_cta(M, true);
-                    launch_rows<TT, true>(M, dim3(unsigned((F + rpc - 1) / rpc), unsigned(G)),
-                                          cta_threads((long long)(D / TT::QK) * TT::NU), st, gate_ptrs, up_ptrs,
-                                          row_bytes(*tg, D), F, D, x, 0, K, meta, G, act);
+                    launch_rows<TT, true>(M, G, st, gate_ptrs, up_ptrs, row_bytes(*tg, D), F, D, x, 0, K, meta, act);
                 });
             } else {
                 project(gate_type, *tg, gate_ptrs, F, D, x, 0, K, meta, G, M, act, st);
