@@ -231,33 +231,38 @@ def _lookahead(shipped_model: Path, slots: int):
 
     cache = small_cache(shipped_model, slots)
     cfg = ModelConfig.from_gguf(cache.store.f)
-    return ExpertLookahead(cache, cfg.n_layer, cfg.n_expert, torch.device("cpu"))
+    return ExpertLookahead(cache, cfg.n_layer, cfg.n_expert, [0, 1], torch.device("cpu"))
+
+
+def _drafted(*steps: list[list[int]]) -> torch.Tensor:
+    """Recorded draft routing [steps, 4 layers, top-2] of layers 0 and 1 (the lookahead's MoE layers in these
+    tests; the shipped model's layers 2 and 3 hold experts that must not be counted)."""
+    return torch.tensor([[*step, [6, 7], [6, 7]] for step in steps], dtype=torch.int32)
 
 
 def test_lookahead_prefetches_what_the_draft_counted_most_used_first(shipped_model) -> None:
-    """The ELB counts the draft's routing on the device; each snapshot it reads asks the cache for the counted
-    experts not resident yet, most used first, then earlier layers; slots it requested in this iteration are not
-    evicted by its later requests or by any other request, and an expert is requested once per iteration."""
+    """The ELB counts the draft's recorded routing on the device (the MoE layers it was given); each snapshot it
+    reads asks the cache for the counted experts not resident yet, most used first, then earlier layers; slots it
+    requested in this iteration are not evicted by its later requests or by any other request, and an expert is
+    requested once per iteration."""
     from specter_gguf.speculation.lookahead import chunk_ends
 
     elb = _lookahead(shipped_model, 3)
     cache = elb.cache
     elb.start()
-    elb(1, torch.tensor([[7, 2]]), torch.ones(1, 2))
-    elb(0, torch.tensor([[5, 2], [5, 3]]), torch.ones(2, 2))
-    elb.snapshot()
+    steps = [[[5, 2], [7, 2]], [[5, 3], [2, 7]]]
+    elb.snapshot(_drafted(*steps))
     assert elb.plan() == 5
     assert list(cache.where) == [(0, 5), (0, 2), (0, 3), (1, 2), (1, 7)]  # (0, 5) twice, then layer by layer
     assert elb.prefetched == set(cache.where) and cache.counters.prefetches == 5
-    elb(0, torch.tensor([[6, 1]]), torch.ones(1, 2))  # layer 0's three slots are all this iteration's
-    elb.snapshot()
+    steps.append([[6, 1], [7, 2]])  # layer 0's three slots are all this iteration's
+    elb.snapshot(_drafted(*steps))
     assert elb.plan() == 0 and (0, 6) not in cache.where and (0, 5) in cache.where
     assert elb.refused == 2  # counted, but no slot of layer 0 could be taken
     assert cache.request([(0, 9)], prefetch=False) == 0  # nor can any other request (lru's) take them
     elb.start()  # a new iteration may evict them
     assert elb.refused == 0
-    elb(0, torch.tensor([[6, 1]]), torch.ones(1, 2))
-    elb.snapshot()
+    elb.snapshot(_drafted([[6, 1], [7, 2]]))
     assert elb.plan() == 2 and (0, 6) in cache.where and (0, 1) in cache.where
     assert chunk_ends(8, 0.003, 0.0065) == [2, 4, 6, 8] and chunk_ends(4, 0.003, 0.0) == [1, 2, 3, 4]
     assert chunk_ends(1, 0.003, 0.01) == [1]
@@ -278,14 +283,12 @@ def test_lookahead_queues_the_last_snapshot_layer_by_layer(shipped_model) -> Non
     elb.start()
     with pytest.raises(SpecterError, match="has not reached"):
         progress.wait(0)  # nothing announced in this round
-    elb(1, torch.tensor([[3, 4], [3, 4]]), torch.ones(2, 2))
-    elb(0, torch.tensor([[1, 2]]), torch.ones(1, 2))
-    elb.snapshot()
-    elb(1, torch.tensor([[6, 7], [6, 7]]), torch.ones(2, 2))
-    elb(0, torch.tensor([[5, 1]]), torch.ones(1, 2))
-    elb.snapshot()
-    assert elb.plan() == 7
-    assert events == [("copy", [(1, 3), (1, 4), (0, 1), (0, 2)]),  # most used first
+    steps = [[[1, 2], [3, 4]], [[0, 3], [3, 4]]]
+    elb.snapshot(_drafted(*steps))
+    steps.append([[5, 1], [6, 7]])
+    elb.snapshot(_drafted(*steps))
+    assert elb.plan() == 9
+    assert events == [("copy", [(1, 3), (1, 4), (0, 0), (0, 1), (0, 2), (0, 3)]),  # most used first
                       ("landed", 0), ("copy", [(0, 5)]), ("landed", 1), ("copy", [(1, 6), (1, 7)]),  # by layer
                       ("landed", n)]
     for p in range(n):

@@ -9,11 +9,11 @@ from the embedding and attention alone, which the draft shares with the target (
 the positions the draft wrote itself); the layers after it see what the draft's experts changed.
 
 Two routing observers record the ids on the device: `on_draft` keeps the draft step's ids of every layer in a fixed
-buffer (inside a draft step's CUDA graph too), which `drafted(j)` copies into row j after step j is enqueued;
-`on_verify` keeps the verification's ids of every row. `compare(k)`, enqueued after the verification, adds the
-matches into per-layer counters. No tensor is read back until `read` at the end of a generation: drafting and
-verification do not wait for the host. One generation at a time per decoder, as for the lookahead buffer: two
-generations iterated together would count into the same buffers.
+buffer (inside a draft step's CUDA graph too), which `drafted(j)` copies into row j after step j is enqueued (the
+rows the lookahead buffer counts: `drafted_rows`); `on_verify` keeps the verification's ids of every row.
+`compare(k)`, enqueued after the verification, adds the matches into per-layer counters. No tensor is read back
+until `read` at the end of a generation: drafting and verification do not wait for the host. One generation at a
+time per decoder, as for the lookahead buffer: two generations iterated together would count into the same buffers.
 """
 
 from __future__ import annotations
@@ -67,6 +67,10 @@ class RoutingAgreement:
     def drafted(self, j: int) -> None:
         """Draft step j has been enqueued: keep its routing as row j."""
         self._drafted[j].copy_(self._step)
+
+    def drafted_rows(self, n: int) -> torch.Tensor:
+        """The routing of draft steps 0..n-1 of this iteration, [n, n_layer, top_k] (rows of dense layers unused)."""
+        return self._drafted[:n]
 
     def compare(self, k: int) -> None:
         """The verification of k drafted tokens has been enqueued: count its rows 0..k-1 against the draft's."""

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Iterator, Literal
 import torch
 
 from specter_gguf.gguf_file import GGUFFile
-from specter_gguf.layers import Experts, KVCache, RoutingObserver
+from specter_gguf.layers import Experts, KVCache, MoE, RoutingObserver
 from specter_gguf.sampling import Sampler, SamplingParams, chain_candidates
 from specter_gguf.speculation.accept import SampledVerdict, VerdictRows, accept_drafts, synthetic_count
 from specter_gguf.speculation.agreement import Observers, RoutingAgreement
@@ -76,16 +76,17 @@ class SpeculativeDecoder:
         lookahead = verify_experts = None
         if model.offload is not None:
             cfg, cache = model.config, model.offload.cache
-            lookahead = ExpertLookahead(cache, cfg.n_layer, cfg.n_expert, model.device)
+            moe_layers = [b.layer for b in model.transformer.blocks if isinstance(b.ffn, MoE)]
+            lookahead = ExpertLookahead(cache, cfg.n_layer, cfg.n_expert, moe_layers, model.device)
             verify_experts = after_copies(model.transformer, cache)
         return cls(experts, n_draft, lookahead, verify_experts, draft.path.name)
 
     # -- steps --------------------------------------------------------------------------------------------
     def steps(self, model: Model, cache: KVCache, n_tokens: int, draft: bool,
               sampled: SamplingParams | None = None) -> Steps:
-        """Draft steps (one token, the draft's experts, observed by the lookahead buffer) or verification steps
-        (`n_tokens`, the target's experts — waiting for their copies layer by layer with `prefetch_wait` "layer"
-        —, observed by the model's routing observer), both by the agreement (`_observer`), judged greedily or,
+        """Draft steps (one token, the draft's experts) or verification steps (`n_tokens`, the target's experts —
+        waiting for their copies layer by layer with `prefetch_wait` "layer" —, observed by the model's routing
+        observer), both recorded by the agreement (`_observer`), judged greedily or,
         with `sampled`, by speculative sampling: CUDA graphs over the model's reusable cache, eager otherwise."""
         if draft:
             experts = self.experts
@@ -124,9 +125,10 @@ class SpeculativeDecoder:
         return rows
 
     def _observer(self, model: Model, draft: bool) -> RoutingObserver:
-        """Draft steps: the lookahead buffer and the agreement's draft side; verifications: the model's routing
-        observer and the agreement's target side. One object per combination: graphs are keyed by it."""
-        other = self.lookahead if draft else model.routing_observer
+        """Draft steps: the agreement's draft side (whose rows the lookahead buffer counts); verifications: the
+        model's routing observer and the agreement's target side. One object per combination: graphs are keyed by
+        it."""
+        other = None if draft else model.routing_observer
         key = (draft, id(other))  # `other` stays alive in the entry, so its id is not reused
         if key not in self._observers:
             a = self.agreement
@@ -247,7 +249,7 @@ class SpeculativeDecoder:
                 verify.verdict.draft_ids[j].copy_(steps.verdict.ids[0])
                 verify.verdict.draft_probs[j].copy_(steps.verdict.probs[0])
             if self.lookahead is not None and j + 1 in ends:
-                self.lookahead.snapshot()
+                self.lookahead.snapshot(self.agreement.drafted_rows(j + 1))
         return torch.cat(out)
 
     def _draft_on_host(self, model: Model, cache: KVCache, token: int, k: int, sampler: Sampler,
@@ -271,7 +273,7 @@ class SpeculativeDecoder:
                 drafted.append(sampler.draw(probs[-1]))
             seen.append(drafted[-1])
             if self.lookahead is not None and j + 1 in ends:
-                self.lookahead.snapshot()
+                self.lookahead.snapshot(self.agreement.drafted_rows(j + 1))
         return drafted, probs
 
     def _chunk_ends(self, model: Model, k: int) -> list[int]:

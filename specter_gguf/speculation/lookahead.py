@@ -1,20 +1,21 @@
 """The expert lookahead buffer (Specter's ELB): while the draft speculates, the experts its routers choose are
 brought into the target's expert cache, so that the verification finds them in slots.
 
-The buffer is a routing observer of the draft's forwards: every drafted token adds its (layer, expert) choices into
-a [layers, experts] counter on the device (inside the draft's CUDA graph: no host read per token). At chunk
-boundaries of the drafting (`chunk_ends`: a cold start after the first ~20% of the drafted tokens, then chunks
-sized so that their copies take about as long as drafting them, then the rest) the counter is copied to the
-host without waiting. `plan`, called once the whole drafting is enqueued, then reads the copies in order, each as
-it lands (drafting on the device, the GPU is still drafting meanwhile; drafting on the host, it has ended by
+Each draft step records its routing on the device (`agreement.RoutingAgreement.on_draft`, inside the draft's CUDA
+graph: no host read per token). At chunk boundaries of the drafting (`chunk_ends`: a cold start after the first ~20%
+of the drafted tokens, then chunks sized so that their copies take about as long as drafting them, then the rest)
+the buffer counts the steps recorded so far into a [layers, experts] counter on the device, in one pass (counting
+inside every MoE layer of every step took a kernel each, between the layer's native kernels), and copies the counter
+to the host without waiting. `plan`, called once the whole drafting is enqueued, then reads the copies in order,
+each as it lands (drafting on the device, the GPU is still drafting meanwhile; drafting on the host, it has ended by
 then), and asks the cache for the experts counted so far, most used first (ties: earlier layer first, the order
 verification meets them): the missing ones are copied in. Their slots, and those of the resident ones, are reserved
-in the cache: no later request evicts them before the coming verification has run. The last snapshot's copies
-are queued layer by layer, the cache's `CopyProgress` raised after each layer's, so that the verification, its
-experts wrapped in `AfterCopies`, waits on the GPU in each MoE layer for that layer's copies only
-(`wait_for_copies(in_kernels=True)`) — the copies of later layers land while earlier layers compute — rather
-than for all of them before it starts (`in_kernels=False`), or reading the experts in place while their copies
-land (slower than either: the same bytes cross PCIe twice; docs/BENCHMARKS.md, 2026-12-01 14:03).
+in the cache: no later request evicts them before the coming verification has run. The last snapshot's copies are
+queued layer by layer, the cache's `CopyProgress` raised after each layer's, so that the verification, its experts
+wrapped in `AfterCopies`, waits on the GPU in each MoE layer for that layer's copies only
+(`wait_for_copies(in_kernels=True)`) — the copies of later layers land while earlier layers compute — rather than
+for all of them before it starts (`in_kernels=False`), or reading the experts in place while their copies land
+(slower than either: the same bytes cross PCIe twice; docs/BENCHMARKS.md, 2026-12-01 14:03).
 """
 
 from __future__ import annotations
@@ -42,11 +43,14 @@ def chunk_ends(k: int, step_s: float, copy_s: float) -> list[int]:
 
 
 class ExpertLookahead:
-    """Counts the draft's routing on the device (a `RoutingObserver`) and prefetches what it counted."""
+    """Counts the draft's recorded routing on the device and prefetches what it counted."""
 
-    def __init__(self, cache: ExpertCache, n_layer: int, n_expert: int, device: torch.device) -> None:
+    def __init__(self, cache: ExpertCache, n_layer: int, n_expert: int, moe_layers: list[int],
+                 device: torch.device) -> None:
         self.cache = cache
         self.counts = torch.zeros((n_layer, n_expert), dtype=torch.int32, device=device)
+        self._moe = torch.tensor(moe_layers, dtype=torch.long, device=device)
+        self._first = (self._moe * n_expert).to(torch.int32)[:, None]  # each MoE layer's first count
         self._hosts: list[torch.Tensor] = []  # snapshot buffers, reused iteration after iteration
         self._pinned = device.type == "cuda"
         self._events: list[torch.cuda.Event | None] = []
@@ -54,26 +58,25 @@ class ExpertLookahead:
         self._seen: set[tuple[int, int]] = set()
         self.prefetched: set[tuple[int, int]] = set()  # this iteration's copies
         self.refused = 0  # this iteration's counted experts that found no evictable slot
-        self._ones = torch.ones(0, dtype=torch.int32, device=device)  # made once: one kernel per layer, not two
-
-    def __call__(self, layer: int, ids: torch.Tensor, weights: torch.Tensor) -> None:
-        flat = ids.reshape(-1)
-        if self._ones.numel() < flat.numel():
-            self._ones = torch.ones(flat.numel(), dtype=torch.int32, device=flat.device)
-        self.counts[layer].index_add_(0, flat, self._ones[:flat.numel()])
+        self._ones = torch.ones(0, dtype=torch.int32, device=device)  # made once, grown when a count needs more
 
     def start(self) -> None:
-        """A new iteration: nothing counted, nothing requested yet (a new round of the cache's copy progress)."""
+        """A new iteration: nothing requested yet (a new round of the cache's copy progress)."""
         self.cache.progress.begin()
-        self.counts.zero_()
         self.cache.reserved.clear()
         self._seen.clear()
         self.prefetched.clear()
         self.refused = 0
         self._pending = 0
 
-    def snapshot(self) -> None:
-        """Enqueue a copy of the counts so far to the host (after the draft steps enqueued before it)."""
+    def snapshot(self, drafted: torch.Tensor) -> None:
+        """Count the routing of the iteration's draft steps so far, `drafted` [steps, n_layer, top_k] (rows of the
+        MoE layers read), and enqueue a copy of the counts to the host (after the draft steps enqueued before it)."""
+        flat = (drafted.index_select(1, self._moe) + self._first).reshape(-1)
+        if self._ones.numel() < flat.numel():
+            self._ones = torch.ones(flat.numel(), dtype=torch.int32, device=flat.device)
+        self.counts.zero_()
+        self.counts.view(-1).index_add_(0, flat, self._ones[:flat.numel()])
         if self._pending == len(self._hosts):
             self._hosts.append(torch.empty(self.counts.shape, dtype=torch.int32, pin_memory=self._pinned))
             self._events.append(torch.cuda.Event() if self._pinned else None)
