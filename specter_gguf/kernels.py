@@ -8,8 +8,8 @@
   expert tensors, GPU cache slots and a quantized draft copy all run on the same kernel.
 - The fused ops of a decode step, each one kernel where torch would launch several: `qmatmul_swiglu` (a
   feed-forward's gate, up and silu(gate) * up), `rms_norm` (with the residual add before it), `moe_topk`
-  (softmax routing), `rope_kv` (q/k/v biases, RoPE, the KV cache store), `decode_attention` (a few queries
-  over the KV cache: decode, draft and verification steps).
+  (softmax routing), `add_gated` (a shared expert behind its sigmoid gate), `rope_kv` (q/k/v biases, RoPE, the
+  KV cache store), `decode_attention` (a few queries over the KV cache: decode, draft and verification steps).
 
 CUDA calls are enqueued on `torch.cuda.current_stream()` and never synchronise the host (capturable in a
 CUDA graph when the caller passes a preallocated `workspace` / `out`); CPU calls use
@@ -263,6 +263,21 @@ def moe_topk(logits: torch.Tensor, top_k: int, normalize: bool = False,
             float(scale), _ptr(ids, "int32_t *"), _ptr(weights, "float *"))
     _call("moe_topk", args, logits.device, f"moe_topk (top {top_k} of {n_expert} experts)")
     return ids, weights
+
+
+def add_gated(routed: torch.Tensor, shared: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """routed + shared * sigmoid(gate) for float32 rows `[T, n]` and gate logits `[T, 1]` (rows may be strided, e.g.
+    a column of a wider product): the routed experts' sum plus the shared expert behind its gate. One kernel on
+    CUDA, where torch launches two."""
+    rs, ss = routed.float().contiguous(), shared.float().contiguous()
+    if rs.ndim != 2 or ss.shape != rs.shape or gate.shape != (rs.shape[0], 1) or gate.dtype != torch.float32:
+        raise SpecterError(f"add_gated: routed {tuple(rs.shape)}, shared {tuple(ss.shape)} and float32 gate "
+                           f"[T, 1] {gate.dtype} {tuple(gate.shape)} do not match")
+    y = torch.empty_like(rs)
+    T, n = rs.shape
+    args = (_float_ptr(rs), _float_ptr(ss), _float_ptr(gate), gate.stride(0), T, n, _float_ptr(y))
+    _call("add_gated", args, routed.device, f"add_gated (rows of {n})")
+    return y
 
 
 def rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: tuple[torch.Tensor | None, ...],

@@ -22,7 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specter_gguf.config import ModelConfig
 from specter_gguf.errors import SpecterError
-from specter_gguf.kernels import (GEMV_MAX_ROWS, ExpertTable, QuantizedTensor, decode_attention,
+from specter_gguf.kernels import (GEMV_MAX_ROWS, ExpertTable, QuantizedTensor, add_gated, decode_attention,
                                   decode_attention_supported, moe_ffn, moe_topk, qmatmul, qmatmul_swiglu, rms_norm,
                                   rope_kv)
 
@@ -534,7 +534,7 @@ class MoE:
         if self.shared_gate is None:
             return out + shared
         gate = logits[:, n_expert:] if logits.shape[1] > n_expert else matmul(x, self.shared_gate)
-        return torch.addcmul(out, shared, torch.sigmoid(gate))
+        return add_gated(out, shared, gate)
 
 
 # ---- issue 6 (deepseek2, phimoe): scaled RoPE, latent attention, routing variants -----------------------

@@ -6,6 +6,8 @@ random data, on the CPU and (when a GPU is visible) on CUDA:
 - `rms_norm`: the norm (and the residual sum) within TOL_NORM = 1e-6 relative of float64, also in place;
 - `moe_topk`: ids equal to a stable descending sort of the logits (ties to the lower index), weights within
   TOL_TOPK = 1e-6 relative of the float64 softmax (renormalized / scaled as asked);
+- `add_gated`: routed + shared * sigmoid(gate) from a strided gate column, within TOL_GATED = 1e-6 relative of
+  float64, also in place;
 - `rope_kv`: q, k rotated (NeoX and adjacent pairs, partial rotation, biases, per-head RMS norms) and stored with v
   at the given
   positions of a NaN-poisoned cache; float32 outputs within TOL_ROPE = 1e-6 relative of float64, float16 outputs
@@ -26,6 +28,7 @@ TOL_SWIGLU = 1e-5
 TOL_TOPK = 1e-6
 TOL_ROPE = 1e-6
 TOL_NORM = 1e-6
+TOL_GATED = 1e-6
 
 
 def _stream(device: str):
@@ -150,6 +153,30 @@ def test_moe_topk_never_picks_nan(device: str) -> None:
 def test_moe_topk_rejects_bad_arguments() -> None:
     with pytest.raises(Exception, match="top 5 of 4"):
         kernels.moe_topk(torch.zeros(2, 4), 5)
+
+
+# ---- a shared expert behind its gate --------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("T", [1, 9])
+def test_add_gated(device: str, T: int) -> None:
+    rng = np.random.default_rng(T)
+    n, E = 2048, 60
+    routed, shared = (rng.standard_normal((T, n)).astype(np.float32) for _ in range(2))
+    logits = rng.standard_normal((T, E + 1)).astype(np.float32) * 4  # the router's product with the gate's row
+    ref = routed + shared.astype(np.float64) / (1 + np.exp(-logits[:, E:].astype(np.float64)))
+    r, s_, lg = (torch.from_numpy(a).to(device) for a in (routed, shared, logits))
+    y = kernels.add_gated(r, s_, lg[:, E:])
+    assert np.abs(y.cpu().numpy() - ref).max() / np.abs(ref).max() <= TOL_GATED
+    f, lb = native.ffi(), native.lib()
+    p = lambda a: f.cast("float *", a.data_ptr())  # noqa: E731
+    args = (p(r), p(s_), p(lg[:, E:]), E + 1, T, n, p(r))  # y over routed's own storage, as the header allows
+    code = lb.specter_cuda_add_gated(*args, _stream(device)) if device == "cuda" else lb.specter_add_gated(*args, 2)
+    _sync(device)
+    assert code == 0
+    np.testing.assert_array_equal(r.cpu().numpy(), y.cpu().numpy())
+    with pytest.raises(Exception, match="add_gated"):
+        kernels.add_gated(r, s_[:, 1:], lg[:, E:])
 
 
 # ---- RoPE + KV cache store -------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 /*
  * specter_kernels.h - matrix kernels over GGUF-typed weights, and the small fused ops around them in a
- * decode step (MoE routing, RoPE + KV cache store, attention of a few queries), and a wait on a counter that
- * orders them after copies (libspecter).
+ * decode step (MoE routing, a gated shared expert, RoPE + KV cache store, attention of a few queries), and a wait
+ * on a counter that orders them after copies (libspecter).
  *
  * Every operation has a CPU entry point (specter_*) and a CUDA one (specter_cuda_*) with the same
  * data arguments; the last argument differs: `n_threads` (CPU threads, <= 0: all cores) for the
@@ -195,6 +195,16 @@ SPECTER_API int specter_cuda_moe_ffn(const float * x, int64_t n_tokens, int64_t 
                                      const uint64_t * down_ptrs, int down_type,
                                      void * workspace, size_t workspace_bytes,
                                      float * out, int accumulate, void * stream);
+
+/* ---- a shared expert behind its gate (qwen2moe) -------------------------------------------- */
+
+/* For each of n_tokens rows of n float32 values (contiguous): y = routed + shared * sigmoid(gate[t * gate_stride]),
+ * the routed experts' sum plus the shared expert scaled by the sigmoid of its gate's logit. y may alias routed or
+ * shared. */
+SPECTER_API int specter_add_gated(const float * routed, const float * shared, const float * gate,
+                                  int64_t gate_stride, int64_t n_tokens, int64_t n, float * y, int n_threads);
+SPECTER_API int specter_cuda_add_gated(const float * routed, const float * shared, const float * gate,
+                                       int64_t gate_stride, int64_t n_tokens, int64_t n, float * y, void * stream);
 
 /* ---- ordering: work that waits for a counter ------------------------------------------------ */
 

@@ -42,6 +42,14 @@ inline int check_rms_norm(const float * x, const float * weight, int64_t n_rows,
     return SPECTER_OK;
 }
 
+inline int check_add_gated(const float * routed, const float * shared, const float * gate, int64_t gate_stride,
+                           int64_t n_tokens, int64_t n, const float * y) {
+    if (n_tokens < 0 || n < 0 || n_tokens * n >= (int64_t(1) << 40) || (n_tokens > 1 && gate_stride < 1))
+        return SPECTER_ERR_INVALID_ARG;
+    if (n_tokens > 0 && n > 0 && (!routed || !shared || !gate || !y)) return SPECTER_ERR_INVALID_ARG;
+    return SPECTER_OK;
+}
+
 inline int check_topk(const float * logits, int64_t n_tokens, int64_t n_expert, int64_t row_stride, int64_t top_k,
                       const int32_t * ids, const float * weights) {
     if (n_tokens < 0 || n_expert < 1 || top_k < 1 || top_k > n_expert || row_stride < n_expert)

@@ -20,6 +20,9 @@ int specter_cuda_rms_norm(const float *, const float *, const float *, const flo
                           float *, void *) {
     return SPECTER_ERR_NO_CUDA;
 }
+int specter_cuda_add_gated(const float *, const float *, const float *, int64_t, int64_t, int64_t, float *, void *) {
+    return SPECTER_ERR_NO_CUDA;
+}
 int specter_cuda_moe_topk(const float *, int64_t, int64_t, int64_t, int64_t, int, float, int32_t *, float *, void *) {
     return SPECTER_ERR_NO_CUDA;
 }

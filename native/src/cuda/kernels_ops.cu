@@ -185,6 +185,15 @@ __global__ void wait_counter_kernel(const volatile long long * counter, const lo
     if (waited_ns) atomicAdd(waited_ns, now - t0);
 }
 
+__global__ void add_gated_kernel(const float * routed, const float * shared, const float * __restrict__ gate,
+                                 long long gate_stride, long long total, long long n, float * y) {
+    start_after_prior_kernels();
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= total) return;
+    const float g = 1.0f / (1.0f + expf(-gate[i / n * gate_stride]));
+    y[i] = routed[i] + shared[i] * g;
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace specter
@@ -201,6 +210,17 @@ int specter_cuda_rms_norm(const float * x, const float * delta, const float * we
     if (n_rows > 0x7fffffffLL) return SPECTER_ERR_INVALID_ARG;
     cudaGetLastError();
     launch(rms_norm_kernel, unsigned(n_rows), 256, cudaStream_t(stream), x, delta, weight, bias, n, eps, sum, y);
+    return launch_status();
+}
+
+int specter_cuda_add_gated(const float * routed, const float * shared, const float * gate, int64_t gate_stride,
+                           int64_t n_tokens, int64_t n, float * y, void * stream) {
+    const int rc = check_add_gated(routed, shared, gate, gate_stride, n_tokens, n, y);
+    const long long total = n_tokens * n;
+    if (rc != SPECTER_OK || total == 0) return rc;
+    cudaGetLastError();
+    launch(add_gated_kernel, unsigned((total + 255) / 256), 256, cudaStream_t(stream), routed, shared, gate,
+           gate_stride, total, n, y);
     return launch_status();
 }
 
