@@ -165,10 +165,11 @@ def render_markdown(doc: dict[str, Any], images: Sequence[str] = ()) -> str:
         ]) + " |")
     lines.append("")
     lines += _speculation_table(res, decs)
-    real = [r for r in res if r["family"] == "llama-spec" and r["status"] == "ok"]
+    real = [r for r in res if r["family"] in ("llama-spec", "ours-spec") and r["status"] == "ok"]
     synth = [r for r in res if r["family"].endswith("spec-synth")]
     if synth:
-        acc = ", ".join(f"{r['budget']}: {_pair(r['summary'], 'acceptance', decs, pct=True)}" for r in real) or "not measured"
+        acc = ", ".join(f"{r['family']} {r['budget']}: {_pair(r['summary'], 'acceptance', decs, pct=True)}"
+                        for r in real) or "not measured"
         lines.append("Rows with `L=` use synthetic acceptance (llama.cpp `--spec-synth-len L`: drafted tokens are "
                      "accepted at random so that the mean accepted length per verification, target token included, "
                      "is L; the output is invalid, the compute and data movement are real). Real acceptance of "
