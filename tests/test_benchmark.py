@@ -563,6 +563,26 @@ def test_bench_end_to_end_ours_speculative_on_cpu(tmp_path):
     assert "L=3" in md and "| Verify ms/iter |" in md
 
 
+def test_real_acceptance_mode_meets_every_depth_before_the_prompts(tiny_models, monkeypatch):
+    """ours-spec (depth auto) runs one short generation at each depth, deepest first, in each decoding, before the
+    measured prompts (each depth's verification graphs are then captured), and decodes with depth auto after."""
+    from specter_gguf import speculation
+    from specter_gguf.bench.ours import OURS_MODES
+    from specter_gguf.speculation.decoder import SpeculativeDecoder
+
+    target, draft = tiny_models[("qwen2moe", "f16")], tiny_models[("qwen2moe", "q4_k_m")]
+    depths: list[int] = []
+    set_depth = SpeculativeDecoder.set_depth
+    monkeypatch.setattr(SpeculativeDecoder, "set_depth", lambda self, k: (depths.append(k), set_depth(self, k))[1])
+    job = {"model": str(target), "draft": str(draft), "device": "cpu", "ctx_size": 256, "budget_bytes": None,
+           "settings": {"decodings": ["greedy", "sampled"]}}
+    model = OURS_MODES["ours-spec"].load(job, None)
+    assert depths == ["auto", *range(speculation.MAX_DEPTH, 0, -1), "auto"]  # loaded with auto, then each depth
+    assert model.decoder.depth is not None and model.decoder.n_draft == speculation.MAX_DEPTH
+    g = model.generate([5, 6, 7], 6, ignore_eos=True).wait()
+    assert len(g.tokens) == 6 and g.stats.draft_rounds > 0
+
+
 def test_ours_worker_without_llama_cpp_tokenizer(tmp_path, shipped_model):
     """On the GPU machine llama-cpp-python is missing: the worker then loads the model with an ids-only
     tokenizer; greedy tokens must equal those of a run with the real tokenizer."""

@@ -54,7 +54,26 @@ def _load_spec(job: dict[str, Any], tokenizer: Tokenizer | IdsOnlyTokenizer | No
                        n_draft=(job.get("draft_n_max") or speculation.DEFAULT_N_DRAFT) if synthetic else "auto")
     if synthetic:
         speculation.synthetic_acceptance(model, job["synth_len"])
+    else:
+        _capture_every_depth(model, job["settings"]["decodings"])
     return model
+
+
+def _capture_every_depth(model: Any, decodings: list[str]) -> None:
+    """One short generation at each fixed depth MAX_DEPTH .. 1 in each decoding, then depth auto again: `--n-draft
+    auto` tries every depth that could win, and the first verification of a depth captures its CUDA graphs once per
+    process (the warm-ups of 2026-12-02 05:17 UTC: 32-72 ms a verification, 12-15 later), which would otherwise land
+    in the measured prompts. Deepest first: the decoder's buffers are sized by the deepest depth so far, and
+    growing them drops the graphs captured before."""
+    from specter_gguf import speculation
+    from specter_gguf.bench.metrics import DECODINGS
+    from specter_gguf.sampling import SamplingParams
+
+    for k in range(speculation.MAX_DEPTH, 0, -1):
+        model.decoder.set_depth(k)
+        for dec in decodings:
+            model.generate(list(range(16, 24)), k + 2, SamplingParams(**DECODINGS[dec]), ignore_eos=True).wait()
+    model.decoder.set_depth("auto")
 
 
 # The registry of our modes: adding a mode is one entry.
