@@ -116,9 +116,9 @@ __device__ __forceinline__ void rows_pass(const uint8_t * const (&rows)[FUSED ? 
 // X row of a pair: xin + (x_per_pair ? pair : pair / top_k) * k.
 // A group's tokens go M at a time; a chunk of fewer (with many experts most groups hold one or two tokens) takes
 // the pass for the fewest X rows that hold it, with the same results: each (weight row, X row) value is summed
-// the same way whatever the pass. A CTA takes `batches` consecutive batches of rows, so the chain of
-// dependent loads before its first weight byte (group -> expert -> its table entry) is paid once for all of them:
-// a one-token layer is a few waves of CTAs that each read only a few KB of weights.
+// the same way whatever the pass. A CTA takes `batches` consecutive batches of rows (`row_batches`), so the chain
+// of dependent loads before its first weight byte (group -> expert -> its table entry) is paid once for all of
+// them.
 template <class TT, int M, bool FUSED>
 __global__ void __launch_bounds__(256) moe_rows_kernel(const uint64_t * __restrict__ tabA,
                                                        const uint64_t * __restrict__ tabB, long long rb, int n_out,
