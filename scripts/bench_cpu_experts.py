@@ -123,6 +123,17 @@ def median_us(fns: list[Callable[[], None]], reps: int) -> float:
     return statistics.median(times) * 1e6
 
 
+def _names(value: str, known: dict, option: str, ap: argparse.ArgumentParser) -> list[str]:
+    """The comma list `value` of `option` as keys of `known` (any case); an unknown one ends the run with a usage
+    error."""
+    by_lower = {k.lower(): k for k in known}
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [v for v in names if v.lower() not in by_lower]
+    if bad:
+        ap.error(f"{option}: unknown {', '.join(bad)}; choose from {', '.join(known)}")
+    return [by_lower[v.lower()] for v in names]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=0, help="CPU threads of every system (0: every core)")
@@ -132,6 +143,7 @@ def main() -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of: {', '.join(SHAPES)}")
     ap.add_argument("--types", default=",".join(TYPES), help=f"comma list of: {', '.join(TYPES)}")
     args = ap.parse_args()
+    shapes, types = _names(args.shapes, SHAPES, "--shapes", ap), _names(args.types, TYPES, "--types", ap)
     threads = args.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
     tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
@@ -147,12 +159,13 @@ def main() -> int:
     print("| shape | type | expert MB | T | ours | llama.cpp (ggml) | torch bf16 | best GB/s | "
           + " | ".join(f"copy at {r:g} GB/s" for r in rates) + " |")
     print("|" + "---|" * (8 + len(rates)))
-    for shape in args.shapes.split(","):
-        d, f = SHAPES[shape.strip()]
-        for tname in args.types.split(","):
-            ty = TYPES[tname.strip()]
+    for shape in shapes:
+        d, f = SHAPES[shape]
+        for tname in types:
+            ty = TYPES[tname]
             down_ty = native.Q8_0 if ty == native.Q4_K and f % 256 else ty
-            experts = [(random_weight(ty, f, d, "cpu", gen), random_weight(ty, f, d, "cpu", gen), random_weight(down_ty, d, f, "cpu", gen))]
+            experts = [(random_weight(ty, f, d, "cpu", gen), random_weight(ty, f, d, "cpu", gen),
+                        random_weight(down_ty, d, f, "cpu", gen))]
             nbytes = sum(m.data.numel() for m in experts[0])
             while len(experts) * nbytes < CACHE_DEFEAT_BYTES:
                 experts.append((random_weight(ty, f, d, "cpu", gen), random_weight(ty, f, d, "cpu", gen),
