@@ -316,27 +316,46 @@ MOE_TYPES = [(t, t, t) for t in ALL_TYPES] + [(GT.Q4_K, GT.Q4_K, GT.Q6_K), (GT.Q
                                               (GT.Q4_1, GT.Q5_1, GT.Q5_0)]
 
 
+def moe_experts(types: tuple[GT, GT, GT], E: int, d: int, f: int, rng: np.random.Generator, device: str):
+    """Random experts of `types` on `device`: their ExpertTable, the float values (gate, up, down) and the raw
+    (gate, up, down) data."""
+    (gr, gv), (ur, uv), (dr, dv) = make_experts(types, E, d, f, rng)
+    gate, up, down = (qt(r, t, v.shape, device) for (r, v), t in zip(((gr, gv), (ur, uv), (dr, dv)), types))
+    return ExpertTable.from_tensors(gate, up, down), (gv, uv, dv), (gr, ur, dr)
+
+
+def moe_cases(table: ExpertTable, values, E: int, d: int, cases, rng: np.random.Generator, device: str) -> list:
+    """For each (T, top_k) of `cases`: random x and routing, the layer's output checked for unwritten values and
+    against the float64 reference (TOL_MOE); returns the (x, ids, weights, y) of each for the caller's own checks."""
+    out = []
+    for T, top_k in cases:
+        x = rng.standard_normal((T, d)).astype(np.float32)
+        ids, wts = routing(T, E, top_k, rng)
+        ref = moe_reference(x, ids, wts, *values)
+        y = run_moe(x, ids, wts, table, device)
+        assert np.isfinite(y).all(), f"T={T}: unwritten outputs"
+        err = np.abs(y - ref).max() / np.abs(ref).max()
+        assert err <= TOL_MOE, f"T={T} top_k={top_k}: error {err:.2e}"
+        out.append((x, ids, wts, y))
+    return out
+
+
+def assert_alone_equal(x, ids, wts, y, t: int, table: ExpertTable, device: str) -> None:
+    """Token t alone gives bitwise its result in the batch."""
+    alone = run_moe(x[t:t + 1].copy(), ids[t:t + 1].copy(), wts[t:t + 1].copy(), table, device)
+    assert np.array_equal(alone[0], y[t])
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("types", MOE_TYPES, ids=lambda ts: "-".join(t.name for t in ts))
 def test_moe_ffn(device: str, types: tuple[GT, GT, GT]) -> None:
     rng = np.random.default_rng(3000 + sum(int(t) for t in types))
     E, d, f = 8, 256, 512
-    (gr, gv), (ur, uv), (dr, dv) = make_experts(types, E, d, f, rng)
-    gate, up, down = (qt(r, t, v.shape, device) for (r, v), t in zip(((gr, gv), (ur, uv), (dr, dv)), types))
-    table = ExpertTable.from_tensors(gate, up, down)
-    for T, top_k in ((1, 2), (3, 4), (8, 2), (5, 6), (17, 4)):
-        x = rng.standard_normal((T, d)).astype(np.float32)
-        ids, wts = routing(T, E, top_k, rng)
-        ref = moe_reference(x, ids, wts, gv, uv, dv)
-        y = run_moe(x, ids, wts, table, device)
-        assert np.isfinite(y).all(), f"T={T}: unwritten outputs"
-        err = np.abs(y - ref).max() / np.abs(ref).max()
-        assert err <= TOL_MOE, f"T={T} top_k={top_k}: error {err:.2e}"
+    table, values, _ = moe_experts(types, E, d, f, rng, device)
+    for x, ids, wts, y in moe_cases(table, values, E, d, ((1, 2), (3, 4), (8, 2), (5, 6), (17, 4)), rng, device):
         assert np.array_equal(run_moe(x, ids, wts, table, device), y), "not deterministic"
-        # each token alone gives bitwise its result in the batch
-        for t in (0, T - 1):
-            alone = run_moe(x[t:t + 1].copy(), ids[t:t + 1].copy(), wts[t:t + 1].copy(), table, device)
-            assert np.array_equal(alone[0], y[t])
+        for t in (0, len(x) - 1):
+            assert_alone_equal(x, ids, wts, y, t, table, device)
 
 
 # llama.cpp's mixes for an expert width that is no multiple of 256 (Qwen1.5-MoE's 1408): gate/up rows of
@@ -350,27 +369,18 @@ FALLBACK_MOE_TYPES = [(GT.Q4_K, GT.Q4_K, GT.Q5_0), (GT.Q2_K, GT.Q2_K, GT.Q4_1), 
 def test_moe_ffn_fallback_width(device: str, types: tuple[GT, GT, GT]) -> None:
     rng = np.random.default_rng(4000 + sum(int(t) for t in types))
     E, d, f = 6, 256, 352  # f = 11 blocks of 32: no multiple of 256 or of the tile's 128
-    (gr, gv), (ur, uv), (dr, dv) = make_experts(types, E, d, f, rng)
-    gate, up, down = (qt(r, t, v.shape, device) for (r, v), t in zip(((gr, gv), (ur, uv), (dr, dv)), types))
-    table = ExpertTable.from_tensors(gate, up, down)
-    for T, top_k in ((1, 2), (5, 3), (19, 4)):
-        x = rng.standard_normal((T, d)).astype(np.float32)
-        ids, wts = routing(T, E, top_k, rng)
-        ref = moe_reference(x, ids, wts, gv, uv, dv)
-        y = run_moe(x, ids, wts, table, device)
-        assert np.isfinite(y).all(), f"T={T}: unwritten outputs"
-        err = np.abs(y - ref).max() / np.abs(ref).max()
-        assert err <= TOL_MOE, f"T={T} top_k={top_k}: error {err:.2e}"
+    table, values, raw = moe_experts(types, E, d, f, rng, device)
+    moe_cases(table, values, E, d, ((1, 2), (5, 3), (19, 4)), rng, device)
     # the down matrices alone, through qmatmul (GEMV and, on CUDA, the tiled GEMM)
     x = rng.standard_normal((40, f)).astype(np.float32)
-    wd = qt(dr[1], types[2], (d, f), device)
+    wd = qt(raw[2][1], types[2], (d, f), device)
     for m in (1, 3, 40):
         xm = torch.from_numpy(x[:m]).to(device)
         for algo in ((0, 1, 2) if device == "cuda" else (0,)):
             code, y = raw_qmatmul(wd, xm, algo)
             assert code == 0
             tol = TOL_F16 if device == "cuda" and (algo == 2 or (algo == 0 and m > kernels.GEMV_MAX_ROWS)) else TOL_FP32
-            assert rel_err_terms(y.cpu().numpy(), x[:m], dv[1]) <= tol, (m, algo)
+            assert rel_err_terms(y.cpu().numpy(), x[:m], values[2][1]) <= tol, (m, algo)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -380,19 +390,9 @@ def test_moe_ffn_rows_that_leave_a_cta_short(device: str, qtype: GT) -> None:
     batches of rows and the grid's last one stops short; every output is written, the same as alone."""
     rng = np.random.default_rng(12)
     E, d, f = 5, 66, 34
-    types = (qtype, qtype, qtype)
-    (gr, gv), (ur, uv), (dr, dv) = make_experts(types, E, d, f, rng)
-    gate, up, down = (qt(r, t, v.shape, device) for (r, v), t in zip(((gr, gv), (ur, uv), (dr, dv)), types))
-    table = ExpertTable.from_tensors(gate, up, down)
-    for T, top_k in ((1, 2), (3, 2), (9, 3)):
-        x = rng.standard_normal((T, d)).astype(np.float32)
-        ids, wts = routing(T, E, top_k, rng)
-        ref = moe_reference(x, ids, wts, gv, uv, dv)
-        y = run_moe(x, ids, wts, table, device)
-        assert np.isfinite(y).all(), f"T={T}: unwritten outputs"
-        assert np.abs(y - ref).max() / np.abs(ref).max() <= TOL_MOE, f"T={T}"
-        alone = run_moe(x[-1:].copy(), ids[-1:].copy(), wts[-1:].copy(), table, device)
-        assert np.array_equal(alone[0], y[-1])
+    table, values, _ = moe_experts((qtype, qtype, qtype), E, d, f, rng, device)
+    for x, ids, wts, y in moe_cases(table, values, E, d, ((1, 2), (3, 2), (9, 3)), rng, device):
+        assert_alone_equal(x, ids, wts, y, len(x) - 1, table, device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
