@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device run for the GPU code (on the GPU machine, repo root, after `source .gpu/on-device.sh`; carry .whl
-# from scripts/gpu_wheels.sh too): build libspecter with CUDA (sm_90) in place, run the GPU tests (kernels,
+# from scripts/gpu_wheels.sh too): build libspecter with CUDA (sm_90) into build/, run the GPU tests (kernels,
 # CUDA engine vs CPU engine, CUDA graphs, offloading, fallback types), run the kernel benchmark.
 # With --decode also the whole-model decode comparison: scripts/bench.py --prepare-only makes the harness's
 # Qwen1.5-MoE-shaped F16 target and its Q4_K_M copy (building llama.cpp's tools meanwhile, in the background),
@@ -38,9 +38,10 @@ if [ $decode -eq 1 ]; then
 fi
 
 t0=$(date +%s)
-if ! python3 -m pip install --no-build-isolation --no-deps -e . \
-     --config-settings=cmake.define.CMAKE_CUDA_ARCHITECTURES=90 \
-     --config-settings=cmake.define.SPECTER_CUDA=ON > "$OUT/build.log" 2>&1; then
+# a plain CMake build into build/ (where specter_gguf/native.py looks after the package folder): the device image of
+# 2026-12-02 had no scikit-build-core for pip's editable install
+if ! { cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DSPECTER_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 &&
+       cmake --build build; } > "$OUT/build.log" 2>&1; then
   echo "gpu_check: build failed (log: $OUT/build.log)"; tail -60 "$OUT/build.log"; exit 1
 fi
 t1=$(date +%s)

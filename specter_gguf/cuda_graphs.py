@@ -34,6 +34,16 @@ from specter_gguf.steps import Steps, Verdict
 
 
 _POOLS: weakref.WeakKeyDictionary[KVCache, torch.cuda.MemPool] = weakref.WeakKeyDictionary()  # of a cache's graphs
+# PyTorch instantiates graphs with each kernel's priority as captured: captured on a high-priority stream, a graph's
+# kernels start ahead of those it put on a lower-priority side stream (`layers.beside`) where both want the SMs.
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}  # by device index
+
+
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[index] = torch.cuda.Stream(index, priority=-1)
+    return _CAPTURE_STREAMS[index]
 
 
 class StepGraphs(Steps):
@@ -98,7 +108,7 @@ class StepGraphs(Steps):
         if pool is None:
             with torch.cuda.device(dev):
                 pool = _POOLS[self.cache] = torch.cuda.MemPool()
-        with torch.cuda.graph(graph, pool=pool.id):
+        with torch.cuda.graph(graph, pool=pool.id, stream=_capture_stream(dev)):
             logits = self._body(window)
         self._graphs[window] = (graph, logits)
         self.captures += 1

@@ -498,6 +498,33 @@ ExpertSource = Sequence[Experts | None] | None
 layer's own."""
 
 
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}  # by device index
+
+
+def beside(work: Callable[[], torch.Tensor], device: torch.device) -> tuple[torch.Tensor, Callable[[], None]]:
+    """`work()` enqueued on a second CUDA stream after what the current stream holds so far, so that it runs while
+    the current stream goes on; returns its result and `join`, which makes the current stream's later work wait
+    for it (call it before the result is used). The second stream has the lowest priority: where both want the
+    SMs, the current stream's kernels (a CUDA graph captures on a higher-priority stream: `cuda_graphs`) start
+    first. On the CPU `work` runs in line and `join` does nothing."""
+    if device.type != "cuda":
+        return work(), _nothing
+    main = torch.cuda.current_stream(device)
+    side = _SIDE_STREAMS.get(main.device_index)
+    if side is None:
+        side = _SIDE_STREAMS[main.device_index] = torch.cuda.Stream(main.device, priority=0)
+    if side == main:
+        return work(), _nothing
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        result = work()
+    return result, lambda: main.wait_stream(side)
+
+
+def _nothing() -> None:
+    pass
+
+
 @dataclass
 class MoE:
     layer: int
@@ -521,16 +548,18 @@ class MoE:
     def __call__(self, x: torch.Tensor, experts: Experts | None = None,
                  observe: RoutingObserver | None = None) -> torch.Tensor:
         """The layer's output for x, its routed experts from `experts` (default: its own); `observe` sees the
-        routing."""
+        routing. On CUDA the shared expert runs beside the routing and the routed experts: it depends on neither,
+        and its few large products keep the memory busy while their chain of small kernels waits on itself."""
         n_expert = self.router.weight.shape[0]
+        shared, join = beside(lambda: self.shared(x), x.device) if self.shared is not None else (None, _nothing)
         logits = matmul(x, self._gates)  # [T, n_expert (+ 1)]
         ids, weights = self.router.route(logits[:, :n_expert])
         if observe is not None:
             observe(self.layer, ids, weights)
         out = (self.experts if experts is None else experts)(x, ids, weights)
-        if self.shared is None:
+        join()
+        if shared is None:
             return out
-        shared = self.shared(x)
         if self.shared_gate is None:
             return out + shared
         gate = logits[:, n_expert:] if logits.shape[1] > n_expert else matmul(x, self.shared_gate)
