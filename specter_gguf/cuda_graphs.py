@@ -35,7 +35,7 @@ from specter_gguf.steps import Steps, Verdict
 
 _POOLS: weakref.WeakKeyDictionary[KVCache, torch.cuda.MemPool] = weakref.WeakKeyDictionary()  # of a cache's graphs
 # PyTorch instantiates graphs with each kernel's priority as captured: captured on a high-priority stream, a graph's
-# kernels start ahead of those it put on a lower-priority side stream (`layers.beside`) where both want the SMs.
+# kernels start ahead of those it put on a lower-priority side stream (`layers.Beside`) where both want the SMs.
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}  # by device index
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Protocol, Sequence, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -491,7 +491,8 @@ class ResidentExperts:
 
 RoutingObserver = Callable[[int, torch.Tensor, torch.Tensor], None]
 """Called by each MoE layer with (layer index, expert ids [T, k], weights [T, k]); tensors stay on the
-compute device, so an observer that does not read them back causes no host synchronisation."""
+compute device, so an observer that does not read them back causes no host synchronisation. On CUDA its work is
+enqueued on a side stream (`Beside`) that the layer joins before its output is used."""
 
 ExpertSource = Sequence[Experts | None] | None
 """A forward's routed experts, indexed by layer (None entries, dense layers: the layer's own); None: every MoE
@@ -499,30 +500,37 @@ layer's own."""
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}  # by device index
+_Result = TypeVar("_Result")
 
 
-def beside(work: Callable[[], torch.Tensor], device: torch.device) -> tuple[torch.Tensor, Callable[[], None]]:
-    """`work()` enqueued on a second CUDA stream after what the current stream holds so far, so that it runs while
-    the current stream goes on; returns its result and `join`, which makes the current stream's later work wait
-    for it (call it before the result is used). The second stream has the lowest priority: where both want the
-    SMs, the current stream's kernels (a CUDA graph captures on a higher-priority stream: `cuda_graphs`) start
-    first. On the CPU `work` runs in line and `join` does nothing."""
-    if device.type != "cuda":
-        return work(), _nothing
-    main = torch.cuda.current_stream(device)
-    side = _SIDE_STREAMS.get(main.device_index)
-    if side is None:
-        side = _SIDE_STREAMS[main.device_index] = torch.cuda.Stream(main.device, priority=0)
-    if side == main:
-        return work(), _nothing
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        result = work()
-    return result, lambda: main.wait_stream(side)
+class Beside:
+    """Work that runs beside the current CUDA stream: `run(work)` enqueues work() on a second stream after what the
+    current stream holds so far, and `join()` makes the current stream's later work wait for all of it (call it
+    before a result is used). The second stream has the lowest priority: where both want the SMs, the current
+    stream's kernels start first (a CUDA graph captures on a higher-priority stream: `cuda_graphs`). On the CPU
+    `run` calls work() in line and `join` does nothing."""
 
+    def __init__(self, device: torch.device) -> None:
+        self.main: torch.cuda.Stream | None = None
+        self.side: torch.cuda.Stream | None = None
+        if device.type == "cuda":
+            main = torch.cuda.current_stream(device)
+            side = _SIDE_STREAMS.get(main.device_index)
+            if side is None:
+                side = _SIDE_STREAMS[main.device_index] = torch.cuda.Stream(main.device, priority=0)
+            if side != main:
+                self.main, self.side = main, side
 
-def _nothing() -> None:
-    pass
+    def run(self, work: Callable[[], _Result]) -> _Result:
+        if self.side is None:
+            return work()
+        self.side.wait_stream(self.main)
+        with torch.cuda.stream(self.side):
+            return work()
+
+    def join(self) -> None:
+        if self.side is not None:
+            self.main.wait_stream(self.side)
 
 
 @dataclass
@@ -548,16 +556,18 @@ class MoE:
     def __call__(self, x: torch.Tensor, experts: Experts | None = None,
                  observe: RoutingObserver | None = None) -> torch.Tensor:
         """The layer's output for x, its routed experts from `experts` (default: its own); `observe` sees the
-        routing. On CUDA the shared expert runs beside the routing and the routed experts: it depends on neither,
-        and its few large products keep the memory busy while their chain of small kernels waits on itself."""
+        routing. On CUDA the shared expert and the observer run beside the routing and the routed experts: neither
+        is needed by them, the shared expert's few large products keep the memory busy while the routed experts'
+        chain of small kernels waits on itself, and the observer's copies stay out of that chain."""
         n_expert = self.router.weight.shape[0]
-        shared, join = beside(lambda: self.shared(x), x.device) if self.shared is not None else (None, _nothing)
+        side = Beside(x.device)
+        shared = side.run(lambda: self.shared(x)) if self.shared is not None else None
         logits = matmul(x, self._gates)  # [T, n_expert (+ 1)]
         ids, weights = self.router.route(logits[:, :n_expert])
         if observe is not None:
-            observe(self.layer, ids, weights)
+            side.run(lambda: observe(self.layer, ids, weights))
         out = (self.experts if experts is None else experts)(x, ids, weights)
-        join()
+        side.join()
         if shared is None:
             return out
         if self.shared_gate is None:
