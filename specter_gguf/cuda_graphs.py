@@ -29,21 +29,14 @@ from typing import Any
 import torch
 
 from specter_gguf.errors import SpecterError
-from specter_gguf.layers import ExpertSource, KVCache, Positions, RoutingObserver, Transformer
+from specter_gguf.layers import ExpertSource, KVCache, Positions, RoutingObserver, Transformer, held_stream
 from specter_gguf.steps import Steps, Verdict
 
 
 _POOLS: weakref.WeakKeyDictionary[KVCache, torch.cuda.MemPool] = weakref.WeakKeyDictionary()  # of a cache's graphs
 # PyTorch instantiates graphs with each kernel's priority as captured: captured on a high-priority stream, a graph's
 # kernels start ahead of those it put on a lower-priority side stream (`layers.Beside`) where both want the SMs.
-_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}  # by device index
-
-
-def _capture_stream(device: torch.device) -> torch.cuda.Stream:
-    index = torch.cuda.current_device() if device.index is None else device.index
-    if index not in _CAPTURE_STREAMS:
-        _CAPTURE_STREAMS[index] = torch.cuda.Stream(index, priority=-1)
-    return _CAPTURE_STREAMS[index]
+_CAPTURE_PRIORITY = -1
 
 
 class StepGraphs(Steps):
@@ -108,7 +101,7 @@ class StepGraphs(Steps):
         if pool is None:
             with torch.cuda.device(dev):
                 pool = _POOLS[self.cache] = torch.cuda.MemPool()
-        with torch.cuda.graph(graph, pool=pool.id, stream=_capture_stream(dev)):
+        with torch.cuda.graph(graph, pool=pool.id, stream=held_stream(dev, _CAPTURE_PRIORITY)):
             logits = self._body(window)
         self._graphs[window] = (graph, logits)
         self.captures += 1

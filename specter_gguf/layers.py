@@ -499,8 +499,16 @@ ExpertSource = Sequence[Experts | None] | None
 layer's own."""
 
 
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}  # by device index
+_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}  # by (device index, priority)
 _Result = TypeVar("_Result")
+
+
+def held_stream(device: torch.device, priority: int) -> torch.cuda.Stream:
+    """The process's CUDA stream of `device` at `priority` (lower is more urgent), made on first use."""
+    key = (torch.cuda.current_device() if device.index is None else device.index, priority)
+    if key not in _STREAMS:
+        _STREAMS[key] = torch.cuda.Stream(key[0], priority=priority)
+    return _STREAMS[key]
 
 
 class Beside:
@@ -515,9 +523,7 @@ class Beside:
         self.side: torch.cuda.Stream | None = None
         if device.type == "cuda":
             main = torch.cuda.current_stream(device)
-            side = _SIDE_STREAMS.get(main.device_index)
-            if side is None:
-                side = _SIDE_STREAMS[main.device_index] = torch.cuda.Stream(main.device, priority=0)
+            side = held_stream(main.device, priority=0)
             if side != main:
                 self.main, self.side = main, side
 
