@@ -8,7 +8,7 @@
   expert tensors, GPU cache slots and a quantized draft copy all run on the same kernel.
 - The fused ops of a decode step, each one kernel where torch would launch several: `qmatmul_swiglu` (a
   feed-forward's gate, up and silu(gate) * up), `rms_norm` (with the residual add before it), `moe_topk`
-  (softmax routing), `add_gated` (a shared expert behind its sigmoid gate), `rope_kv` (q/k/v biases, RoPE, the
+  (softmax routing), `moe_route` (the router's product and its routing), `add_gated` (a shared expert behind its sigmoid gate), `rope_kv` (q/k/v biases, RoPE, the
   KV cache store), `decode_attention` (a few queries over the KV cache: decode, draft and verification steps).
 
 CUDA calls are enqueued on `torch.cuda.current_stream()` and never synchronise the host (capturable in a
@@ -263,6 +263,34 @@ def moe_topk(logits: torch.Tensor, top_k: int, normalize: bool = False,
             float(scale), _ptr(ids, "int32_t *"), _ptr(weights, "float *"))
     _call("moe_topk", args, logits.device, f"moe_topk (top {top_k} of {n_expert} experts)")
     return ids, weights
+
+
+ROUTE_ONE_LAUNCH_ROWS = 8  # tokens moe_route serves in one launch on CUDA
+
+
+def moe_route(x: torch.Tensor, w: torch.Tensor | QuantizedTensor, n_expert: int, top_k: int, normalize: bool,
+              scale: float, done: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The router's product and its routing in one call: (logits = x @ w.T `[T, n_rows]` as `qmatmul` computes
+    them, and `moe_topk` of their first `n_expert` columns: ids, weights). w may have rows past n_expert (a
+    shared expert's gate stacked under the router). On CUDA up to ROUTE_ONE_LAUNCH_ROWS tokens take one launch,
+    which uses `done` (a zeroed int32 `[1]` on the device, left at 0; calls sharing one must not overlap); the CPU
+    does not use it."""
+    n_rows, k = w.shape
+    if x.ndim != 2 or x.shape[1] != k or x.dtype != torch.float32:
+        raise SpecterError(f"moe_route needs float32 x [T, {k}], not {x.dtype} {tuple(x.shape)}")
+    if x.device != w.device or (x.is_cuda and (done is None or done.device != x.device or done.dtype != torch.int32)):
+        raise SpecterError("moe_route: x, the weight and (on CUDA) the int32 `done` counter must share a device")
+    w_type, w_data = (w.ggml_type, w.data) if isinstance(w, QuantizedTensor) else (_ggml_type_of(w), _aligned(w))
+    x2 = _aligned(x)
+    T = x2.shape[0]
+    logits = torch.empty((T, n_rows), dtype=torch.float32, device=x.device)
+    ids = torch.empty((T, top_k), dtype=torch.int32, device=x.device)
+    weights = torch.empty((T, top_k), dtype=torch.float32, device=x.device)
+    args = (w_type, _ptr(w_data), n_rows, k, _float_ptr(x2), T, n_expert, top_k, int(normalize), float(scale),
+            _float_ptr(logits), _ptr(ids, "int32_t *"), _float_ptr(weights),
+            _ffi().NULL if done is None else _ptr(done, "uint32_t *"))
+    _call("moe_route", args, x.device, f"moe_route (top {top_k} of {n_expert} experts, ggml type {w_type})")
+    return logits, ids, weights
 
 
 def add_gated(routed: torch.Tensor, shared: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

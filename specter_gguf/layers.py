@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence, TypeVar
+from typing import Callable, ClassVar, Protocol, Sequence, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -22,9 +22,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specter_gguf.config import ModelConfig
 from specter_gguf.errors import SpecterError
-from specter_gguf.kernels import (GEMV_MAX_ROWS, ExpertTable, QuantizedTensor, add_gated, decode_attention,
-                                  decode_attention_supported, moe_ffn, moe_topk, qmatmul, qmatmul_swiglu, rms_norm,
-                                  rope_kv)
+from specter_gguf.kernels import (GEMV_MAX_ROWS, ROUTE_ONE_LAUNCH_ROWS, ExpertTable, QuantizedTensor, add_gated,
+                                  decode_attention, decode_attention_supported, moe_ffn, moe_route, moe_topk, qmatmul,
+                                  qmatmul_swiglu, rms_norm, rope_kv)
 
 
 _FLOAT_GEMV_MAX_ROWS = 8  # one pass of the native GEMV; past it cuBLAS, which reads a float weight once
@@ -421,9 +421,28 @@ class Router:
     n_used: int
     normalize: bool
     scale: float = 0.0
+    _done: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+
+    softmax_topk: ClassVar[bool] = True  # `route` is moe_topk's routing, which moe_route computes with the product
+
+    def __post_init__(self) -> None:
+        if self.weight.device.type == "cuda":  # moe_route's counter, made before any CUDA graph captures a call
+            self._done = torch.zeros(1, dtype=torch.int32, device=self.weight.device)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.route(matmul(x, self.weight))
+        return self.choose(x)[1:]
+
+    def choose(self, x: torch.Tensor, weight: torch.Tensor | QuantizedTensor | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logits, ids, weights): x's product with `weight` (default the router's; it may have rows stacked under
+        the router's, e.g. a shared expert's gate) and the routing of its first n_expert columns. On the native GEMV
+        (decode, draft and verification steps) one call computes both: `moe_route`, one launch on CUDA."""
+        w = self.weight if weight is None else weight
+        n_expert = self.weight.shape[0]
+        if self.softmax_topk and x.shape[0] <= ROUTE_ONE_LAUNCH_ROWS and x.dtype == torch.float32 and _gemv(x, w):
+            return moe_route(x, w, n_expert, self.n_used, self.normalize, self.scale, self._done)
+        logits = matmul(x, w)
+        return (logits, *self.route(logits[:, :n_expert]))
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert ids [T, n_used] (int32) and weights [T, n_used] for router logits [T, n_expert]."""
@@ -568,8 +587,7 @@ class MoE:
         n_expert = self.router.weight.shape[0]
         side = Beside(x.device)
         shared = side.run(lambda: self.shared(x)) if self.shared is not None else None
-        logits = matmul(x, self._gates)  # [T, n_expert (+ 1)]
-        ids, weights = self.router.route(logits[:, :n_expert])
+        logits, ids, weights = self.router.choose(x, self._gates)  # logits [T, n_expert (+ 1)]
         if observe is not None:
             side.run(lambda: observe(self.layer, ids, weights))
         out = (self.experts if experts is None else experts)(x, ids, weights)
@@ -712,6 +730,8 @@ class SelectingRouter(Router):
     selection_bias: torch.Tensor | None = None  # [n_expert]
     n_groups: int = 0
     n_group_used: int = 0
+
+    softmax_topk: ClassVar[bool] = False
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         probs = torch.sigmoid(logits) if self.gating == "sigmoid" else torch.softmax(logits, dim=-1)

@@ -221,6 +221,10 @@ def run_routed(m: Model, tokens: list[int], force: Mapping[int, np.ndarray] | No
         def __init__(self, r: layers.Router, layer: int) -> None:
             self.r, self.layer, self.weight = r, layer, r.weight
 
+        def choose(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+            logits = layers.matmul(x, self.weight if weight is None else weight)
+            return (logits, *self.route(logits[:, :self.weight.shape[0]]))
+
         def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             r, layer = self.r, self.layer
             probs, sel = _router_probs(r, logits)

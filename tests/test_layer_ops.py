@@ -6,6 +6,7 @@ random data, on the CPU and (when a GPU is visible) on CUDA:
 - `rms_norm`: the norm (and the residual sum) within TOL_NORM = 1e-6 relative of float64, also in place;
 - `moe_topk`: ids equal to a stable descending sort of the logits (ties to the lower index), weights within
   TOL_TOPK = 1e-6 relative of the float64 softmax (renormalized / scaled as asked);
+- `moe_route`: the router's product and its top-k in one call, bitwise `qmatmul` followed by `moe_topk`;
 - `add_gated`: routed + shared * sigmoid(gate) from a strided gate column, within TOL_GATED = 1e-6 relative of
   float64, also in place;
 - `rope_kv`: q, k rotated (NeoX and adjacent pairs, partial rotation, biases, per-head RMS norms) and stored with v
@@ -153,6 +154,31 @@ def test_moe_topk_never_picks_nan(device: str) -> None:
 def test_moe_topk_rejects_bad_arguments() -> None:
     with pytest.raises(Exception, match="top 5 of 4"):
         kernels.moe_topk(torch.zeros(2, 4), 5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("wtype", [GT.F32, GT.F16, GT.Q8_0])
+def test_moe_route_is_the_product_and_its_topk(device: str, wtype: GT) -> None:
+    """moe_route's logits are qmatmul's and its routing moe_topk's of them, bitwise, for 1..12 tokens (on CUDA up
+    to 8 in one launch, more in two), over a router with a shared expert's gate stacked under it; its counter is
+    back at 0 after every call, so calls repeat exactly."""
+    rng = np.random.default_rng(int(wtype))
+    E, k, n_embd = 60, 4, 256
+    raw, _ = make_weight(wtype, E + 1, n_embd, rng)
+    w = qt(raw, wtype, (E + 1, n_embd), device)
+    if wtype != GT.Q8_0:  # float routers are torch tensors in the model
+        w = w.dequantize(torch.float32 if wtype == GT.F32 else torch.float16)
+    done = torch.zeros(1, dtype=torch.int32, device=device)
+    for T in (1, 2, 3, 5, 8, 9, 12):
+        x = torch.from_numpy(rng.standard_normal((T, n_embd)).astype(np.float32)).to(device)
+        for normalize, scale in ((False, 0.0), (True, 2.5)):
+            logits, ids, weights = kernels.moe_route(x, w, E, k, normalize, scale, done)
+            want = kernels.qmatmul(x, w)
+            want_ids, want_w = kernels.moe_topk(want[:, :E], k, normalize, scale)
+            assert torch.equal(logits, want) and torch.equal(ids, want_ids) and torch.equal(weights, want_w), T
+            again = kernels.moe_route(x, w, E, k, normalize, scale, done)
+            assert all(torch.equal(a, b) for a, b in zip(again, (logits, ids, weights))), T
+            assert int(done.item()) == 0
 
 
 # ---- a shared expert behind its gate --------------------------------------------------------------------

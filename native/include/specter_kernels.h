@@ -95,6 +95,21 @@ SPECTER_API int specter_cuda_moe_topk(const float * logits, int64_t n_tokens, in
                                       int64_t row_stride, int64_t top_k, int normalize, float scale,
                                       int32_t * ids, float * weights, void * stream);
 
+/* The router's product and its top-k in one call: logits = x . w^T ([n_tokens, n_rows] float32, w [n_rows, k] of
+ * ggml type w_type, x [n_tokens, k] float32), then specter_moe_topk over the first n_expert (<= n_rows) columns of
+ * each row of logits (rows past n_expert, e.g. a shared expert's gate stacked under the router, are products only).
+ * The logits are those of specter_qmatmul (CUDA: bitwise). CUDA: up to 8 tokens in one launch, whose last CTA to
+ * finish takes the top-k; `done` is a uint32 in device memory, 0 before the first call, that the call leaves at 0
+ * (calls that share one must not run at the same time); more tokens take two launches. The CPU build does not use
+ * `done` (it may be NULL). */
+SPECTER_API int specter_moe_route(int w_type, const void * w, int64_t n_rows, int64_t k, const float * x,
+                                  int64_t n_tokens, int64_t n_expert, int64_t top_k, int normalize, float scale,
+                                  float * logits, int32_t * ids, float * weights, uint32_t * done, int n_threads);
+SPECTER_API int specter_cuda_moe_route(int w_type, const void * w, int64_t n_rows, int64_t k, const float * x,
+                                       int64_t n_tokens, int64_t n_expert, int64_t top_k, int normalize, float scale,
+                                       float * logits, int32_t * ids, float * weights, uint32_t * done,
+                                       void * stream);
+
 /* ---- attention inputs: biases, RoPE, the KV cache ------------------------------------------ */
 
 /* For n_tokens tokens: q [T, n_head * head_dim], k and v [T, n_head_kv * head_dim], float32, token t's row at

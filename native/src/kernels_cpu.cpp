@@ -396,6 +396,17 @@ int specter_moe_topk(const float * logits, int64_t n_tokens, int64_t n_expert, i
     });
 }
 
+int specter_moe_route(int w_type, const void * w, int64_t n_rows, int64_t k, const float * x, int64_t n_tokens,
+                      int64_t n_expert, int64_t top_k, int normalize, float scale, float * logits, int32_t * ids,
+                      float * weights, uint32_t * done, int n_threads) {
+    (void)done;
+    if (n_expert > n_rows) return SPECTER_ERR_INVALID_ARG;
+    int rc = check_topk(logits, n_tokens, n_expert, n_rows, top_k, ids, weights);
+    if (rc == SPECTER_OK) rc = qmatmul(w_type, w, n_rows, k, SPECTER_TYPE_F32, x, n_tokens, logits, false, n_threads);
+    if (rc != SPECTER_OK) return rc;
+    return specter_moe_topk(logits, n_tokens, n_expert, n_rows, top_k, normalize, scale, ids, weights, n_threads);
+}
+
 int specter_rope_kv(const float * q, int64_t q_stride, const float * k, int64_t k_stride, const float * v,
                     int64_t v_stride, const float * q_bias, const float * k_bias, const float * v_bias,
                     const float * q_norm, const float * k_norm, float norm_eps, int64_t n_tokens, int64_t n_head,

@@ -26,6 +26,10 @@ int specter_cuda_add_gated(const float *, const float *, const float *, int64_t,
 int specter_cuda_moe_topk(const float *, int64_t, int64_t, int64_t, int64_t, int, float, int32_t *, float *, void *) {
     return SPECTER_ERR_NO_CUDA;
 }
+int specter_cuda_moe_route(int, const void *, int64_t, int64_t, const float *, int64_t, int64_t, int64_t, int, float,
+                           float *, int32_t *, float *, uint32_t *, void *) {
+    return SPECTER_ERR_NO_CUDA;
+}
 int specter_cuda_rope_kv(const float *, int64_t, const float *, int64_t, const float *, int64_t, const float *,
                          const float *, const float *, const float *, const float *, float, int64_t, int64_t, int64_t,
                          int64_t, int64_t, int, const float *, const float *, int64_t, const int64_t *, int, void *,

@@ -9,6 +9,7 @@
 #include "kernels_common.h"
 #include "launch.cuh"
 #include "quant.cuh"
+#include "topk.cuh"
 
 namespace specter {
 namespace cuda {
@@ -109,6 +110,65 @@ void launch_gemv_pass(const uint8_t * w, long long rb, int n, int k, const XT * 
     const dim3 grid(unsigned((n + nr - 1) / nr), unsigned((m + M - 1) / M));
     const int threads = cta_threads((long long)(k / TT::QK) * TT::NU);
     launch(gemv_kernel<TT, M, XT, SWIGLU>, grid, threads, st, w, rb, n, k, x, m, y);
+}
+
+// ---- router: logits and their top-k in one launch ------------------------------------------------
+// The GEMV pass of M <= 8 rows of X (the same sums as gemv_kernel's: logits equal qmatmul's bitwise); then the last
+// CTA to finish, found by a counter in device memory that it resets, takes each token's top-k over the logits the
+// others wrote (each CTA's stores fenced before it counts itself). Saves the top-k kernel's launch and its wait for
+// the product in every MoE layer of a decode step.
+constexpr int kRouterMaxRows = 8;  // rows of X: one GEMV pass
+
+struct RouteArgs {
+    int n_expert, top_k, normalize;
+    float scale;
+    int32_t * ids;
+    float * weights;
+    unsigned * done;
+};
+
+template <class TT, int M>
+__global__ void __launch_bounds__(256) router_kernel(const uint8_t * __restrict__ w, long long rb, int n, int k,
+                                                     const float * __restrict__ x, int m, float * logits,
+                                                     RouteArgs r) {
+    start_after_prior_kernels();
+    constexpr int NR = rows_per_cta(M, false);
+    __shared__ float red[8 * NR * M];
+    __shared__ bool last;
+    const int row0 = blockIdx.x * NR;
+    const uint8_t * rows[NR];
+#pragma unroll
+    for (int i = 0; i < NR; ++i) rows[i] = w + (long long)min(row0 + i, n - 1) * rb;
+    const float * xs[M];
+#pragma unroll
+    for (int t = 0; t < M; ++t) xs[t] = x + (long long)min(t, m - 1) * k;
+    const float s = cta_dot_totals<TT, M, NR, float>(rows, xs, k / TT::QK, red);
+    if (threadIdx.x < NR * M) {
+        const int i = threadIdx.x / M, t = threadIdx.x % M;
+        if (row0 + i < n && t < m) logits[(long long)t * n + row0 + i] = s;
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(r.done, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int t = warp; t < m; t += blockDim.x >> 5)
+        topk_row(logits + (long long)t * n, r.n_expert, r.top_k, r.normalize, r.scale, r.ids + (long long)t * r.top_k,
+                 r.weights + (long long)t * r.top_k, lane);
+    if (threadIdx.x == 0) *r.done = 0;
+}
+
+template <class TT>
+void launch_router(const uint8_t * w, long long rb, int n, int k, const float * x, int m, float * logits,
+                   const RouteArgs & r, cudaStream_t st) {
+    const int M = m == 1 ? 1 : m == 2 ? 2 : m <= 4 ? 4 : 8;
+    auto kernel = M == 1 ? router_kernel<TT, 1> : M == 2 ? router_kernel<TT, 2>
+                : M == 4 ? router_kernel<TT, 4> : router_kernel<TT, 8>;
+    const int nr = rows_per_cta(M, false);
+    launch(kernel, unsigned((n + nr - 1) / nr), cta_threads((long long)(k / TT::QK) * TT::NU), st, w, rb, n, k, x, m,
+           logits, r);
 }
 
 // Rows of X 8 at a time, then the rest in one pass of the fewest rows that holds it (a row's result is the same
@@ -272,6 +332,31 @@ int specter_cuda_qmatmul(int w_type, const void * w, int64_t n, int64_t k, int x
                          float * y, int algo, void * stream) {
     if (algo < SPECTER_ALGO_AUTO || algo > SPECTER_ALGO_TILED) return SPECTER_ERR_INVALID_ARG;
     return qmatmul(w_type, w, n, k, x_type, x, m, y, algo, false, cudaStream_t(stream));
+}
+
+int specter_cuda_moe_route(int w_type, const void * w, int64_t n_rows, int64_t k, const float * x, int64_t n_tokens,
+                           int64_t n_expert, int64_t top_k, int normalize, float scale, float * logits, int32_t * ids,
+                           float * weights, uint32_t * done, void * stream) {
+    const TypeInfo * t = nullptr;
+    int rc = check_qmatmul(w_type, w, n_rows, k, SPECTER_TYPE_F32, x, n_tokens, logits, &t);
+    if (rc == SPECTER_OK && n_expert > n_rows) rc = SPECTER_ERR_INVALID_ARG;
+    if (rc == SPECTER_OK) rc = check_topk(logits, n_tokens, n_expert, n_rows, top_k, ids, weights);
+    if (rc != SPECTER_OK || n_tokens == 0) return rc;
+    const cudaStream_t st = cudaStream_t(stream);
+    if (n_tokens > kRouterMaxRows || k == 0) {  // the product and the top-k as two launches
+        rc = qmatmul(w_type, w, n_rows, k, SPECTER_TYPE_F32, x, n_tokens, logits, SPECTER_ALGO_AUTO, false, st);
+        return rc != SPECTER_OK ? rc : specter_cuda_moe_topk(logits, n_tokens, n_expert, n_rows, top_k, normalize,
+                                                             scale, ids, weights, stream);
+    }
+    if (!done || !aligned_for(w_type, uintptr_t(w)) || uintptr_t(x) % 16 != 0) return SPECTER_ERR_INVALID_ARG;
+    cudaGetLastError();
+    const RouteArgs r{int(n_expert), int(top_k), normalize, scale, ids, weights, done};
+    with_type(w_type, vec_ok(w_type, k, uintptr_t(w)), [&](auto tag) {
+        using TT = typename decltype(tag)::type;
+        launch_router<TT>(static_cast<const uint8_t *>(w), row_bytes(*t, k), int(n_rows), int(k), x, int(n_tokens),
+                          logits, r, st);
+    });
+    return launch_status();
 }
 
 int specter_cuda_qmatmul_swiglu(int w_type, const void * w, int64_t n, int64_t k, int x_type, const void * x,

@@ -6,6 +6,7 @@
 #include "kernels_common.h"
 #include "launch.cuh"
 #include "quant.cuh"
+#include "topk.cuh"
 
 namespace specter {
 namespace cuda {
@@ -57,50 +58,13 @@ __global__ void __launch_bounds__(256) rms_norm_kernel(const float * x, const fl
     }
 }
 
-// One warp per token. Softmax statistics by warp reductions, then top_k rounds: each round takes the best
-// expert ranked after the previous choice in (logit desc, index asc) order, so no per-expert state is kept.
+// One warp per token (topk_row).
 __global__ void topk_kernel(const float * __restrict__ logits, int T, int E, long long stride, int K, int normalize,
                             float scale, int32_t * __restrict__ ids, float * __restrict__ weights) {
     start_after_prior_kernels();
     const int t = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
     if (t >= T) return;
-    const float * l = logits + t * stride;
-    float mx = -INFINITY;
-    for (int e = lane; e < E; e += 32) mx = fmaxf(mx, l[e]);
-#pragma unroll
-    for (int o = 16; o >= 1; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    float sum = 0.0f;
-    for (int e = lane; e < E; e += 32) sum += expf(l[e] - mx);
-#pragma unroll
-    for (int o = 16; o >= 1; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    float last_v = INFINITY, wsum = 0.0f, mine = 0.0f;  // mine: the weight of this lane's last round (j % 32)
-    int last_i = -1;
-    for (int j = 0; j < K; ++j) {
-        float bv = 0.0f;
-        int bi = -1;
-        for (int e = lane; e < E; e += 32) {
-            const float v = l[e];
-            if ((v < last_v || (v == last_v && e > last_i)) && (bi < 0 || v > bv)) bv = v, bi = e;
-        }
-#pragma unroll
-        for (int o = 16; o >= 1; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) bv = ov, bi = oi;
-        }
-        last_v = bv, last_i = bi;
-        const float p = bi >= 0 ? expf(bv - mx) / sum : 0.0f;
-        wsum += p;
-        if (lane == (j & 31)) ids[(long long)t * K + j] = bi, weights[(long long)t * K + j] = p, mine = p;
-    }
-    // each lane rescales its own rounds, the last of them from its register: no lane reads back a row of stores
-    if (normalize || (scale != 0.0f && scale != 1.0f))
-        for (int j = lane; j < K; j += 32) {
-            float w = j + 32 >= K ? mine : weights[(long long)t * K + j];
-            if (normalize) w /= fmaxf(wsum, 6.103515625e-5f);
-            if (scale != 0.0f && scale != 1.0f) w *= scale;
-            weights[(long long)t * K + j] = w;
-        }
+    topk_row(logits + t * stride, E, K, normalize, scale, ids + (long long)t * K, weights + (long long)t * K, lane);
 }
 
 // One thread per feature pair of one head of q, k or v of one token: heads [0, H) are q's, [H, H + Hkv) k's,
