@@ -84,7 +84,38 @@ __attribute__((target("avx2"))) float dot_q8_0_avx2(const uint8_t * w, const flo
     _mm256_storeu_ps(lanes + 8, acc[1]);
     return fold16(lanes);
 }
+
+// dot_f32 of a decoded row `a` with four rows of x, bit for bit (each x row's 16 lanes as two 8-lane sums, products
+// rounded before they are added): one load of the row's elements serves four x rows.
+__attribute__((target("avx2"))) void dot_f32_x4_avx2(const float * a, const float * const * xs, int64_t k,
+                                                     float * out) {
+    __m256 lo[4], hi[4];
+    for (int t = 0; t < 4; ++t) lo[t] = hi[t] = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= k; i += 16) {
+        const __m256 al = _mm256_loadu_ps(a + i), ah = _mm256_loadu_ps(a + i + 8);
+        for (int t = 0; t < 4; ++t) {
+            lo[t] = _mm256_add_ps(lo[t], _mm256_mul_ps(al, _mm256_loadu_ps(xs[t] + i)));
+            hi[t] = _mm256_add_ps(hi[t], _mm256_mul_ps(ah, _mm256_loadu_ps(xs[t] + i + 8)));
+        }
+    }
+    for (int t = 0; t < 4; ++t) {
+        float lanes[16];
+        _mm256_storeu_ps(lanes, lo[t]);
+        _mm256_storeu_ps(lanes + 8, hi[t]);
+        for (int64_t j = 0; i + j < k; ++j) lanes[j] += a[i + j] * xs[t][i + j];
+        out[t] = fold16(lanes);
+    }
+}
 #endif
+
+// out[t] = dot_f32(a, xs[t], k) for t < 4.
+void dot_f32_x4(const float * a, const float * const * xs, int64_t k, float * out) {
+#ifdef SPECTER_X86_VECTORS
+    if (cpu_avx2()) return dot_f32_x4_avx2(a, xs, k, out);
+#endif
+    for (int t = 0; t < 4; ++t) out[t] = dot_f32(a, xs[t], k);
+}
 
 // false when neither the type nor the CPU has a path (the caller dequantizes the row).
 bool dot_row_f32(const TypeInfo & t, const uint8_t * w, const float * x, int64_t k, float * out) {
@@ -105,7 +136,8 @@ bool dot_row_f32(const TypeInfo & t, const uint8_t * w, const float * x, int64_t
 
 // One weight row at a time, dotted with the rows of x that need it: each product is dot_f32 of the dequantized
 // row. When the row meets one row of x only (`alone`: one token, or an expert one token chose), the fused
-// `dot_row_f32` takes it where it can; otherwise the row is dequantized once into `buf`.
+// `dot_row_f32` takes it where it can; otherwise the row is dequantized once into `buf` and dotted with the rows of x
+// four at a time where it meets four or more (`dot4`: the MoE feed-forward's experts in a verification).
 struct RowDots {
     const TypeInfo & t;
     int64_t k;
@@ -118,8 +150,15 @@ struct RowDots {
     float dot(const float * x, bool alone) {
         float r;
         if (alone && dot_row_f32(t, row, x, k, &r)) return r;
+        return dot_f32(decode(), x, k);
+    }
+    // dot(xs[i], false) for i < 4, in one pass over the decoded row
+    void dot4(const float * const * xs, float * out) { dot_f32_x4(decode(), xs, k, out); }
+
+  private:
+    const float * decode() {
         if (!decoded) dequantize_rows_f32(t, row, buf.data(), 1, k), decoded = true;
-        return dot_f32(buf.data(), x, k);
+        return buf.data();
     }
 };
 
@@ -277,7 +316,16 @@ int specter_moe_ffn(const float * x, int64_t n_tokens, int64_t d_model, const in
                 const int64_t q0 = count[size_t(ex)], q1 = count[size_t(ex) + 1];
                 gate.start(reinterpret_cast<const uint8_t *>(uintptr_t(gate_ptrs[ex])) + r * rb_g);
                 up.start(reinterpret_cast<const uint8_t *>(uintptr_t(up_ptrs[ex])) + r * rb_u);
-                for (int64_t q = q0; q < q1; ++q) {
+                int64_t q = q0;
+                for (; q + 4 <= q1; q += 4) {
+                    const float * x4[4];
+                    for (int j = 0; j < 4; ++j) x4[j] = x + (perm[size_t(q + j)] / top_k) * d_model;
+                    float g[4], u[4];
+                    gate.dot4(x4, g);
+                    up.dot4(x4, u);
+                    for (int j = 0; j < 4; ++j) act[perm[size_t(q + j)] * d_ff + r] = silu(g[j]) * u[j];
+                }
+                for (; q < q1; ++q) {
                     const int64_t p = perm[size_t(q)];
                     const float * xt = x + (p / top_k) * d_model;
                     act[p * d_ff + r] = silu(gate.dot(xt, q1 - q0 == 1)) * up.dot(xt, q1 - q0 == 1);
@@ -291,7 +339,15 @@ int specter_moe_ffn(const float * x, int64_t n_tokens, int64_t d_model, const in
                 const int64_t gi = it / d_model, r = it % d_model, ex = groups[size_t(gi)];
                 const int64_t q0 = count[size_t(ex)], q1 = count[size_t(ex) + 1];
                 down.start(reinterpret_cast<const uint8_t *>(uintptr_t(down_ptrs[ex])) + r * rb_d);
-                for (int64_t q = q0; q < q1; ++q) {
+                int64_t q = q0;
+                for (; q + 4 <= q1; q += 4) {
+                    const float * a4[4];
+                    for (int j = 0; j < 4; ++j) a4[j] = act + perm[size_t(q + j)] * d_ff;
+                    float y[4];
+                    down.dot4(a4, y);
+                    for (int j = 0; j < 4; ++j) ypair[perm[size_t(q + j)] * d_model + r] = y[j];
+                }
+                for (; q < q1; ++q) {
                     const int64_t p = perm[size_t(q)];
                     ypair[p * d_model + r] = down.dot(act + p * d_ff, q1 - q0 == 1);
                 }
