@@ -8,8 +8,9 @@
   expert tensors, GPU cache slots and a quantized draft copy all run on the same kernel.
 - The fused ops of a decode step, each one kernel where torch would launch several: `qmatmul_swiglu` (a
   feed-forward's gate, up and silu(gate) * up), `rms_norm` (with the residual add before it), `moe_topk`
-  (softmax routing), `moe_route` (the router's product and its routing), `add_gated` (a shared expert behind its sigmoid gate), `rope_kv` (q/k/v biases, RoPE, the
-  KV cache store), `decode_attention` (a few queries over the KV cache: decode, draft and verification steps).
+  (softmax routing), `moe_route` (the router's product and its routing), `add_gated` (a shared expert behind its
+  sigmoid gate), `rope_kv` (q/k/v biases, RoPE, the KV cache store), `decode_attention` (a few queries over the KV
+  cache: decode, draft and verification steps).
 
 CUDA calls are enqueued on `torch.cuda.current_stream()` and never synchronise the host (capturable in a
 CUDA graph when the caller passes a preallocated `workspace` / `out`); CPU calls use
@@ -265,14 +266,11 @@ def moe_topk(logits: torch.Tensor, top_k: int, normalize: bool = False,
     return ids, weights
 
 
-ROUTE_ONE_LAUNCH_ROWS = 8  # tokens moe_route serves in one launch on CUDA
-
-
 def moe_route(x: torch.Tensor, w: torch.Tensor | QuantizedTensor, n_expert: int, top_k: int, normalize: bool,
               scale: float, done: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The router's product and its routing in one call: (logits = x @ w.T `[T, n_rows]` as `qmatmul` computes
     them, and `moe_topk` of their first `n_expert` columns: ids, weights). w may have rows past n_expert (a
-    shared expert's gate stacked under the router). On CUDA up to ROUTE_ONE_LAUNCH_ROWS tokens take one launch,
+    shared expert's gate stacked under the router). On CUDA up to 8 tokens take one launch (more take two),
     which uses `done` (a zeroed int32 `[1]` on the device, left at 0; calls sharing one must not overlap); the CPU
     does not use it."""
     n_rows, k = w.shape

@@ -22,9 +22,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specter_gguf.config import ModelConfig
 from specter_gguf.errors import SpecterError
-from specter_gguf.kernels import (GEMV_MAX_ROWS, ROUTE_ONE_LAUNCH_ROWS, ExpertTable, QuantizedTensor, add_gated,
-                                  decode_attention, decode_attention_supported, moe_ffn, moe_route, moe_topk, qmatmul,
-                                  qmatmul_swiglu, rms_norm, rope_kv)
+from specter_gguf.kernels import (GEMV_MAX_ROWS, ExpertTable, QuantizedTensor, add_gated, decode_attention,
+                                  decode_attention_supported, moe_ffn, moe_route, moe_topk, qmatmul, qmatmul_swiglu,
+                                  rms_norm, rope_kv)
 
 
 _FLOAT_GEMV_MAX_ROWS = 8  # one pass of the native GEMV; past it cuBLAS, which reads a float weight once
@@ -439,7 +439,7 @@ class Router:
         (decode, draft and verification steps) one call computes both: `moe_route`, one launch on CUDA."""
         w = self.weight if weight is None else weight
         n_expert = self.weight.shape[0]
-        if self.softmax_topk and x.shape[0] <= ROUTE_ONE_LAUNCH_ROWS and x.dtype == torch.float32 and _gemv(x, w):
+        if self.softmax_topk and x.dtype == torch.float32 and _gemv(x, w):
             return moe_route(x, w, n_expert, self.n_used, self.normalize, self.scale, self._done)
         logits = matmul(x, w)
         return (logits, *self.route(logits[:, :n_expert]))

@@ -59,6 +59,16 @@ inline int check_topk(const float * logits, int64_t n_tokens, int64_t n_expert, 
     return SPECTER_OK;
 }
 
+// specter_moe_route: the product's (x float32, logits [n_tokens, n_rows]) and the top-k's of its first n_expert columns.
+inline int check_route(int w_type, const void * w, int64_t n_rows, int64_t k, const float * x, int64_t n_tokens,
+                       int64_t n_expert, int64_t top_k, const float * logits, const int32_t * ids,
+                       const float * weights, const TypeInfo ** t) {
+    const int rc = check_qmatmul(w_type, w, n_rows, k, SPECTER_TYPE_F32, x, n_tokens, logits, t);
+    if (rc != SPECTER_OK) return rc;
+    if (n_expert > n_rows) return SPECTER_ERR_INVALID_ARG;
+    return check_topk(logits, n_tokens, n_expert, n_rows, top_k, ids, weights);
+}
+
 // The arguments of specter_rope_kv / specter_cuda_rope_kv (one struct for the checks and the kernels).
 struct RopeKvArgs {
     const float *q, *k, *v;

@@ -456,8 +456,8 @@ int specter_moe_route(int w_type, const void * w, int64_t n_rows, int64_t k, con
                       int64_t n_expert, int64_t top_k, int normalize, float scale, float * logits, int32_t * ids,
                       float * weights, uint32_t * done, int n_threads) {
     (void)done;
-    if (n_expert > n_rows) return SPECTER_ERR_INVALID_ARG;
-    int rc = check_topk(logits, n_tokens, n_expert, n_rows, top_k, ids, weights);
+    const TypeInfo * t = nullptr;
+    int rc = check_route(w_type, w, n_rows, k, x, n_tokens, n_expert, top_k, logits, ids, weights, &t);
     if (rc == SPECTER_OK) rc = qmatmul(w_type, w, n_rows, k, SPECTER_TYPE_F32, x, n_tokens, logits, false, n_threads);
     if (rc != SPECTER_OK) return rc;
     return specter_moe_topk(logits, n_tokens, n_expert, n_rows, top_k, normalize, scale, ids, weights, n_threads);

@@ -338,9 +338,7 @@ int specter_cuda_moe_route(int w_type, const void * w, int64_t n_rows, int64_t k
                            int64_t n_expert, int64_t top_k, int normalize, float scale, float * logits, int32_t * ids,
                            float * weights, uint32_t * done, void * stream) {
     const TypeInfo * t = nullptr;
-    int rc = check_qmatmul(w_type, w, n_rows, k, SPECTER_TYPE_F32, x, n_tokens, logits, &t);
-    if (rc == SPECTER_OK && n_expert > n_rows) rc = SPECTER_ERR_INVALID_ARG;
-    if (rc == SPECTER_OK) rc = check_topk(logits, n_tokens, n_expert, n_rows, top_k, ids, weights);
+    int rc = check_route(w_type, w, n_rows, k, x, n_tokens, n_expert, top_k, logits, ids, weights, &t);
     if (rc != SPECTER_OK || n_tokens == 0) return rc;
     const cudaStream_t st = cudaStream_t(stream);
     if (n_tokens > kRouterMaxRows || k == 0) {  // the product and the top-k as two launches
