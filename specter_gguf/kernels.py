@@ -7,9 +7,9 @@
   from device-resident routing; experts given by an `ExpertTable` of per-expert addresses, so contiguous
   expert tensors, GPU cache slots and a quantized draft copy all run on the same kernel.
 - The fused ops of a decode step, each one kernel where torch would launch several: `qmatmul_swiglu` (a
-  feed-forward's gate, up and silu(gate) * up), `rms_norm` (with the residual add before it), `moe_topk`
-  (softmax routing), `moe_route` (the router's product and its routing), `add_gated` (a shared expert behind its
-  sigmoid gate), `rope_kv` (q/k/v biases, RoPE, the KV cache store), `decode_attention` (a few queries over the KV
+  feed-forward's gate, up and silu(gate) * up), `rms_norm` (with the residual add before it, which may include a
+  shared expert behind its sigmoid gate), `moe_topk` (softmax routing), `moe_route` (the router's product and its
+  routing), `rope_kv` (q/k/v biases, RoPE, the KV cache store), `decode_attention` (a few queries over the KV
   cache: decode, draft and verification steps).
 
 CUDA calls are enqueued on `torch.cuda.current_stream()` and never synchronise the host (capturable in a
@@ -231,19 +231,31 @@ def _matmul(x: torch.Tensor, w: QuantizedTensor | torch.Tensor, algo: int, swigl
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None,
-             bias: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+             bias: torch.Tensor | None = None, shared: torch.Tensor | None = None,
+             gate: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
     """RMS norm over the last dimension of float32 x `[..., n]` times `weight` (plus `bias`); with `delta`, of the
-    residual sum x + delta, which is returned too: (x + delta or None, normed). One kernel on CUDA."""
+    residual sum x + d, which is returned too: (x + d or None, normed). d is delta, plus `shared` (a MoE layer's
+    shared expert, rows like x) times the sigmoid of its `gate` logits `[T, 1]` (rows may be strided, e.g. a column
+    of a wider product; None: ungated). One kernel on CUDA."""
     n = x.shape[-1]
     xs = x.float().contiguous()
     ds = None if delta is None else delta.float().contiguous()
+    ss = None if shared is None else shared.float().contiguous()
     wt, bs = weight.float().contiguous(), None if bias is None else bias.float().contiguous()
+    rows = xs.numel() // max(n, 1)
     if ds is not None and ds.shape != xs.shape:
         raise SpecterError(f"rms_norm: delta {tuple(ds.shape)} does not match x {tuple(xs.shape)}")
+    if ss is not None and (ds is None or ss.shape != xs.shape):
+        raise SpecterError(f"rms_norm: a shared expert's rows {tuple(ss.shape)} need a delta and the shape of x "
+                           f"{tuple(xs.shape)}")
+    if gate is not None and (ss is None or gate.shape != (rows, 1) or gate.dtype != torch.float32):
+        raise SpecterError(f"rms_norm: a gate needs a shared expert and float32 logits [{rows}, 1], not "
+                           f"{gate.dtype} {tuple(gate.shape)}")
     y = torch.empty_like(xs)
     total = torch.empty_like(xs) if ds is not None else None
     p = _float_ptr
-    args = (p(xs), p(ds), p(wt), p(bs), xs.numel() // max(n, 1), n, float(eps), p(total), p(y))
+    args = (p(xs), p(ds), p(ss), p(gate), 0 if gate is None else gate.stride(0), p(wt), p(bs), rows, n, float(eps),
+            p(total), p(y))
     _call("rms_norm", args, x.device, f"rms_norm (rows of {n})")
     return total, y
 
@@ -289,21 +301,6 @@ def moe_route(x: torch.Tensor, w: torch.Tensor | QuantizedTensor, n_expert: int,
             _ffi().NULL if done is None else _ptr(done, "uint32_t *"))
     _call("moe_route", args, x.device, f"moe_route (top {top_k} of {n_expert} experts, ggml type {w_type})")
     return logits, ids, weights
-
-
-def add_gated(routed: torch.Tensor, shared: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """routed + shared * sigmoid(gate) for float32 rows `[T, n]` and gate logits `[T, 1]` (rows may be strided, e.g.
-    a column of a wider product): the routed experts' sum plus the shared expert behind its gate. One kernel on
-    CUDA, where torch launches two."""
-    rs, ss = routed.float().contiguous(), shared.float().contiguous()
-    if rs.ndim != 2 or ss.shape != rs.shape or gate.shape != (rs.shape[0], 1) or gate.dtype != torch.float32:
-        raise SpecterError(f"add_gated: routed {tuple(rs.shape)}, shared {tuple(ss.shape)} and float32 gate "
-                           f"[T, 1] {gate.dtype} {tuple(gate.shape)} do not match")
-    y = torch.empty_like(rs)
-    T, n = rs.shape
-    args = (_float_ptr(rs), _float_ptr(ss), _float_ptr(gate), gate.stride(0), T, n, _float_ptr(y))
-    _call("add_gated", args, routed.device, f"add_gated (rows of {n})")
-    return y
 
 
 def rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: tuple[torch.Tensor | None, ...],

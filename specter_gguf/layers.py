@@ -22,7 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specter_gguf.config import ModelConfig
 from specter_gguf.errors import SpecterError
-from specter_gguf.kernels import (GEMV_MAX_ROWS, ExpertTable, QuantizedTensor, add_gated, decode_attention,
+from specter_gguf.kernels import (GEMV_MAX_ROWS, ExpertTable, QuantizedTensor, decode_attention,
                                   decode_attention_supported, moe_ffn, moe_route, moe_topk, qmatmul, qmatmul_swiglu,
                                   rms_norm, rope_kv)
 
@@ -132,9 +132,26 @@ class RMSNorm:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, bias=self.bias)[1]
 
-    def add(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add(self, x: torch.Tensor, delta: torch.Tensor | SharedSum) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, the norm of it) in one pass: a block's residual add and the norm that follows it."""
+        if isinstance(delta, SharedSum):
+            return rms_norm(x, self.weight, self.eps, delta=delta.routed, bias=self.bias, shared=delta.shared,
+                            gate=delta.gate)
         return rms_norm(x, self.weight, self.eps, delta=delta, bias=self.bias)
+
+
+@dataclass
+class SharedSum:
+    """A MoE layer's output with a shared expert, left unsummed: routed + shared * sigmoid(gate) (gate None: routed +
+    shared). The norm that reads the residual stream next adds it in its own kernel (`RMSNorm.add`), which saves a
+    kernel in the chain of every such layer."""
+
+    routed: torch.Tensor                # [T, n_embd]
+    shared: torch.Tensor                # [T, n_embd]
+    gate: torch.Tensor | None = None    # [T, 1] logits (qwen2moe)
+
+    def __getitem__(self, rows: slice) -> SharedSum:
+        return SharedSum(self.routed[rows], self.shared[rows], None if self.gate is None else self.gate[rows])
 
 
 _ROPE_BLOCK = 4096  # positions whose angles are computed at once (in float64) when a RoPE table grows
@@ -540,6 +557,7 @@ class Beside:
     def __init__(self, device: torch.device) -> None:
         self.main: torch.cuda.Stream | None = None
         self.side: torch.cuda.Stream | None = None
+        self.used = False  # a join without work would wait for the side stream's older (perhaps uncaptured) work
         if device.type == "cuda":
             main = torch.cuda.current_stream(device)
             side = held_stream(main.device, priority=0)
@@ -549,12 +567,13 @@ class Beside:
     def run(self, work: Callable[[], _Result]) -> _Result:
         if self.side is None:
             return work()
+        self.used = True
         self.side.wait_stream(self.main)
         with torch.cuda.stream(self.side):
             return work()
 
     def join(self) -> None:
-        if self.side is not None:
+        if self.used:
             self.main.wait_stream(self.side)
 
 
@@ -579,11 +598,12 @@ class MoE:
             self._gates = self.router.weight
 
     def __call__(self, x: torch.Tensor, experts: Experts | None = None,
-                 observe: RoutingObserver | None = None) -> torch.Tensor:
-        """The layer's output for x, its routed experts from `experts` (default: its own); `observe` sees the
-        routing. On CUDA the shared expert and the observer run beside the routing and the routed experts: neither
-        is needed by them, the shared expert's few large products keep the memory busy while the routed experts'
-        chain of small kernels waits on itself, and the observer's copies stay out of that chain."""
+                 observe: RoutingObserver | None = None) -> torch.Tensor | SharedSum:
+        """The layer's output for x (with a shared expert, its parts for the next norm to add), its routed experts
+        from `experts` (default: its own); `observe` sees the routing. On CUDA the shared expert and the observer
+        run beside the routing and the routed experts: neither is needed by them, the shared expert's few large
+        products keep the memory busy while the routed experts' chain of small kernels waits on itself, and the
+        observer's copies stay out of that chain."""
         n_expert = self.router.weight.shape[0]
         side = Beside(x.device)
         shared = side.run(lambda: self.shared(x)) if self.shared is not None else None
@@ -595,9 +615,9 @@ class MoE:
         if shared is None:
             return out
         if self.shared_gate is None:
-            return out + shared
+            return SharedSum(out, shared)
         gate = logits[:, n_expert:] if logits.shape[1] > n_expert else matmul(x, self.shared_gate)
-        return add_gated(out, shared, gate)
+        return SharedSum(out, shared, gate)
 
 
 # ---- issue 6 (deepseek2, phimoe): scaled RoPE, latent attention, routing variants -----------------------
@@ -759,9 +779,9 @@ class Block:
     ffn_norm: RMSNorm
     ffn: MoE | FeedForward
 
-    def __call__(self, x: torch.Tensor, delta: torch.Tensor | None, at: Positions, cache: KVCache,
+    def __call__(self, x: torch.Tensor, delta: torch.Tensor | SharedSum | None, at: Positions, cache: KVCache,
                  experts: Experts | None = None,
-                 observe: RoutingObserver | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 observe: RoutingObserver | None = None) -> tuple[torch.Tensor, torch.Tensor | SharedSum]:
         """The residual stream enters as x + delta and leaves as (h, ffn output): each residual add is left to
         the norm that reads the sum next, which computes it in the same kernel. `experts`, `observe`: see
         `MoE.__call__` (ignored by a dense layer)."""

@@ -7,8 +7,8 @@ random data, on the CPU and (when a GPU is visible) on CUDA:
 - `moe_topk`: ids equal to a stable descending sort of the logits (ties to the lower index), weights within
   TOL_TOPK = 1e-6 relative of the float64 softmax (renormalized / scaled as asked);
 - `moe_route`: the router's product and its top-k in one call, bitwise `qmatmul` followed by `moe_topk`;
-- `add_gated`: routed + shared * sigmoid(gate) from a strided gate column, within TOL_GATED = 1e-6 relative of
-  float64, also in place;
+- `rms_norm` of a residual sum with a shared expert: x + routed + shared * sigmoid(gate) from a strided gate column
+  (or ungated), the sum within TOL_GATED = 1e-6 relative of float64 and the norm within TOL_NORM, also in place;
 - `rope_kv`: q, k rotated (NeoX and adjacent pairs, partial rotation, biases, per-head RMS norms) and stored with v
   at the given
   positions of a NaN-poisoned cache; float32 outputs within TOL_ROPE = 1e-6 relative of float64, float16 outputs
@@ -105,7 +105,7 @@ def test_rms_norm(device: str, n: int) -> None:
     f, lb = native.ffi(), native.lib()
     xs = t["x"].clone()
     p = lambda a: f.cast("float *", a.data_ptr())  # noqa: E731
-    args = (p(xs), p(t["delta"]), p(t["weight"]), f.NULL, 3, n, eps, p(xs), p(xs))
+    args = (p(xs), p(t["delta"]), f.NULL, f.NULL, 0, p(t["weight"]), f.NULL, 3, n, eps, p(xs), p(xs))
     code = lb.specter_cuda_rms_norm(*args, _stream(device)) if device == "cuda" else lb.specter_rms_norm(*args, 2)
     _sync(device)
     assert code == 0
@@ -181,28 +181,40 @@ def test_moe_route_is_the_product_and_its_topk(device: str, wtype: GT) -> None:
             assert int(done.item()) == 0
 
 
-# ---- a shared expert behind its gate --------------------------------------------------------------------
+# ---- a shared expert behind its gate, added by the norm ---------------------------------------------------
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("T", [1, 9])
-def test_add_gated(device: str, T: int) -> None:
-    rng = np.random.default_rng(T)
-    n, E = 2048, 60
-    routed, shared = (rng.standard_normal((T, n)).astype(np.float32) for _ in range(2))
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])
+def test_rms_norm_adds_a_shared_expert(device: str, T: int, gated: bool) -> None:
+    rng = np.random.default_rng(T + 10 * gated)
+    n, E, eps = 2048, 60, 1e-6
+    x, routed, shared = (rng.standard_normal((T, n)).astype(np.float32) for _ in range(3))
+    weight = rng.standard_normal(n).astype(np.float32)
     logits = rng.standard_normal((T, E + 1)).astype(np.float32) * 4  # the router's product with the gate's row
-    ref = routed + shared.astype(np.float64) / (1 + np.exp(-logits[:, E:].astype(np.float64)))
-    r, s_, lg = (torch.from_numpy(a).to(device) for a in (routed, shared, logits))
-    y = kernels.add_gated(r, s_, lg[:, E:])
-    assert np.abs(y.cpu().numpy() - ref).max() / np.abs(ref).max() <= TOL_GATED
+    g = 1 / (1 + np.exp(-logits[:, E:].astype(np.float64))) if gated else 1.0
+    s = x.astype(np.float64) + routed + shared.astype(np.float64) * g
+    ref = s / np.sqrt((s * s).mean(-1, keepdims=True) + eps) * weight
+    xt, r, sh, lg, wt = (torch.from_numpy(a).to(device) for a in (x, routed, shared, logits, weight))
+    gate = lg[:, E:] if gated else None
+    total, y = kernels.rms_norm(xt, wt, eps, delta=r, shared=sh, gate=gate)
+    assert np.abs(total.cpu().numpy() - s).max() / np.abs(s).max() <= TOL_GATED
+    assert np.abs(y.cpu().numpy() - ref).max() / np.abs(ref).max() <= TOL_NORM
+    # in place: y and the sum over the shared expert's own storage, as the header allows
     f, lb = native.ffi(), native.lib()
-    p = lambda a: f.cast("float *", a.data_ptr())  # noqa: E731
-    args = (p(r), p(s_), p(lg[:, E:]), E + 1, T, n, p(r))  # y over routed's own storage, as the header allows
-    code = lb.specter_cuda_add_gated(*args, _stream(device)) if device == "cuda" else lb.specter_add_gated(*args, 2)
+    p = lambda a: f.cast("float *", a.data_ptr()) if a is not None else f.NULL  # noqa: E731
+    args = (p(xt), p(r), p(sh), p(gate), E + 1, p(wt), f.NULL, T, n, eps, f.NULL, p(sh))
+    code = lb.specter_cuda_rms_norm(*args, _stream(device)) if device == "cuda" else lb.specter_rms_norm(*args, 2)
     _sync(device)
     assert code == 0
-    np.testing.assert_array_equal(r.cpu().numpy(), y.cpu().numpy())
-    with pytest.raises(Exception, match="add_gated"):
-        kernels.add_gated(r, s_[:, 1:], lg[:, E:])
+    np.testing.assert_array_equal(sh.cpu().numpy(), y.cpu().numpy())
+    with pytest.raises(Exception, match="rms_norm"):
+        kernels.rms_norm(xt, wt, eps, delta=r, shared=sh[:, 1:], gate=gate)
+    with pytest.raises(Exception, match="rms_norm"):
+        kernels.rms_norm(xt, wt, eps, shared=r)
+    args = (p(xt), f.NULL, p(sh), f.NULL, 0, p(wt), f.NULL, T, n, eps, f.NULL, p(y))  # a shared expert needs a delta
+    code = lb.specter_cuda_rms_norm(*args, _stream(device)) if device == "cuda" else lb.specter_rms_norm(*args, 2)
+    assert code == lb.SPECTER_ERR_INVALID_ARG
 
 
 # ---- RoPE + KV cache store -------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 /*
  * specter_kernels.h - matrix kernels over GGUF-typed weights, and the small fused ops around them in a
- * decode step (MoE routing, a gated shared expert, RoPE + KV cache store, attention of a few queries), and a wait
- * on a counter that orders them after copies (libspecter).
+ * decode step (the residual add and its norm, MoE routing, RoPE + KV cache store, attention of a few queries), and
+ * a wait on a counter that orders them after copies (libspecter).
  *
  * Every operation has a CPU entry point (specter_*) and a CUDA one (specter_cuda_*) with the same
  * data arguments; the last argument differs: `n_threads` (CPU threads, <= 0: all cores) for the
@@ -72,12 +72,17 @@ SPECTER_API int specter_cuda_qmatmul_swiglu(int w_type, const void * w, int64_t 
 
 /* ---- RMS norm, optionally of a residual sum ---------------------------------------------------- */
 
-/* For each of n_rows rows of n float32 values (contiguous): s = x + delta (delta NULL: s = x), written to `sum`
- * unless it is NULL; y = s / sqrt(mean(s^2) + eps) * weight [n] (+ bias [n], NULL: none). The residual add and
- * the norm of a transformer block in one pass. y may alias x or delta; sum may too. */
-SPECTER_API int specter_rms_norm(const float * x, const float * delta, const float * weight, const float * bias,
-                                 int64_t n_rows, int64_t n, float eps, float * sum, float * y, int n_threads);
-SPECTER_API int specter_cuda_rms_norm(const float * x, const float * delta, const float * weight,
+/* For each of n_rows rows of n float32 values (contiguous): s = x + d, where d = delta + shared * sigmoid(gate[r *
+ * gate_stride]) for row r (a MoE layer's routed sum plus its shared expert behind the gate's logit, qwen2moe), d =
+ * delta + shared with gate NULL (an ungated shared expert), d = delta with shared NULL, and s = x with delta NULL
+ * (shared must be NULL then, gate NULL when shared is). s is written to `sum` unless it is NULL; y = s /
+ * sqrt(mean(s^2) + eps) * weight [n] (+ bias [n], NULL: none). The residual add and the norm of a transformer block
+ * in one pass. y may alias x, delta or shared; sum may too. */
+SPECTER_API int specter_rms_norm(const float * x, const float * delta, const float * shared, const float * gate,
+                                 int64_t gate_stride, const float * weight, const float * bias, int64_t n_rows,
+                                 int64_t n, float eps, float * sum, float * y, int n_threads);
+SPECTER_API int specter_cuda_rms_norm(const float * x, const float * delta, const float * shared,
+                                      const float * gate, int64_t gate_stride, const float * weight,
                                       const float * bias, int64_t n_rows, int64_t n, float eps, float * sum,
                                       float * y, void * stream);
 
@@ -210,16 +215,6 @@ SPECTER_API int specter_cuda_moe_ffn(const float * x, int64_t n_tokens, int64_t 
                                      const uint64_t * down_ptrs, int down_type,
                                      void * workspace, size_t workspace_bytes,
                                      float * out, int accumulate, void * stream);
-
-/* ---- a shared expert behind its gate (qwen2moe) -------------------------------------------- */
-
-/* For each of n_tokens rows of n float32 values (contiguous): y = routed + shared * sigmoid(gate[t * gate_stride]),
- * the routed experts' sum plus the shared expert scaled by the sigmoid of its gate's logit. y may alias routed or
- * shared. */
-SPECTER_API int specter_add_gated(const float * routed, const float * shared, const float * gate,
-                                  int64_t gate_stride, int64_t n_tokens, int64_t n, float * y, int n_threads);
-SPECTER_API int specter_cuda_add_gated(const float * routed, const float * shared, const float * gate,
-                                       int64_t gate_stride, int64_t n_tokens, int64_t n, float * y, void * stream);
 
 /* ---- ordering: work that waits for a counter ------------------------------------------------ */
 

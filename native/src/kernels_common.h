@@ -35,18 +35,13 @@ inline int check_qmatmul(int w_type, const void * w, int64_t n, int64_t k, int x
     return SPECTER_OK;
 }
 
-inline int check_rms_norm(const float * x, const float * weight, int64_t n_rows, int64_t n, float eps,
+inline int check_rms_norm(const float * x, const float * delta, const float * shared, const float * gate,
+                          int64_t gate_stride, const float * weight, int64_t n_rows, int64_t n, float eps,
                           const float * y) {
     if (n_rows < 0 || n < 1 || !(eps >= 0.0f) || n_rows * n >= (int64_t(1) << 40)) return SPECTER_ERR_INVALID_ARG;
-    if (n_rows > 0 && (!x || !weight || !y)) return SPECTER_ERR_INVALID_ARG;
-    return SPECTER_OK;
-}
-
-inline int check_add_gated(const float * routed, const float * shared, const float * gate, int64_t gate_stride,
-                           int64_t n_tokens, int64_t n, const float * y) {
-    if (n_tokens < 0 || n < 0 || n_tokens * n >= (int64_t(1) << 40) || (n_tokens > 1 && gate_stride < 1))
+    if ((shared && !delta) || (gate && !shared) || (gate && n_rows > 1 && gate_stride < 1))
         return SPECTER_ERR_INVALID_ARG;
-    if (n_tokens > 0 && n > 0 && (!routed || !shared || !gate || !y)) return SPECTER_ERR_INVALID_ARG;
+    if (n_rows > 0 && (!x || !weight || !y)) return SPECTER_ERR_INVALID_ARG;
     return SPECTER_OK;
 }
 

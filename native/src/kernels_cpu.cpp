@@ -376,31 +376,20 @@ int specter_moe_ffn(const float * x, int64_t n_tokens, int64_t d_model, const in
 
 extern "C" {
 
-int specter_add_gated(const float * routed, const float * shared, const float * gate, int64_t gate_stride,
-                      int64_t n_tokens, int64_t n, float * y, int n_threads) {
-    const int rc = check_add_gated(routed, shared, gate, gate_stride, n_tokens, n, y);
-    if (rc != SPECTER_OK) return rc;
-    return guarded([&] {
-        parallel_for(n_tokens, n_threads, std::max<int64_t>(1, kMinElems / std::max<int64_t>(n, 1)),
-                     [&](int64_t b, int64_t e) {
-                         for (int64_t t = b; t < e; ++t) {
-                             const float g = 1.0f / (1.0f + std::exp(-gate[t * gate_stride]));
-                             for (int64_t i = 0; i < n; ++i) y[t * n + i] = routed[t * n + i] + shared[t * n + i] * g;
-                         }
-                     });
-        return SPECTER_OK;
-    });
-}
-
-int specter_rms_norm(const float * x, const float * delta, const float * weight, const float * bias, int64_t n_rows,
-                     int64_t n, float eps, float * sum, float * y, int n_threads) {
-    const int rc = check_rms_norm(x, weight, n_rows, n, eps, y);
+int specter_rms_norm(const float * x, const float * delta, const float * shared, const float * gate,
+                     int64_t gate_stride, const float * weight, const float * bias, int64_t n_rows, int64_t n,
+                     float eps, float * sum, float * y, int n_threads) {
+    const int rc = check_rms_norm(x, delta, shared, gate, gate_stride, weight, n_rows, n, eps, y);
     if (rc != SPECTER_OK) return rc;
     return guarded([&] {
         parallel_for(n_rows, n_threads, std::max<int64_t>(1, kMinElems / n), [&](int64_t b, int64_t e) {
             std::vector<float> s(static_cast<size_t>(n));
             for (int64_t r = b; r < e; ++r) {
-                for (int64_t i = 0; i < n; ++i) s[size_t(i)] = x[r * n + i] + (delta ? delta[r * n + i] : 0.0f);
+                const float g = gate ? 1.0f / (1.0f + std::exp(-gate[r * gate_stride])) : 1.0f;
+                for (int64_t i = 0; i < n; ++i) {
+                    const int64_t at = r * n + i;
+                    s[size_t(i)] = !delta ? x[at] : x[at] + (shared ? delta[at] + shared[at] * g : delta[at]);
+                }
                 const float scale = rms_scale(s.data(), n, eps);
                 for (int64_t i = 0; i < n; ++i) {
                     if (sum) sum[r * n + i] = s[size_t(i)];

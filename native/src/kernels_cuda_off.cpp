@@ -16,11 +16,8 @@ int specter_cuda_qmatmul(int, const void *, int64_t, int64_t, int, const void *,
 int specter_cuda_qmatmul_swiglu(int, const void *, int64_t, int64_t, int, const void *, int64_t, float *, void *) {
     return SPECTER_ERR_NO_CUDA;
 }
-int specter_cuda_rms_norm(const float *, const float *, const float *, const float *, int64_t, int64_t, float, float *,
-                          float *, void *) {
-    return SPECTER_ERR_NO_CUDA;
-}
-int specter_cuda_add_gated(const float *, const float *, const float *, int64_t, int64_t, int64_t, float *, void *) {
+int specter_cuda_rms_norm(const float *, const float *, const float *, const float *, int64_t, const float *,
+                          const float *, int64_t, int64_t, float, float *, float *, void *) {
     return SPECTER_ERR_NO_CUDA;
 }
 int specter_cuda_moe_topk(const float *, int64_t, int64_t, int64_t, int64_t, int, float, int32_t *, float *, void *) {

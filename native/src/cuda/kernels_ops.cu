@@ -1,5 +1,5 @@
-// CUDA versions of the small fused ops of a decode step (specter_kernels.h): MoE top-k routing and the
-// attention inputs (biases, RoPE, KV cache store). Each replaces several framework kernels with one launch.
+// CUDA versions of the small fused ops of a decode step (specter_kernels.h): the residual add and its norm, MoE
+// top-k routing and the attention inputs (biases, RoPE, KV cache store). Each replaces several framework kernels with one launch.
 // Also the wait on a counter that orders a graph's kernels after copies issued on another stream.
 #include <cstdint>
 
@@ -12,28 +12,37 @@ namespace specter {
 namespace cuda {
 namespace {
 
-// One CTA of 256 threads per row: s = x + delta kept in registers (n <= 256 * kNormPerThread) or re-read.
+// One CTA of 256 threads per row: s = x + d (specter_rms_norm's d) kept in registers (n <= 256 * kNormPerThread)
+// or re-read.
 constexpr int kNormPerThread = 16;
 
-__global__ void __launch_bounds__(256) rms_norm_kernel(const float * x, const float * delta,  // y or sum may alias them
-                                                       const float * __restrict__ weight,
+// Element i of row sum s = x + d, the shared expert scaled by g (1 when ungated).
+__device__ __forceinline__ float residual_sum(const float * x, const float * delta, const float * shared, float g,
+                                              long long i) {
+    return !delta ? x[i] : x[i] + (shared ? delta[i] + shared[i] * g : delta[i]);
+}
+
+__global__ void __launch_bounds__(256) rms_norm_kernel(const float * x, const float * delta,  // y or sum may alias
+                                                       const float * shared, const float * __restrict__ gate,
+                                                       long long gate_stride, const float * __restrict__ weight,
                                                        const float * __restrict__ bias, long long n, float eps,
                                                        float * sum, float * y) {
     start_after_prior_kernels();
     __shared__ float red[8];
     const long long base = (long long)blockIdx.x * n;
+    const float g = gate ? 1.0f / (1.0f + expf(-gate[blockIdx.x * gate_stride])) : 1.0f;
     float s[kNormPerThread], wt[kNormPerThread], bs[kNormPerThread];
     float ss = 0.0f;
 #pragma unroll
     for (int j = 0; j < kNormPerThread; ++j) {  // weight and bias loaded with x: no second wait after the sum
         const long long i = threadIdx.x + (long long)j * blockDim.x;
-        s[j] = i < n ? x[base + i] + (delta ? delta[base + i] : 0.0f) : 0.0f;
+        s[j] = i < n ? residual_sum(x, delta, shared, g, base + i) : 0.0f;
         wt[j] = i < n ? weight[i] : 0.0f;
         bs[j] = i < n && bias ? bias[i] : 0.0f;
         ss = fmaf(s[j], s[j], ss);
     }
     for (long long i = threadIdx.x + (long long)kNormPerThread * blockDim.x; i < n; i += blockDim.x) {
-        const float v = x[base + i] + (delta ? delta[base + i] : 0.0f);
+        const float v = residual_sum(x, delta, shared, g, base + i);
         ss = fmaf(v, v, ss);
     }
 #pragma unroll
@@ -52,7 +61,7 @@ __global__ void __launch_bounds__(256) rms_norm_kernel(const float * x, const fl
         }
     }
     for (long long i = threadIdx.x + (long long)kNormPerThread * blockDim.x; i < n; i += blockDim.x) {
-        const float v = x[base + i] + (delta ? delta[base + i] : 0.0f);
+        const float v = residual_sum(x, delta, shared, g, base + i);
         if (sum) sum[base + i] = v;
         y[base + i] = v * scale * weight[i] + (bias ? bias[i] : 0.0f);
     }
@@ -149,15 +158,6 @@ __global__ void wait_counter_kernel(const volatile long long * counter, const lo
     if (waited_ns) atomicAdd(waited_ns, now - t0);
 }
 
-__global__ void add_gated_kernel(const float * routed, const float * shared, const float * __restrict__ gate,
-                                 long long gate_stride, long long total, long long n, float * y) {
-    start_after_prior_kernels();
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= total) return;
-    const float g = 1.0f / (1.0f + expf(-gate[i / n * gate_stride]));
-    y[i] = routed[i] + shared[i] * g;
-}
-
 }  // namespace
 }  // namespace cuda
 }  // namespace specter
@@ -167,24 +167,15 @@ using namespace specter::cuda;
 
 extern "C" {
 
-int specter_cuda_rms_norm(const float * x, const float * delta, const float * weight, const float * bias,
-                          int64_t n_rows, int64_t n, float eps, float * sum, float * y, void * stream) {
-    const int rc = check_rms_norm(x, weight, n_rows, n, eps, y);
+int specter_cuda_rms_norm(const float * x, const float * delta, const float * shared, const float * gate,
+                          int64_t gate_stride, const float * weight, const float * bias, int64_t n_rows, int64_t n,
+                          float eps, float * sum, float * y, void * stream) {
+    const int rc = check_rms_norm(x, delta, shared, gate, gate_stride, weight, n_rows, n, eps, y);
     if (rc != SPECTER_OK || n_rows == 0) return rc;
     if (n_rows > 0x7fffffffLL) return SPECTER_ERR_INVALID_ARG;
     cudaGetLastError();
-    launch(rms_norm_kernel, unsigned(n_rows), 256, cudaStream_t(stream), x, delta, weight, bias, n, eps, sum, y);
-    return launch_status();
-}
-
-int specter_cuda_add_gated(const float * routed, const float * shared, const float * gate, int64_t gate_stride,
-                           int64_t n_tokens, int64_t n, float * y, void * stream) {
-    const int rc = check_add_gated(routed, shared, gate, gate_stride, n_tokens, n, y);
-    const long long total = n_tokens * n;
-    if (rc != SPECTER_OK || total == 0) return rc;
-    cudaGetLastError();
-    launch(add_gated_kernel, unsigned((total + 255) / 256), 256, cudaStream_t(stream), routed, shared, gate,
-           gate_stride, total, n, y);
+    launch(rms_norm_kernel, unsigned(n_rows), 256, cudaStream_t(stream), x, delta, shared, gate,
+           (long long)gate_stride, weight, bias, n, eps, sum, y);
     return launch_status();
 }
 
