@@ -236,7 +236,7 @@ SPECTER_HOST_DEVICE inline uint32_t sample_key(float x) {
     uint32_t b;
     memcpy(&b, &x, 4);
     if ((b & 0x7fffffffu) == 0) b = 0;
-    const uint32_t k = (b & 0x80000000u) ? ~b : b | 0x80000000u;
+    const uint32_t k = b ^ (uint32_t(int32_t(b) >> 31) | 0x80000000u);  // ~b when negative: no branch on the sign
     return k > 1u ? k : 1u;
 }
 
