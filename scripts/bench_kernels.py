@@ -18,9 +18,12 @@ on MoE expert shapes, and the grouped MoE layer time.
   fully on the GPU, our engine with its decode step in CUDA graphs (and eagerly, for comparison) beside
   llama.cpp's `llama-bench -p 0 -n N -ngl 99` on the same file in the same run (`--llama-bin DIR`), plus the GPU
   kernel time of one eager decode step by kernel (torch profiler) to show where a step's time goes.
-- Sampling: the sampled verdict's chain on the device (`sampling.chain_probabilities` over the top-40 candidates
-  of a 151,936-token vocabulary, then `draw_rows`) for 1 row (a draft step) and 9 rows (a verification of 8
-  drafted tokens), beside the greedy verdict's argmax, in a CUDA graph.
+- Sampling: the sampled verdict's chain on the device (`sampling.chain_sample`: the native `kernels.sample_chain`
+  over the top-40 candidates of a 151,936-token vocabulary, with a draw per row and without) for 1 row (a draft
+  step) and 9 rows (a verification of 8 drafted tokens), and the whole verdict of such steps
+  (`speculation.accept.SampledVerdict`: the chain, the acceptance tests and the writes of the step's outputs), beside
+  the greedy verdict's argmax, in a CUDA graph. (The torch ops the native chain replaced took 107.8 us for 1 row and
+  133.1 us for 9 with their draw on the H200.)
 - Attention: a few queries over an f16 KV cache of the Qwen1.5-MoE shape (16 query heads, 16 KV heads of 128),
   T = 1 (a decode or draft step) and T = 9 (a verification of 8 drafted tokens), windows of 256, 1024 and 4096
   keys with the tokens at the window's end: torch SDPA as `Attention` ran it before (`layers.attend` with the mask
@@ -222,15 +225,27 @@ def bench_moe_shape(dev: torch.device, iters: int, shape: str) -> list[dict]:
 
 
 def bench_sampling(dev: torch.device, iters: int, n_vocab: int = 151936) -> list[dict]:
-    from specter_gguf.sampling import SamplingParams, chain_knobs, chain_probabilities, draw_rows
+    from specter_gguf.sampling import SamplingParams, chain_knobs, chain_sample, chain_workspace
+    from specter_gguf.speculation.accept import SampledVerdict
 
-    knobs = chain_knobs(SamplingParams(temperature=1.0, top_k=40, top_p=0.95, min_p=0.05)).to(dev)
+    params = SamplingParams(temperature=1.0, top_k=40, top_p=0.95, min_p=0.05)
+    knobs = chain_knobs(params).to(dev)
     out = []
     for rows in (1, 9):
         logits = torch.randn(rows, n_vocab, device=dev)
         uniforms = torch.rand(rows, dtype=torch.float64, device=dev)
+        found = (torch.empty(rows, 40, dtype=torch.long, device=dev), torch.empty(rows, 40, dtype=torch.float64,
+                 device=dev), torch.empty(rows, dtype=torch.long, device=dev))
+        ws = chain_workspace(rows, n_vocab, 40, dev)
+        verdict = SampledVerdict(params, rows, n_vocab, dev)
+        verdict.uniforms.copy_(uniforms)
+        inputs = torch.cat([torch.randint(n_vocab, (rows,)), torch.tensor([100])]).to(dev)
+        choice, next_ = (torch.zeros(n, dtype=torch.long, device=dev) for n in (rows + 1, 2))
+        finite = torch.ones(1, dtype=torch.bool, device=dev)
         ops = {"argmax (greedy)": lambda: torch.max(logits, -1),
-               "chain + draw (sampled)": lambda: draw_rows(*chain_probabilities(logits, 40, knobs), uniforms)}
+               "chain + draw": lambda: chain_sample(logits, 40, knobs, uniforms, found, ws),
+               "chain": lambda: chain_sample(logits, 40, knobs, out=(*found[:2], None), workspace=ws),
+               "sampled verdict": lambda: verdict(logits, inputs, choice, next_, finite)}
         for name, fn in ops.items():
             out.append(dict(op=name, rows=rows, us=1e6 * graph_time([fn], iters)))
     return out

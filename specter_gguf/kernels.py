@@ -10,7 +10,8 @@
   feed-forward's gate, up and silu(gate) * up), `rms_norm` (with the residual add before it, which may include a
   shared expert behind its sigmoid gate), `moe_topk` (softmax routing), `moe_route` (the router's product and its
   routing), `rope_kv` (q/k/v biases, RoPE, the KV cache store), `decode_attention` (a few queries over the KV
-  cache: decode, draft and verification steps).
+  cache: decode, draft and verification steps), `sample_chain` (llama.cpp's sampling chain and a draw per row: the
+  sampled verdict of speculative decoding).
 
 CUDA calls are enqueued on `torch.cuda.current_stream()` and never synchronise the host (capturable in a
 CUDA graph when the caller passes a preallocated `workspace` / `out`); CPU calls use
@@ -400,6 +401,68 @@ def decode_attention(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tens
     _call("decode_attention", args, q.device,
           f"decode_attention (T={T}, {H}/{n_kv} heads of {d}, {keys} of {capacity} keys: a position outside them?)")
     return out
+
+
+SAMPLE_MAX_CANDIDATES = 256  # sample_chain ranks at most this many candidates (top_k)
+SAMPLE_MAX_VOCAB = 262144    # of at most this many logits a row
+
+
+def sample_chain_fits(n_vocab: int, n_candidates: int, device: torch.device) -> bool:
+    """Whether `sample_chain` takes the top `n_candidates` of `n_vocab` logits on `device`."""
+    return (1 <= n_candidates <= min(n_vocab, SAMPLE_MAX_CANDIDATES) and n_vocab <= SAMPLE_MAX_VOCAB
+            and (device.type == "cpu" or (device.type == "cuda" and native.has_cuda())))
+
+
+def sample_chain_workspace_size(n_rows: int, n_vocab: int, n_candidates: int) -> int:
+    """Bytes of scratch `sample_chain` needs (preallocate it once to capture the call in a CUDA graph)."""
+    f, lb = native.ffi(), native.lib()
+    out = f.new("size_t *")
+    native.check(lb.specter_sample_chain_workspace_size(n_rows, n_vocab, n_candidates, out),
+                 f"sample chain workspace size ({n_rows} rows, top {n_candidates} of {n_vocab} logits)")
+    return int(out[0])
+
+
+def sample_chain(logits: torch.Tensor, n_candidates: int, knobs: torch.Tensor, uniforms: torch.Tensor | None = None,
+                 *, ids: torch.Tensor | None = None, probs: torch.Tensor | None = None,
+                 tokens: torch.Tensor | None = None,
+                 workspace: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """llama.cpp's sampling chain without penalties (top_k, top_p, min_p, temperature, softmax: specter_kernels.h,
+    `sampling.chain_probabilities`) for each row of float32 `logits` `[R, n_vocab]` (contiguous rows, any row
+    stride) over its top C = `n_candidates` logits, in float64, with `knobs` (`sampling.chain_knobs`, on the logits'
+    device): (ids `[R, C]` int64 ascending, probs `[R, C]` float64, 0 for the candidates the filters dropped; and
+    with `uniforms` (float64 `[R]` in [0, 1)) one token a row `[R]` int64, drawn as `sampling.draw_rows` draws, else
+    None). Ties at the top_k boundary and among the candidates go to the lower id. `ids`, `probs`, `tokens` (e.g. a
+    view of a step's outputs) and the `workspace` (uint8, `sample_chain_workspace_size` bytes) are written when given
+    (preallocated: CUDA graphs). On CUDA two kernels, no host synchronisation."""
+    if logits.ndim != 2 or logits.dtype != torch.float32 or logits.stride(1) != 1:
+        raise SpecterError(f"sample_chain needs float32 logits [rows, n_vocab] with contiguous rows, not "
+                           f"{logits.dtype} {tuple(logits.shape)}")
+    R, n_vocab = logits.shape
+    C, dev = n_candidates, logits.device
+
+    def buffer(t: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, name: str) -> torch.Tensor:
+        if t is None:
+            return torch.empty(shape, dtype=dtype, device=dev)
+        if t.shape != shape or t.dtype != dtype or not t.is_contiguous() or t.device != dev:
+            raise SpecterError(f"sample_chain: {name} must be a contiguous {dtype} {list(shape)} tensor on {dev}")
+        return t
+
+    need = sample_chain_workspace_size(R, n_vocab, C)
+    buffer(knobs, (3,), torch.float64, "knobs")
+    ids, probs = buffer(ids, (R, C), torch.int64, "ids"), buffer(probs, (R, C), torch.float64, "probs")
+    if uniforms is not None:
+        buffer(uniforms, (R,), torch.float64, "uniforms")
+        tokens = buffer(tokens, (R,), torch.int64, "tokens")
+    if workspace is None:
+        workspace = torch.empty(max(need, 1), dtype=torch.uint8, device=dev)
+    elif workspace.numel() < need or workspace.device != dev:
+        raise SpecterError(f"sample_chain: the workspace must hold {need} bytes on {dev}")
+    null = _ffi().NULL
+    args = (_float_ptr(logits), R, n_vocab, logits.stride(0) if R > 1 else n_vocab, C, _ptr(knobs, "double *"),
+            null if uniforms is None else _ptr(uniforms, "double *"), _ptr(ids, "int64_t *"), _ptr(probs, "double *"),
+            null if uniforms is None else _ptr(tokens, "int64_t *"), _ptr(workspace), workspace.numel())
+    _call("sample_chain", args, dev, f"sample_chain ({R} rows, top {C} of {n_vocab} logits)")
+    return ids, probs, tokens if uniforms is not None else None
 
 
 WAIT_TIMEOUT_NS = 30 * 10**9  # a counter never raised is a bug: the device traps rather than hangs

@@ -22,9 +22,10 @@ yields there too; :meth:`Sampler.probabilities` is then the one-hot vector of th
 All of the arithmetic runs in float64: with top_k on, penalties and top_k run where the logits are (the GPU in
 generation) and only the top_k candidates cross to the host; otherwise everything runs on the CPU.
 
-`chain_probabilities` and `draw_rows` are stages 2-6 without penalties as fixed-shape tensor ops on the logits'
-device, many rows at once, over the top_k candidates only, which a CUDA graph can hold (speculative sampling on
-the device); their uniforms come from the sampler's generator (`Sampler.uniforms`).
+`chain_probabilities` and `chain_sample` are stages 2-6 without penalties on the logits' device, many rows at once,
+over the top_k candidates only, in a form a CUDA graph can hold (speculative sampling on the device): one native call
+(`kernels.sample_chain`), which also draws a token per row; `draw_rows` draws from any candidates' probabilities (a
+rejected draft's residual). The uniforms come from the sampler's generator (`Sampler.uniforms`).
 """
 
 from __future__ import annotations
@@ -36,9 +37,11 @@ from typing import Sequence
 
 import torch
 
+from . import kernels
 from .errors import SpecterError
 
-__all__ = ["SamplingParams", "SamplingOptionError", "Sampler", "chain_knobs", "chain_probabilities", "draw_rows", "probabilities_at"]
+__all__ = ["SamplingParams", "SamplingOptionError", "Sampler", "chain_knobs", "chain_probabilities", "chain_sample",
+           "chain_workspace", "draw_rows", "probabilities_at"]
 
 
 def _is_int(v) -> bool:
@@ -148,8 +151,32 @@ def chain_probabilities(logits: torch.Tensor, n_candidates: int,
     """Stages 2-6 (no penalties; temperature > 0) for each row of `logits` [R, n_vocab] with the `knobs` of
     `chain_knobs` on the logits' device, over the top `n_candidates` only (every later stage keeps a prefix of
     them): (ids [R, C] ascending, their final probabilities [R, C] float64), C = n_candidates; the other tokens
-    have probability 0. The same filters as `Sampler.probabilities`, except that ties at the top_k boundary are
-    broken by `torch.topk`'s order instead of by id."""
+    have probability 0. The same filters as `Sampler.probabilities`, ties at the top_k boundary and among the
+    candidates going to the lowest ids (as `torch.topk` orders them past the native chain's limits: top_k off)."""
+    ids, probs, _ = chain_sample(logits, n_candidates, knobs)
+    return ids, probs
+
+
+def chain_workspace(n_rows: int, n_vocab: int, n_candidates: int, device: torch.device) -> torch.Tensor | None:
+    """The scratch `chain_sample` of up to `n_rows` rows uses (None: it needs none), preallocated for CUDA graphs."""
+    if not kernels.sample_chain_fits(n_vocab, n_candidates, device):
+        return None
+    return torch.empty(kernels.sample_chain_workspace_size(n_rows, n_vocab, n_candidates), dtype=torch.uint8,
+                       device=device)
+
+
+def chain_sample(logits: torch.Tensor, n_candidates: int, knobs: torch.Tensor, uniforms: torch.Tensor | None = None,
+                 out: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+                 workspace: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`chain_probabilities` and, with `uniforms` [R] in [0, 1), a token per row drawn as `draw_rows` draws: (ids,
+    probs, tokens [R] or None), written into `out` = (ids, probs, tokens) when given, with the `workspace` of
+    `chain_workspace` (preallocated: CUDA graphs)."""
+    if (kernels.sample_chain_fits(logits.shape[-1], n_candidates, logits.device) and logits.dtype == torch.float32
+            and logits.stride(-1) == 1):
+        ids, probs, tokens = (None, None, None) if out is None else out
+        return kernels.sample_chain(logits, n_candidates, knobs, uniforms, ids=ids, probs=probs, tokens=tokens,
+                                    workspace=workspace)
+    # top_k off (C = the whole vocabulary) or past the native chain's limits: tensor ops
     vals, ids = torch.topk(logits.float(), n_candidates, dim=-1)  # float32 ranks as float64: widening is exact
     vals = vals.to(torch.float64)
     rank = torch.arange(n_candidates, device=vals.device)
@@ -158,7 +185,15 @@ def chain_probabilities(logits: torch.Tensor, n_candidates: int,
     min_p = (vals >= vals[:, :1] + knobs[2]).sum(-1, keepdim=True).clamp(min=1)
     kept = torch.where(rank < torch.minimum(top_p, min_p), vals / knobs[0], -math.inf)
     ids, order = torch.sort(ids, -1)
-    return ids, torch.softmax(kept, -1).gather(-1, order)
+    probs = torch.softmax(kept, -1).gather(-1, order)
+    tokens = None if uniforms is None else draw_rows(ids, probs, uniforms)
+    if out is None:
+        return ids, probs, tokens
+    out[0].copy_(ids)
+    out[1].copy_(probs)
+    if tokens is not None:
+        out[2].copy_(tokens)
+    return out[0], out[1], None if tokens is None else out[2]
 
 
 def probabilities_at(ids: torch.Tensor, probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,11 @@ random data, on the CPU and (when a GPU is visible) on CUDA:
 - `rope_kv`: q, k rotated (NeoX and adjacent pairs, partial rotation, biases, per-head RMS norms) and stored with v
   at the given
   positions of a NaN-poisoned cache; float32 outputs within TOL_ROPE = 1e-6 relative of float64, float16 outputs
-  within one f16 rounding (2^-11 relative) of it; the cache rows of other positions stay untouched.
+  within one f16 rounding (2^-11 relative) of it; the cache rows of other positions stay untouched;
+- `sample_chain`: ids equal to the top C of a stable descending sort (ties to the lower id, across the CUDA kernel's
+  chunks too), probs within TOL_CHAIN = 1e-12 relative of float64 numpy (0 exactly where the filters drop), the
+  draw exactly the rule of `sampling.draw_rows` on the probs it returned; CUDA's ids and tokens equal the CPU's,
+  its probs within 1e-14 relative; argument errors are SPECTER_ERR_INVALID_ARG before anything runs.
 """
 
 from __future__ import annotations
@@ -23,13 +27,15 @@ import torch
 from gguf import GGMLQuantizationType as GT
 
 from specter_gguf import kernels, native
-from tests.test_kernels import DEVICES, make_weight, qt
+from specter_gguf.errors import SpecterError
+from tests.test_kernels import CUDA_OK, DEVICES, make_weight, qt
 
 TOL_SWIGLU = 1e-5
 TOL_TOPK = 1e-6
 TOL_ROPE = 1e-6
 TOL_NORM = 1e-6
 TOL_GATED = 1e-6
+TOL_CHAIN = 1e-12
 
 
 def _stream(device: str):
@@ -301,3 +307,167 @@ def test_rope_kv_position_outside_the_cache(device: str) -> None:
         kernels.rope_kv(*args)
         torch.cuda.synchronize()
         assert not k_cache.any() and not v_cache.any()
+
+
+# ---- the sampling chain -------------------------------------------------------------------------------------
+
+OFF_P, OFF_MIN_P = 2.0, -np.inf  # top_p and log(min_p) when off (sampling.chain_knobs)
+KNOBS = [(1.0, OFF_P, OFF_MIN_P), (0.5, 0.9, OFF_MIN_P), (2.0, OFF_P, np.log(0.05)), (1.0, 0.95, np.log(0.05))]
+
+
+def chain_reference(logits: np.ndarray, C: int, knobs: tuple[float, float, float]) -> tuple[np.ndarray, np.ndarray]:
+    """The chain of specter_kernels.h in float64 numpy, row by row: (ids ascending, probs)."""
+    temperature, top_p, log_min_p = knobs
+    R, V = logits.shape
+    ids, probs = np.zeros((R, C), np.int64), np.zeros((R, C))
+    for r in range(R):
+        v = logits[r].astype(np.float64)
+        top = np.lexsort((np.arange(V), -v))[:C]  # logit desc, id asc (-0.0 ties with 0.0)
+        vals = v[top]
+        e = np.exp(vals - vals[0])
+        n_p = int((np.cumsum(e / np.cumsum(e)[-1]) < top_p).sum()) + 1  # sums in order, as the header says
+        n_m = max(1, int((vals >= vals[0] + log_min_p).sum()))
+        m = min(C, n_p, n_m)
+        f = np.exp((vals[:m] - vals[0]) / temperature)
+        p = np.zeros(C)
+        p[:m] = f / np.cumsum(f)[-1]
+        order = np.argsort(top)
+        ids[r], probs[r] = top[order], p[order]
+    return ids, probs
+
+
+def draw_reference(ids: np.ndarray, probs: np.ndarray, uniforms: np.ndarray) -> list[int]:
+    """`sampling.draw_rows`' rule: the first id whose cumulative probability exceeds u * total, at most the last
+    positive one."""
+    out = []
+    for i, p, u in zip(ids, probs, uniforms):
+        cdf = np.cumsum(p)
+        at = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+        out.append(int(i[min(at, int(np.flatnonzero(p > 0).max(initial=0)))]))
+    return out
+
+
+def sample(logits: torch.Tensor, C: int, knobs: tuple, uniforms: np.ndarray | None = None):
+    device = logits.device
+    k = torch.tensor(knobs, dtype=torch.float64, device=device)
+    u = None if uniforms is None else torch.from_numpy(uniforms).to(device)
+    ids, probs, tokens = kernels.sample_chain(logits, C, k, u)
+    return ids.cpu().numpy(), probs.cpu().numpy(), None if tokens is None else tokens.cpu().tolist()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("R", [1, 9])
+@pytest.mark.parametrize("C", [1, 40, 256])
+def test_sample_chain(device: str, R: int, C: int) -> None:
+    """Random logits over 5 of the CUDA kernel's chunks (the last one partial), rows strided as a slice of a wider
+    tensor, every knob combination (temperature 0.5 / 1 / 2, top_p and min_p on and off)."""
+    rng = np.random.default_rng(R * 1000 + C)
+    V = 4 * 4096 + 1000
+    wide = (rng.standard_normal((R, V + 5)) * 3).astype(np.float32)
+    logits = torch.from_numpy(wide).to(device)[:, :V]
+    uniforms = rng.random(R)
+    for knobs in KNOBS:
+        ids, probs, tokens = sample(logits, C, knobs, uniforms)
+        ref_ids, ref_probs = chain_reference(wide[:, :V], C, knobs)
+        np.testing.assert_array_equal(ids, ref_ids)
+        np.testing.assert_allclose(probs, ref_probs, rtol=TOL_CHAIN, atol=0)
+        assert tokens == draw_reference(ids, probs, uniforms)
+        no_draw = sample(logits, C, knobs)
+        np.testing.assert_array_equal(no_draw[0], ids)
+        np.testing.assert_array_equal(no_draw[1], probs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sample_chain_ties_go_to_the_lower_id(device: str) -> None:
+    """Ties at the top_k boundary and among the candidates, within a chunk and across chunks of the CUDA kernel."""
+    rng = np.random.default_rng(5)
+    V, C = 3 * 4096 + 100, 40
+    rows = np.full((6, V), -1.0, np.float32)
+    rows[0] = 0.0  # every logit ties: ids 0 .. C-1, uniform
+    rows[1] = np.arange(V) % 4  # the top value on every fourth id
+    rows[2, rng.choice(V, 10, replace=False)] = 5.0  # 10 above the boundary, then 50 ties over all the chunks
+    rows[2, np.sort(rng.choice(np.flatnonzero(rows[2] < 0), 50, replace=False))] = 0.5
+    zeros = np.sort(rng.choice(V, 50, replace=False))
+    rows[3, zeros[::2]], rows[3, zeros[1::2]] = 0.0, -0.0  # -0.0 ties with 0.0
+    rows[4] = np.round(rng.standard_normal(V) * 2) / 2  # a few values, many ties each
+    rows[5, 4096:] = 2.0  # ties only in the chunks after the first
+    logits = torch.from_numpy(rows).to(device)
+    uniforms = rng.random(6)
+    for knobs in KNOBS:
+        ids, probs, tokens = sample(logits, C, knobs, uniforms)
+        ref_ids, ref_probs = chain_reference(rows, C, knobs)
+        np.testing.assert_array_equal(ids, ref_ids)
+        np.testing.assert_allclose(probs, ref_probs, rtol=TOL_CHAIN, atol=0)
+        assert tokens == draw_reference(ids, probs, uniforms)
+    assert ids[0].tolist() == list(range(C)) and ids[5].tolist() == list(range(4096, 4096 + C))
+
+
+@pytest.mark.skipif(not CUDA_OK, reason="needs a CUDA GPU visible to torch and a libspecter built with CUDA")
+@pytest.mark.parametrize("C", [40, 256])
+def test_sample_chain_cuda_equals_cpu(C: int) -> None:
+    """The same candidates, the same drawn tokens and probs within 1e-14 relative (exp may differ by an ulp) on the
+    CPU and CUDA, at Qwen's vocabulary of 151,936."""
+    rng = np.random.default_rng(C)
+    wide = (rng.standard_normal((9, 151936)) * 3).astype(np.float32)
+    uniforms = rng.random(9)
+    for knobs in KNOBS:
+        cpu = sample(torch.from_numpy(wide), C, knobs, uniforms)
+        cuda = sample(torch.from_numpy(wide).cuda(), C, knobs, uniforms)
+        np.testing.assert_array_equal(cuda[0], cpu[0])
+        np.testing.assert_allclose(cuda[1], cpu[1], rtol=1e-14, atol=0)
+        assert cuda[2] == cpu[2]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sample_chain_survives_nonfinite_logits(device: str) -> None:
+    """NaN and infinite logits give unspecified results, but never a failure or an id outside the row."""
+    V, C = 5000, 40
+    rows = np.random.default_rng(9).standard_normal((4, V)).astype(np.float32)
+    rows[0, ::7] = np.nan
+    rows[1, 3] = np.inf
+    rows[2] = -np.inf
+    rows[3, 100:200] = -np.nan
+    ids, probs, tokens = sample(torch.from_numpy(rows).to(device), C, KNOBS[3], np.full(4, 0.5))
+    assert ((ids >= 0) & (ids < V)).all() and (np.diff(ids, axis=1) > 0).all()
+    assert all(t in row for t, row in zip(tokens, ids.tolist()))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sample_chain_rejects_bad_arguments(device: str) -> None:
+    """Through the raw ABI: SPECTER_ERR_INVALID_ARG for every bad size or missing pointer, before anything runs;
+    through the wrapper: a SpecterError."""
+    f, lb = native.ffi(), native.lib()
+    V, C, R = 1000, 40, 2
+    logits = torch.zeros(R, V, device=device)
+    knobs = torch.tensor(KNOBS[0], dtype=torch.float64, device=device)
+    uniforms = torch.zeros(R, dtype=torch.float64, device=device)
+    ids = torch.zeros(R, 300, dtype=torch.int64, device=device)
+    probs = torch.zeros(R, 300, dtype=torch.float64, device=device)
+    tokens = torch.zeros(R, dtype=torch.int64, device=device)
+    ws = torch.zeros(1 << 20, dtype=torch.uint8, device=device)
+    good = dict(logits=f.cast("float *", logits.data_ptr()), n_rows=R, n_vocab=V, row_stride=V, n_candidates=C,
+                knobs=f.cast("double *", knobs.data_ptr()), uniforms=f.cast("double *", uniforms.data_ptr()),
+                ids=f.cast("int64_t *", ids.data_ptr()), probs=f.cast("double *", probs.data_ptr()),
+                tokens=f.cast("int64_t *", tokens.data_ptr()), workspace=f.cast("void *", ws.data_ptr()),
+                workspace_bytes=ws.numel())
+
+    def call(**change) -> int:
+        args = tuple({**good, **change}.values())
+        code = lb.specter_cuda_sample_chain(*args, _stream(device)) if device == "cuda" else \
+            lb.specter_sample_chain(*args, 1)
+        _sync(device)
+        return code
+
+    assert call() == 0 and call(n_rows=0, logits=f.NULL) == 0
+    bad = [dict(n_candidates=0), dict(n_candidates=257), dict(n_vocab=30, row_stride=30),
+           dict(n_vocab=262145, row_stride=262145), dict(row_stride=V - 1), dict(n_rows=65536), dict(n_rows=-1),
+           dict(logits=f.NULL), dict(knobs=f.NULL), dict(ids=f.NULL), dict(probs=f.NULL), dict(tokens=f.NULL),
+           dict(workspace=f.NULL), dict(workspace_bytes=kernels.sample_chain_workspace_size(R, V, C) - 1)]
+    for change in bad:
+        assert call(**change) == lb.SPECTER_ERR_INVALID_ARG, change
+    assert call(uniforms=f.NULL, tokens=f.NULL) == 0  # no draw: no tokens needed
+    for C_bad in (257, V + 1):
+        with pytest.raises(SpecterError, match="sample"):
+            kernels.sample_chain(logits, C_bad, knobs)
+    with pytest.raises(SpecterError, match="ids"):
+        kernels.sample_chain(logits, C, knobs, ids=ids[:, :C].int())

@@ -7,6 +7,7 @@ import torch
 
 from specter_gguf.errors import SpecterError
 from specter_gguf.sampling import Sampler, SamplingParams
+from tests.test_kernels import DEVICES
 
 OFF = dict(top_k=0, top_p=1.0, min_p=0.0, temperature=1.0)
 
@@ -305,37 +306,38 @@ def test_top_k_where_the_logits_are_equals_the_host_chain(device):
         assert torch.equal(got, Sampler(p).probabilities(logits.tolist(), hist))
 
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                 reason="needs a CUDA GPU"))]
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_device_chain_equals_the_host_chain(device):
-    """`chain_probabilities` (the chain of sampling on the device, over the top_k candidates only, ids ascending)
-    gives `Sampler.probabilities`' distribution row by row (logits without ties, so the top_k boundary is the same
-    whatever breaks ties), and `draw_rows` draws what `Sampler.draw` draws from the same uniform."""
-    from specter_gguf.sampling import chain_candidates, chain_knobs, chain_probabilities, draw_rows
+    """`chain_probabilities` (the chain of sampling on the device, over the top_k candidates only, ids ascending;
+    native up to kernels.SAMPLE_MAX_CANDIDATES of them, torch ops with top_k off) gives `Sampler.probabilities`'
+    distribution row by row, ties at the top_k boundary included (the lowest ids), and `chain_sample` draws what
+    `Sampler.draw` draws from that distribution with the same uniform."""
+    from specter_gguf.sampling import chain_candidates, chain_knobs, chain_probabilities, chain_sample
 
     g = torch.Generator().manual_seed(11)
-    n_vocab = 3000
-    logits = torch.randn(5, n_vocab, generator=g) * 3  # float32, as the model's logits; ties have probability ~0
+    n_vocab, R = 3000, 8
+    logits = torch.randn(R, n_vocab, generator=g) * 3  # float32, as the model's logits
+    logits[5:] = torch.round(logits[5:]) / 2  # a few values, many ties each
+    logits[7, 1000:] = 4.0  # ties at the boundary of every top_k below
     chains = [SamplingParams(temperature=1.0, top_k=40, top_p=0.95, min_p=0.05),
               SamplingParams(temperature=0.7, top_k=200, top_p=0.5, min_p=0.0),
               SamplingParams(temperature=1.3, top_k=0, top_p=1.0, min_p=0.2),  # top_k off: the whole vocabulary
               SamplingParams(temperature=1.0, top_k=5, top_p=1.0, min_p=0.0)]
+    # the uniform a fresh sampler of seed s draws first, and that sampler's draw from the same distribution
+    uniforms = torch.tensor([Sampler(SamplingParams(seed=s)).random() for s in range(R)], dtype=torch.float64)
     for params in chains:
         C = chain_candidates(params, n_vocab)
-        ids, probs = chain_probabilities(logits.to(device), C, chain_knobs(params).to(device))
-        assert ids.shape == probs.shape == (5, C)
+        knobs = chain_knobs(params).to(device)
+        ids, probs = chain_probabilities(logits.to(device), C, knobs)
+        assert ids.shape == probs.shape == (R, C)
         assert bool((ids[:, 1:] > ids[:, :-1]).all())
-        full = torch.zeros(5, n_vocab, dtype=torch.float64).scatter_(1, ids.cpu(), probs.cpu())
+        full = torch.zeros(R, n_vocab, dtype=torch.float64).scatter_(1, ids.cpu(), probs.cpu())
         sampler = Sampler(params)
-        for row in range(5):
+        for row in range(R):
             want = sampler.probabilities(logits[row])
             assert support(full[row]) == support(want)
             assert torch.allclose(full[row], want, atol=1e-12, rtol=1e-9)
-        # the uniform a fresh sampler of seed s draws first, and that sampler's draw from the same distribution
-        uniforms = torch.tensor([Sampler(SamplingParams(seed=s)).random() for s in range(5)], dtype=torch.float64)
-        drawn = draw_rows(ids, probs, uniforms.to(device)).cpu().tolist()
-        assert drawn == [Sampler(SamplingParams(seed=s)).draw(full[s]) for s in range(5)]
+        drawn_ids, drawn_probs, drawn = chain_sample(logits.to(device), C, knobs, uniforms.to(device))
+        assert torch.equal(drawn_ids, ids) and torch.equal(drawn_probs, probs)
+        assert drawn.cpu().tolist() == [Sampler(SamplingParams(seed=s)).draw(full[s]) for s in range(R)]
 

@@ -29,8 +29,10 @@ from specter_gguf.engine import Model
 from specter_gguf.errors import SpecterError
 from specter_gguf.gguf_file import GGUFFile
 from specter_gguf.runtime.budget import plan_memory
-from specter_gguf.sampling import Sampler, SamplingParams
+from specter_gguf.sampling import Sampler, SamplingParams, chain_sample
 from specter_gguf.speculation import accept_drafts, synthetic_acceptance
+from specter_gguf.speculation.accept import SampledVerdict
+from tests.test_kernels import DEVICES
 
 MODELS = ["qwen2moe", "qwen3moe", "llama", "olmoe", "tiny-deepseek2", "tiny-deepseek2-lite", "tiny-phimoe"]
 GREEDY = SamplingParams(temperature=0)
@@ -185,6 +187,27 @@ def test_sampled_speculative_decoding_outputs_the_target_distribution(tiny_model
     dof = len(joint) - 1
     bound = _chi2_bound(dof)
     assert chi2 < bound, f"chi2 {chi2:.1f} ({dof} degrees of freedom, p = 0.001 at {bound:.1f})"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("top_k", [40, 0])
+def test_a_one_token_sampled_verdict_is_a_draw_from_the_chain(device: str, top_k: int) -> None:
+    """A one-token step's sampled verdict (a draft step): `ids`, `probs` are the chain's distribution, the token is
+    `chain_sample`'s draw with the step's uniform, choice = [0, token], next = [token, position + 1]; native with
+    top-k on, torch ops with it off."""
+    params = SamplingParams(temperature=0.8, top_k=top_k, top_p=0.95, min_p=0.05)
+    n_vocab = 5000
+    logits = (torch.randn(1, n_vocab, generator=torch.Generator().manual_seed(top_k)) * 3).to(device)
+    verdict = SampledVerdict(params, 1, n_vocab, torch.device(device))
+    verdict.uniforms.fill_(0.37)
+    choice, next, finite = (torch.full((n,), -1, dtype=torch.long, device=device) for n in (2, 2, 1))
+    verdict(logits, torch.tensor([7, 50], device=device), choice, next, finite)
+    ids, probs, tokens = chain_sample(logits, verdict.n_candidates, verdict.knobs, verdict.uniforms)
+    assert torch.equal(verdict.ids, ids) and torch.equal(verdict.probs, probs)
+    token = int(tokens[0])
+    assert choice.tolist() == [0, token] and next.tolist() == [token, 51] and finite.tolist() == [1]
+    full = torch.zeros(n_vocab, dtype=torch.float64).scatter_(0, ids[0].cpu(), probs[0].cpu())
+    assert torch.allclose(full, Sampler(params).probabilities(logits[0]), atol=1e-12, rtol=1e-9)
 
 
 def test_verifications_of_every_depth_share_their_verdict_buffers(tiny_models) -> None:

@@ -1,7 +1,7 @@
 /*
  * specter_kernels.h - matrix kernels over GGUF-typed weights, and the small fused ops around them in a
- * decode step (the residual add and its norm, MoE routing, RoPE + KV cache store, attention of a few queries), and
- * a wait on a counter that orders them after copies (libspecter).
+ * decode step (the residual add and its norm, MoE routing, RoPE + KV cache store, attention of a few queries, the
+ * sampling chain), and a wait on a counter that orders them after copies (libspecter).
  *
  * Every operation has a CPU entry point (specter_*) and a CUDA one (specter_cuda_*) with the same
  * data arguments; the last argument differs: `n_threads` (CPU threads, <= 0: all cores) for the
@@ -215,6 +215,48 @@ SPECTER_API int specter_cuda_moe_ffn(const float * x, int64_t n_tokens, int64_t 
                                      const uint64_t * down_ptrs, int down_type,
                                      void * workspace, size_t workspace_bytes,
                                      float * out, int accumulate, void * stream);
+
+/* ---- the sampling chain (speculative sampling on the device) ------------------------------------------------ */
+
+enum specter_sample_chain_limits {
+    SPECTER_SAMPLE_MAX_CANDIDATES = 256,   /* n_candidates (top_k) of one call, at most */
+    SPECTER_SAMPLE_MAX_VOCAB      = 262144 /* n_vocab, at most                          */
+};
+
+/* llama.cpp's sampling chain top_k -> top_p -> min_p -> temperature -> softmax (no penalties) for each of the n_rows
+ * rows of `logits` (row r at logits + r * row_stride, n_vocab float32 values), over its top C = n_candidates
+ * candidates only, in float64:
+ *   1. the candidates: the C largest logits, ranked by (logit desc, id asc): ties at the top_k boundary and among
+ *      the candidates go to the lower id (-0.0 ties with +0.0); v_0 >= v_1 >= ... their logits in that order;
+ *   2. e_i = exp(v_i - v_0), z = e_0 + e_1 + ... (in order), c_i = e_0 / z + ... + e_i / z (in order);
+ *      top_p keeps n_p = #{i : c_i < top_p} + 1, min_p keeps n_m = max(1, #{i : v_i >= v_0 + log_min_p});
+ *   3. the first m = min(C, n_p, n_m) candidates get f_i = exp((v_i - v_0) / temperature), the others 0;
+ *      p_i = f_i / (f_0 + ... + f_{m-1}) (in order).
+ * knobs = double[3]: temperature (> 0), top_p (2.0: off), log(min_p) (-inf: off); read by the kernels (device
+ * memory for CUDA, so that one captured call serves every setting), not checked. Writes ids [n_rows, C] (int64,
+ * ascending) and probs [n_rows, C] (float64, p of each id; 0 for the candidates the filters dropped). When
+ * `uniforms` (double [n_rows] in [0, 1)) is not NULL, also draws tokens [n_rows] (int64): with the cumulative sums
+ * s_j = probs[r, 0] + ... + probs[r, j] (ascending ids, in order), the first id whose s_j > uniforms[r] * s_{C-1},
+ * or the last id of positive probability when rounding puts no s_j past it.
+ * 1 <= n_candidates <= min(n_vocab, SPECTER_SAMPLE_MAX_CANDIDATES), n_vocab <= SPECTER_SAMPLE_MAX_VOCAB,
+ * row_stride >= n_vocab, 0 <= n_rows <= 65535 (0: nothing to do). NaN logits never make a call read or write out
+ * of bounds; its results are then unspecified (callers check finiteness separately). Deterministic; the CPU and
+ * CUDA take the same candidates, run the same float64 operations in the same order (exp may differ by an ulp) and
+ * draw the same tokens.
+ * CUDA: two kernels. The first, one CTA per (chunk of 4096 logits, row), leaves each chunk's top C (ranked as
+ * above) in the workspace; the second, one CTA per row, takes the top C of those, runs the chain and draws. The
+ * CPU ranks each row in one pass. The workspace (any alignment >= 256 bytes; device memory for CUDA) must hold
+ * specter_sample_chain_workspace_size bytes on both (the CPU uses none of it). */
+SPECTER_API int specter_sample_chain_workspace_size(int64_t n_rows, int64_t n_vocab, int64_t n_candidates,
+                                                    size_t * out_bytes);
+SPECTER_API int specter_sample_chain(const float * logits, int64_t n_rows, int64_t n_vocab, int64_t row_stride,
+                                     int64_t n_candidates, const double * knobs, const double * uniforms,
+                                     int64_t * ids, double * probs, int64_t * tokens, void * workspace,
+                                     size_t workspace_bytes, int n_threads);
+SPECTER_API int specter_cuda_sample_chain(const float * logits, int64_t n_rows, int64_t n_vocab, int64_t row_stride,
+                                          int64_t n_candidates, const double * knobs, const double * uniforms,
+                                          int64_t * ids, double * probs, int64_t * tokens, void * workspace,
+                                          size_t workspace_bytes, void * stream);
 
 /* ---- ordering: work that waits for a counter ------------------------------------------------ */
 

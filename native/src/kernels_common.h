@@ -1,13 +1,20 @@
-// Pieces shared by the CPU and CUDA kernel entry points (libspecter internal): argument checks
-// and the layouts of the MoE and decode attention workspaces.
+// Pieces shared by the CPU and CUDA kernel entry points (libspecter internal): argument checks,
+// the layouts of the MoE, decode attention and sampling chain workspaces, and the sampling chain's ranking key.
 #pragma once
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #include "dequant_cpu.h"
 #include "specter_kernels.h"
+
+#ifdef __CUDACC__
+#define SPECTER_HOST_DEVICE __host__ __device__
+#else
+#define SPECTER_HOST_DEVICE
+#endif
 
 namespace specter {
 
@@ -212,6 +219,72 @@ inline int check_moe(const MoeArgs & a, MoeLayout * L, const TypeInfo ** tg, con
     if (L->P > 0 && (!a.ids || !a.weights)) return SPECTER_ERR_INVALID_ARG;
     if (a.n_expert > 0 && (!a.gate_ptrs || !a.up_ptrs || !a.down_ptrs)) return SPECTER_ERR_INVALID_ARG;
     if (L->P > 0 && (!a.workspace || a.workspace_bytes < L->total)) return SPECTER_ERR_INVALID_ARG;
+    return SPECTER_OK;
+}
+
+// ---- the sampling chain (specter_sample_chain) ---------------------------------------------------------------
+// Candidates are ranked by (key desc, id asc), the key of a logit being its float32 bits mapped to an unsigned
+// integer of the same order (-0.0 as +0.0, so that they tie; NaNs land past the infinities), at least 1: 0 marks
+// "no logit" in the CUDA kernels (a chunk's tail), so that it never ties with a real one. The CPU and CUDA rank
+// with this one function, so they take the same candidates whatever the logits hold.
+SPECTER_HOST_DEVICE inline uint32_t sample_key(float x) {
+    uint32_t b;
+    memcpy(&b, &x, 4);
+    if ((b & 0x7fffffffu) == 0) b = 0;
+    const uint32_t k = b ^ (uint32_t(int32_t(b) >> 31) | 0x80000000u);  // ~b when negative: no branch on the sign
+    return k > 1u ? k : 1u;
+}
+
+// The logit of a key (a NaN for the keys NaNs gave; +0.0 for -0.0).
+SPECTER_HOST_DEVICE inline float sample_logit(uint32_t k) {
+    const uint32_t b = (k & 0x80000000u) ? k & 0x7fffffffu : ~k;
+    float x;
+    memcpy(&x, &b, 4);
+    return x;
+}
+
+// The CUDA workspace: each (row, chunk of kSampleChunk logits)'s top C as keys and ids, chunk c of row r at
+// (r * n_chunks + c) * C; a chunk of n < C logits fills its first n slots.
+//   uint32 keys: [n_rows, n_chunks, C]
+//   int32  ids:  [n_rows, n_chunks, C]
+constexpr int64_t kSampleChunk = 4096;
+
+struct SampleLayout {
+    int64_t n_chunks;
+    size_t keys, ids, total;  // byte offsets of the regions, total size
+};
+
+inline bool sample_layout(int64_t n_rows, int64_t n_vocab, int64_t n_candidates, SampleLayout * L) {
+    if (n_rows < 0 || n_rows > 65535 || n_candidates < 1 || n_candidates > SPECTER_SAMPLE_MAX_CANDIDATES ||
+        n_vocab < n_candidates || n_vocab > SPECTER_SAMPLE_MAX_VOCAB)
+        return false;
+    L->n_chunks = (n_vocab + kSampleChunk - 1) / kSampleChunk;
+    const size_t n = size_t(n_rows * L->n_chunks * n_candidates) * 4;
+    L->keys = 0;
+    L->ids = ws_round(n);
+    L->total = L->ids + ws_round(n);
+    return true;
+}
+
+struct SampleArgs {
+    const float * logits;
+    int64_t n_rows, n_vocab, row_stride, n_candidates;
+    const double *knobs, *uniforms;
+    int64_t * ids;
+    double * probs;
+    int64_t * tokens;
+    void * workspace;
+    size_t workspace_bytes;
+};
+
+inline int check_sample_chain(const SampleArgs & a, SampleLayout * L) {
+    if (!sample_layout(a.n_rows, a.n_vocab, a.n_candidates, L) || a.row_stride < a.n_vocab ||
+        a.n_rows * a.row_stride >= (int64_t(1) << 40))
+        return SPECTER_ERR_INVALID_ARG;
+    if (a.n_rows == 0) return SPECTER_OK;
+    if (!a.logits || !a.knobs || !a.ids || !a.probs || (a.uniforms && !a.tokens) || !a.workspace ||
+        a.workspace_bytes < L->total)
+        return SPECTER_ERR_INVALID_ARG;
     return SPECTER_OK;
 }
 

@@ -8,7 +8,9 @@
 #include <cmath>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <new>
+#include <utility>
 #include <vector>
 
 #include "dequant_cpu.h"
@@ -219,6 +221,26 @@ int qmatmul(int w_type, const void * w, int64_t n, int64_t k, int x_type, const 
         });
         return SPECTER_OK;
     });
+}
+
+// The top C of a row of n logits ranked by (sample_key desc, id asc), best first, as the integers key << 32 | ~id
+// (one order for both). One pass: a buffer of up to 4C entries is cut back to its best C when it fills, after which
+// only a logit above the C-th best so far enters.
+void sample_top(const float * x, int64_t n, int64_t C, std::vector<uint64_t> & best) {
+    best.clear();
+    uint64_t floor = 0;  // every entry is > 0 (keys are >= 1)
+    for (int64_t i = 0; i < n; ++i) {
+        const uint64_t c = uint64_t(sample_key(x[i])) << 32 | (0xffffffffu - uint32_t(i));
+        if (c <= floor) continue;
+        best.push_back(c);
+        if (best.size() == size_t(4 * C)) {
+            std::nth_element(best.begin(), best.begin() + (C - 1), best.end(), std::greater<uint64_t>());
+            best.resize(size_t(C));
+            floor = best.back();
+        }
+    }
+    std::sort(best.begin(), best.end(), std::greater<uint64_t>());
+    best.resize(size_t(C));
 }
 
 }  // namespace
@@ -574,6 +596,72 @@ int specter_decode_attention(int kv_type, const void * q, const void * k_cache, 
                             static_cast<float *>(out)[o + i] = y;
                     }
                 }
+            }
+        });
+        return SPECTER_OK;
+    });
+}
+
+int specter_sample_chain_workspace_size(int64_t n_rows, int64_t n_vocab, int64_t n_candidates, size_t * out_bytes) {
+    SampleLayout L;
+    if (!out_bytes || !sample_layout(n_rows, n_vocab, n_candidates, &L)) return SPECTER_ERR_INVALID_ARG;
+    *out_bytes = L.total;
+    return SPECTER_OK;
+}
+
+// The chain's float64 operations in the order of the CUDA kernel (kernels_sample.cu), which runs the per-candidate
+// ones in parallel and the sums in one thread.
+int specter_sample_chain(const float * logits, int64_t n_rows, int64_t n_vocab, int64_t row_stride,
+                         int64_t n_candidates, const double * knobs, const double * uniforms, int64_t * ids,
+                         double * probs, int64_t * tokens, void * workspace, size_t workspace_bytes, int n_threads) {
+    const SampleArgs a{logits, n_rows, n_vocab, row_stride, n_candidates, knobs, uniforms, ids, probs, tokens,
+                       workspace, workspace_bytes};
+    SampleLayout L;
+    const int rc = check_sample_chain(a, &L);
+    if (rc != SPECTER_OK || n_rows == 0) return rc;
+    return guarded([&] {
+        const size_t C = size_t(n_candidates);
+        const double temperature = knobs[0], top_p = knobs[1], log_min_p = knobs[2];
+        parallel_for(n_rows, n_threads, std::max<int64_t>(1, kMinElems / n_vocab), [&](int64_t b, int64_t e) {
+            std::vector<uint64_t> best;
+            best.reserve(4 * C);
+            std::vector<double> v(C), w(C), cdf(C);
+            std::vector<std::pair<int64_t, double>> asc(C);  // (id, p) by ascending id
+            for (int64_t r = b; r < e; ++r) {
+                sample_top(logits + r * row_stride, n_vocab, n_candidates, best);
+                for (size_t i = 0; i < C; ++i) v[i] = sample_logit(uint32_t(best[i] >> 32));
+                const double v0 = v[0];
+                double z = 0.0;
+                for (size_t i = 0; i < C; ++i) z += w[i] = std::exp(v[i] - v0);
+                double c = 0.0;
+                size_t n_p = 1, n_m = 0;
+                for (size_t i = 0; i < C; ++i) {
+                    c += w[i] / z;
+                    n_p += c < top_p;
+                    n_m += v[i] >= v0 + log_min_p;
+                }
+                const size_t m = std::min(C, std::min(n_p, std::max<size_t>(n_m, 1)));
+                z = 0.0;
+                for (size_t i = 0; i < C; ++i) {
+                    w[i] = i < m ? std::exp((v[i] - v0) / temperature) : 0.0;
+                    if (i < m) z += w[i];
+                }
+                for (size_t i = 0; i < C; ++i) asc[i] = {int64_t(0xffffffffu - uint32_t(best[i])), w[i] / z};
+                std::sort(asc.begin(), asc.end());
+                for (size_t i = 0; i < C; ++i) {
+                    ids[r * n_candidates + int64_t(i)] = asc[i].first;
+                    probs[r * n_candidates + int64_t(i)] = asc[i].second;
+                }
+                if (!uniforms) continue;
+                double s = 0.0;
+                size_t last = 0, at = 0;
+                for (size_t i = 0; i < C; ++i) {
+                    cdf[i] = s += asc[i].second;
+                    if (asc[i].second > 0.0) last = i;
+                }
+                const double t = uniforms[r] * s;
+                for (size_t i = 0; i < C; ++i) at += cdf[i] <= t;  // the first s_j > t (s is sorted)
+                tokens[r] = asc[std::min(at, last)].first;
             }
         });
         return SPECTER_OK;

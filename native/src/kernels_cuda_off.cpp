@@ -42,6 +42,10 @@ int specter_cuda_moe_ffn(const float *, int64_t, int64_t, const int32_t *, const
                          int, void *) {
     return SPECTER_ERR_NO_CUDA;
 }
+int specter_cuda_sample_chain(const float *, int64_t, int64_t, int64_t, int64_t, const double *, const double *,
+                              int64_t *, double *, int64_t *, void *, size_t, void *) {
+    return SPECTER_ERR_NO_CUDA;
+}
 
 int specter_cuda_wait_counter(const int64_t *, const int64_t *, int64_t, int64_t, int64_t *, void *) {
     return SPECTER_ERR_NO_CUDA;

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from specter_gguf.errors import SpecterError
-from specter_gguf.sampling import (Sampler, SamplingParams, chain_candidates, chain_knobs, chain_probabilities,
-                                   draw_rows, probabilities_at)
+from specter_gguf.sampling import (Sampler, SamplingParams, chain_candidates, chain_knobs, chain_sample,
+                                   chain_workspace, draw_rows, probabilities_at)
 
 if TYPE_CHECKING:
     from specter_gguf.engine import Model
@@ -59,25 +59,26 @@ def draw_residual(sampler: Sampler, p: torch.Tensor, q: torch.Tensor) -> int:
 
 
 class VerdictRows:
-    """The device buffers of `SampledVerdict`s of up to `n_tokens` tokens over `n_candidates` candidates. A verdict
-    of fewer tokens takes views of their first rows, so that the verifications of every depth share one set: with
-    top-k off they span the vocabulary (41 MB for 9 tokens of Qwen's 151,936), a set per depth 194 MB over the
-    depths 1-8."""
+    """The device buffers of `SampledVerdict`s of up to `n_tokens` tokens over `n_candidates` candidates of `n_vocab`
+    logits. A verdict of fewer tokens takes views of their first rows (and the chain's workspace), so that the
+    verifications of every depth share one set: with top-k off they span the vocabulary (41 MB for 9 tokens of
+    Qwen's 151,936), a set per depth 194 MB over the depths 1-8."""
 
-    def __init__(self, n_tokens: int, n_candidates: int, device: torch.device) -> None:
-        self.n_tokens, self.n_candidates, self.device = n_tokens, n_candidates, device
+    def __init__(self, n_tokens: int, n_candidates: int, n_vocab: int, device: torch.device) -> None:
+        self.n_tokens, self.n_candidates, self.n_vocab, self.device = n_tokens, n_candidates, n_vocab, device
         C = n_candidates
         self.uniforms = torch.zeros(n_tokens, dtype=torch.float64, device=device)
         self.draft_ids = torch.zeros(n_tokens - 1, C, dtype=torch.long, device=device)
         self.draft_probs = torch.zeros(n_tokens - 1, C, dtype=torch.float64, device=device)
         self.ids = torch.zeros(n_tokens, C, dtype=torch.long, device=device)
         self.probs = torch.zeros(n_tokens, C, dtype=torch.float64, device=device)
+        self.workspace = chain_workspace(n_tokens, n_vocab, C, device)
 
 
 class SampledVerdict:
     """Speculative sampling on the device, as the verdict of `n_tokens`-token steps (`steps.Steps`; the same
     outputs as `steps.judge`): the tokens [t, d_1 .. d_k] (k = n_tokens - 1), the draft's distributions they were
-    drawn from (`draft_ids`, `draft_probs` [k, C]: the candidates of `sampling.chain_probabilities`) and
+    drawn from (`draft_ids`, `draft_probs` [k, C]: the candidates of `sampling.chain_sample`) and
     `uniforms` [n_tokens] (k acceptance tests, one draw) give n accepted and the token after them, drawn from the
     residual of the first rejected row or from the last row. A one-token step (k = 0) is a plain draw: a drafted
     token, whose distribution stays in `ids`, `probs`. Every distribution is held as its C candidates, so no
@@ -91,10 +92,11 @@ class SampledVerdict:
         self._knobs = chain_knobs(params)
         self.knobs = self._knobs.to(device)
         if rows is None:
-            rows = VerdictRows(n_tokens, C, device)
-        elif rows.n_tokens < n_tokens or rows.n_candidates != C:
-            raise SpecterError(f"verdict rows of {rows.n_tokens} tokens and {rows.n_candidates} candidates cannot "
-                               f"hold a verdict of {n_tokens} tokens and {C} candidates")
+            rows = VerdictRows(n_tokens, C, n_vocab, device)
+        elif rows.n_tokens < n_tokens or rows.n_candidates != C or rows.n_vocab != n_vocab:
+            raise SpecterError(f"verdict rows of {rows.n_tokens} tokens and {rows.n_candidates} of {rows.n_vocab} "
+                               f"candidates cannot hold a verdict of {n_tokens} tokens and {C} of {n_vocab}")
+        self.workspace = rows.workspace
         self.uniforms = rows.uniforms[:n_tokens]
         self.draft_ids, self.draft_probs = rows.draft_ids[:n_tokens - 1], rows.draft_probs[:n_tokens - 1]
         self.ids, self.probs = rows.ids[:n_tokens], rows.probs[:n_tokens]
@@ -111,9 +113,16 @@ class SampledVerdict:
                  finite: torch.Tensor) -> None:
         T = logits.shape[0]
         k, pos = T - 1, inputs[T:]
-        ids, p = chain_probabilities(logits, self.n_candidates, self.knobs)
-        self.ids.copy_(ids)
-        self.probs.copy_(p)
+        finite.copy_(torch.isfinite(logits.amax(-1)).all().view(1))
+        if T == 1:  # a draft step (or a target step with nothing drafted): a draw from the chain, straight to choice
+            chain_sample(logits, self.n_candidates, self.knobs, self.uniforms, (self.ids, self.probs, choice[1:]),
+                         self.workspace)
+            choice[:1].zero_()
+            next[:1].copy_(choice[1:])
+            torch.add(pos, 1, out=next[1:])
+            return
+        ids, p, _ = chain_sample(logits, self.n_candidates, self.knobs, out=(self.ids, self.probs, None),
+                                 workspace=self.workspace)
         drafted = inputs[1:T, None]
         q_ids, q = self.draft_ids, self.draft_probs
         p_drafted = probabilities_at(ids[:k], p[:k], drafted).squeeze(1)
@@ -126,7 +135,6 @@ class SampledVerdict:
         rows = torch.arange(T, device=logits.device)
         choice.copy_(torch.cat([n, torch.where(rows < n, torch.cat([inputs[1:T], after]), after)]))
         next.copy_(torch.cat([after, pos + n + 1]))
-        finite.copy_(torch.isfinite(logits.amax(-1)).all().view(1))
 
 
 def synthetic_count(sampler: Sampler, k: int, synth_len: float) -> int:

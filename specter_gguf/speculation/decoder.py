@@ -102,7 +102,7 @@ class SpeculativeDecoder:
                 return None
             # the verifications of every depth share one set of buffers; a draft step's (copied into the coming
             # verification's after each step) are its own
-            rows = None if draft else self._verdict_rows(candidates, model.device)
+            rows = None if draft else self._verdict_rows(candidates, n_vocab, model.device)
             return SampledVerdict(sampled, n_tokens, n_vocab, model.device, rows)
 
         if cache is not model.reusable_cache or not model.cuda_graphs:
@@ -117,11 +117,11 @@ class SpeculativeDecoder:
             self._steps[key].verdict.set(sampled)
         return self._steps[key]
 
-    def _verdict_rows(self, n_candidates: int, device: torch.device) -> VerdictRows:
-        """The verifications' shared verdict buffers for `n_candidates` candidates, sized for the deepest one."""
+    def _verdict_rows(self, n_candidates: int, n_vocab: int, device: torch.device) -> VerdictRows:
+        """The verifications' shared verdict buffers for `n_candidates` of `n_vocab`, sized for the deepest one."""
         rows = self._rows.get(n_candidates)
-        if rows is None or rows.n_tokens < self.n_draft + 1 or rows.device != device:
-            rows = self._rows[n_candidates] = VerdictRows(self.n_draft + 1, n_candidates, device)
+        if rows is None or rows.n_tokens < self.n_draft + 1 or rows.n_vocab != n_vocab or rows.device != device:
+            rows = self._rows[n_candidates] = VerdictRows(self.n_draft + 1, n_candidates, n_vocab, device)
         return rows
 
     def _observer(self, model: Model, draft: bool) -> RoutingObserver:
