@@ -547,18 +547,26 @@ def held_stream(device: torch.device, priority: int) -> torch.cuda.Stream:
     return _STREAMS[key]
 
 
+# Steps of at most this many tokens (decode, draft and verification steps) run a MoE layer's shared expert and
+# observer beside its routed experts, whose chain of small kernels leaves the memory idle. A prefill chunk's products
+# keep it busy on their own, and on a side stream their temporaries are held apart from the main stream's: the peak
+# allocation of a tiny qwen2moe's prefill at a context of 4096 rose from 18.4 to 50.4 MiB, 4x the plan's workspace
+# (H200, tests/test_memory_gpu.py, 2026-12-02).
+BESIDE_MAX_TOKENS = GEMV_MAX_ROWS
+
+
 class Beside:
     """Work that runs beside the current CUDA stream: `run(work)` enqueues work() on a second stream after what the
     current stream holds so far, and `join()` makes the current stream's later work wait for all of it (call it
     before a result is used). The second stream has the lowest priority: where both want the SMs, the current
-    stream's kernels start first (a CUDA graph captures on a higher-priority stream: `cuda_graphs`). On the CPU
-    `run` calls work() in line and `join` does nothing."""
+    stream's kernels start first (a CUDA graph captures on a higher-priority stream: `cuda_graphs`). On the CPU, or
+    when not `concurrent`, `run` calls work() in line and `join` does nothing."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, concurrent: bool = True) -> None:
         self.main: torch.cuda.Stream | None = None
         self.side: torch.cuda.Stream | None = None
         self.used = False  # a join without work would wait for the side stream's older (perhaps uncaptured) work
-        if device.type == "cuda":
+        if device.type == "cuda" and concurrent:
             main = torch.cuda.current_stream(device)
             side = held_stream(main.device, priority=0)
             if side != main:
@@ -600,12 +608,12 @@ class MoE:
     def __call__(self, x: torch.Tensor, experts: Experts | None = None,
                  observe: RoutingObserver | None = None) -> torch.Tensor | SharedSum:
         """The layer's output for x (with a shared expert, its parts for the next norm to add), its routed experts
-        from `experts` (default: its own); `observe` sees the routing. On CUDA the shared expert and the observer
-        run beside the routing and the routed experts: neither is needed by them, the shared expert's few large
-        products keep the memory busy while the routed experts' chain of small kernels waits on itself, and the
-        observer's copies stay out of that chain."""
+        from `experts` (default: its own); `observe` sees the routing. On CUDA, in steps of up to
+        `BESIDE_MAX_TOKENS` tokens, the shared expert and the observer run beside the routing and the routed experts:
+        neither is needed by them, the shared expert's few large products keep the memory busy while the routed
+        experts' chain of small kernels waits on itself, and the observer's copies stay out of that chain."""
         n_expert = self.router.weight.shape[0]
-        side = Beside(x.device)
+        side = Beside(x.device, concurrent=x.shape[0] <= BESIDE_MAX_TOKENS)
         shared = side.run(lambda: self.shared(x)) if self.shared is not None else None
         logits, ids, weights = self.router.choose(x, self._gates)  # logits [T, n_expert (+ 1)]
         if observe is not None:
