@@ -50,7 +50,11 @@ def test_plan_splits_the_budget(shipped_model) -> None:
     assert huge.fits_all and huge.n_slots == huge.n_experts_total == cfg.n_layer * cfg.n_expert
     slot = max(record_layout(f, cfg, i).nbytes for i in moe_layers(f, cfg))
     assert huge.slot_bytes == slot and slot % 256 == 0
-    assert huge.non_expert == sum((t.n_bytes + 511) // 512 * 512 for n, t in f.tensors.items() if "_exps." not in n)
+    # the tensors in the allocator's 512-byte blocks, and on CUDA one block per MoE layer for its router's counter
+    counters = 512 * len(moe_layers(f, cfg))
+    tensors = sum((t.n_bytes + 511) // 512 * 512 for n, t in f.tensors.items() if "_exps." not in n)
+    assert huge.non_expert == tensors + counters
+    assert plan_memory(f, "64GiB", CTX, "cpu").non_expert == huge.non_expert - counters
     assert huge.kv_cache == 2 * cfg.n_layer * cfg.n_head_kv * cfg.head_dim * CTX * 2
     assert huge.minimum == huge.fixed + cfg.n_layer * cfg.n_expert_used * slot
     tight = plan_memory(f, huge.minimum + 3 * slot, CTX, "cuda")

@@ -76,11 +76,15 @@ def n_elements(t: GGUFTensor) -> int:
     return int(np.prod(t.shape, dtype=np.int64))
 
 
+def device_bytes_of(n_bytes: int) -> int:
+    """Bytes an allocation of `n_bytes` takes: rounded up to the 512-byte blocks of PyTorch's caching allocator."""
+    return (n_bytes + 511) // 512 * 512
+
+
 def device_bytes(t: GGUFTensor) -> int:
     """Bytes `t` takes once `weights.load_tensor` has put it on the device: its file bytes on CUDA and on the CPU
-    alike (float types as stored, quantized ones kept quantized as `kernels.QuantizedTensor`), rounded up to the
-    512-byte blocks of PyTorch's caching allocator."""
-    return (t.n_bytes + 511) // 512 * 512
+    alike (float types as stored, quantized ones kept quantized as `kernels.QuantizedTensor`)."""
+    return device_bytes_of(t.n_bytes)
 
 
 @dataclass(frozen=True)
@@ -273,6 +277,8 @@ def plan_memory(f: GGUFFile, budget: int | str, ctx_size: int | None = None, dev
     slot = max((r.nbytes for r in layouts), default=0)
     types = tuple(sorted({t for r in layouts for t in r.types}))
     non_expert = sum(device_bytes(t) for t in f.tensors.values() if not is_routed_expert(t.name))
+    if device_type == "cuda":  # moe_route's int32 counter of each MoE layer's router (layers.Router): one block
+        non_expert += len(layers) * device_bytes_of(4)
     resident = sum(device_bytes(t) for t in f.tensors.values() if is_routed_expert(t.name))
     draft_bytes = 0
     if draft is not None:
