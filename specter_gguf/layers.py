@@ -550,8 +550,8 @@ def held_stream(device: torch.device, priority: int) -> torch.cuda.Stream:
 # Steps of at most this many tokens (decode, draft and verification steps) run a MoE layer's shared expert and
 # observer beside its routed experts, whose chain of small kernels leaves the memory idle. A prefill chunk's products
 # keep it busy on their own, and on a side stream their temporaries are held apart from the main stream's: the peak
-# allocation of a tiny qwen2moe's prefill at a context of 4096 rose from 18.4 to 50.4 MiB, 4x the plan's workspace
-# (H200, tests/test_memory_gpu.py, 2026-12-02).
+# allocation of a tiny qwen2moe's prefill at a context of 4096 rose from 18.4 to 50.4 MiB, its transient part to
+# 39.8 MiB, 4.5x the plan's workspace (H200, tests/test_memory_gpu.py, 2026-12-02).
 BESIDE_MAX_TOKENS = GEMV_MAX_ROWS
 
 

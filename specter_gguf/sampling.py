@@ -152,7 +152,7 @@ def chain_probabilities(logits: torch.Tensor, n_candidates: int,
     `chain_knobs` on the logits' device, over the top `n_candidates` only (every later stage keeps a prefix of
     them): (ids [R, C] ascending, their final probabilities [R, C] float64), C = n_candidates; the other tokens
     have probability 0. The same filters as `Sampler.probabilities`, ties at the top_k boundary and among the
-    candidates going to the lowest ids (as `torch.topk` orders them past the native chain's limits: top_k off)."""
+    candidates going to the lower id; past the native chain's limits (top_k off) they follow `torch.topk`'s order."""
     ids, probs, _ = chain_sample(logits, n_candidates, knobs)
     return ids, probs
 
