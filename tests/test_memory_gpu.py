@@ -129,16 +129,23 @@ def test_a_model_larger_than_the_free_memory_runs_without_flags(tiny_models, mon
 
 def _device_use(path: str, draft: str | None) -> int:
     """Device memory (the driver's count: allocator reserve, graphs, everything) that loading `path` whole and
-    decoding greedily, then sampled over the whole vocabulary (top-k 0: the widest verdict buffers), took."""
+    decoding greedily, then sampled over the whole vocabulary (top-k 0: the widest verdict buffers), took; with a
+    draft, at every depth `--n-draft auto` may verify at (each captures its own graphs), deepest first as the
+    benchmark's warm-up does, then at depth auto."""
+    from specter_gguf.speculation import MAX_DEPTH
+
     require_native_cuda()
     free_device()
     before = torch.cuda.mem_get_info()[0]
-    m = Model.load(path, draft=draft, device="cuda", ctx_size=512, progress=False, n_draft=8 if draft else None,
+    m = Model.load(path, draft=draft, device="cuda", ctx_size=512, progress=False, n_draft="auto" if draft else None,
                    tokenizer=ids_only_unless_llama_cpp())
     assert m.cuda_graphs
     every_token = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=3)
-    for params in (SamplingParams(temperature=0), every_token):
-        m.generate([5, 17, 300, 42, 7], n_predict=48, sampling=params, ignore_eos=True).wait()
+    for depth in [*range(MAX_DEPTH, 0, -1), "auto"] if draft else [None]:
+        if depth is not None:
+            m.decoder.set_depth(depth)
+        for params in (SamplingParams(temperature=0), every_token):
+            m.generate([5, 17, 300, 42, 7], n_predict=48, sampling=params, ignore_eos=True).wait()
     torch.cuda.synchronize()
     used = before - torch.cuda.mem_get_info()[0]
     del m
@@ -150,13 +157,11 @@ def test_speculation_stays_within_its_reserve(qwen3_shaped) -> None:
     """What a speculative decoder holds on the device beyond a plain decoder of the same model and its draft's
     experts (CUDA graphs of draft steps and of a verification per depth, verdict buffers, the allocator's share)
     stays within the plan's `speculation` line. The model stands in as its own draft."""
-    from specter_gguf.runtime.budget import SPECULATION
-
     warm_up()
     plain = _device_use(qwen3_shaped, None)
     spec = _device_use(qwen3_shaped, qwen3_shaped)
-    draft = plan_memory(GGUFFile(qwen3_shaped), 1 << 40, 512, "cuda", draft=GGUFFile(qwen3_shaped)).draft_experts
-    extra = spec - plain - draft
+    plan = plan_memory(GGUFFile(qwen3_shaped), 1 << 40, 512, "cuda", draft=GGUFFile(qwen3_shaped))
+    extra = spec - plain - plan.draft_experts
     print(f"\nspeculation held {format_size(extra)} beyond the plain decoder and the draft experts "
-          f"(reserve {format_size(SPECULATION)}; plain {format_size(plain)}, speculative {format_size(spec)})")
-    assert extra <= SPECULATION
+          f"(reserve {format_size(plan.speculation)}; plain {format_size(plain)}, speculative {format_size(spec)})")
+    assert extra <= plan.speculation

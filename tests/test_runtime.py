@@ -16,7 +16,7 @@ from specter_gguf.engine import Model
 from specter_gguf.errors import SpecterError
 from specter_gguf.gguf_file import GGUFFile
 from specter_gguf.runtime import MODES, DeviceRoutingCounts, OffloadCounters, RoutingProfile, plan_memory
-from specter_gguf.runtime.budget import SPECULATION, moe_layers, record_layout
+from specter_gguf.runtime.budget import SPECULATION, moe_layers, record_layout, speculation_bytes
 from specter_gguf.config import ModelConfig
 from specter_gguf.sampling import SamplingParams
 from specter_gguf.sizes import parse_size
@@ -65,12 +65,13 @@ def test_plan_splits_the_budget(shipped_model) -> None:
     # a draft's routed experts are counted (here the model itself stands in for a draft), and on CUDA what the
     # speculative decoder holds beside them
     with_draft = plan_memory(f, "64GiB", CTX, "cuda", draft=f)
-    assert with_draft.draft_experts == huge.resident_expert_bytes and with_draft.speculation == SPECULATION
-    assert with_draft.minimum == huge.minimum + huge.resident_expert_bytes + SPECULATION
+    reserve = speculation_bytes(cfg.n_layer)  # a quarter GiB, and the graphs of every further depth per layer
+    assert with_draft.draft_experts == huge.resident_expert_bytes and with_draft.speculation == reserve
+    assert SPECULATION < reserve < speculation_bytes(2 * cfg.n_layer)
+    assert with_draft.minimum == huge.minimum + huge.resident_expert_bytes + reserve
     assert "speculation" in with_draft.describe() and huge.speculation == 0
     # what the draft costs the expert cache: the same budget without it
-    tight_draft = plan_memory(f, tight.budget + huge.resident_expert_bytes + SPECULATION - slot, CTX, "cuda",
-                              draft=f)
+    tight_draft = plan_memory(f, tight.budget + huge.resident_expert_bytes + reserve - slot, CTX, "cuda", draft=f)
     assert tight_draft.n_slots == tight.n_slots - 1
     assert tight_draft.n_slots_without_draft == plan_memory(f, tight_draft.budget, CTX, "cuda").n_slots
     assert f"without the draft: {tight_draft.n_slots_without_draft} of" in tight_draft.describe()

@@ -17,11 +17,15 @@
   2026-12-01).
 - **draft experts**: the routed experts of a `--draft` GGUF (its file bytes: the draft stays quantized on
   the GPU).
-- **speculation** (with a draft, on CUDA): what the speculative decoder holds beyond the plain decoder's, a
-  quarter GiB: its CUDA graphs (draft steps, a verification per depth) and their share of the allocator's
-  reserve, the verdict buffers. Without it, Qwen3-30B-A3B shapes went 0.10-0.19 GiB over 16 and 24 GiB budgets
-  (nvidia-smi on the H200, 2026-12-01: 1.08-1.10 GiB beyond torch's peak, and torch's peak 0.07-0.09 GiB past
-  what the plan gave it), where decoding from the expert cache fitted.
+- **speculation** (with a draft, on CUDA): what the speculative decoder holds beyond the plain decoder's: a
+  quarter GiB for its CUDA graphs at one verification depth (draft steps, the verification) and their share of the
+  allocator's reserve, the verdict buffers, plus `VERIFY_GRAPHS_PER_LAYER` for every layer and every further depth
+  up to `MAX_DEPTH` (`--n-draft auto` verifies at each depth that may win, and each captures its own graphs).
+  Without the quarter GiB, Qwen3-30B-A3B shapes went 0.10-0.19 GiB over 16 and 24 GiB budgets (nvidia-smi on the
+  H200, 2026-12-01: 1.08-1.10 GiB beyond torch's peak, and torch's peak 0.07-0.09 GiB past what the plan gave it),
+  where decoding from the expert cache fitted; with it alone, depth auto after a verification at every depth went
+  91 MiB over 16 GiB and 24 GiB (2026-12-03: 165 MB more than a fixed depth of 8 with the same model, 0.49 MB per
+  layer and further depth; the plan takes 0.625 MiB).
 - **slots**: what is left, in whole slots. A slot holds one routed expert's gate|up|down record in the
   target's GGUF type (the largest record over the layers: Q4_K_M files mix types between layers).
 
@@ -47,15 +51,24 @@ from specter_gguf.gguf_file import (EXPERT_PARTS, FLOAT_TYPES, GGUFFile, GGUFTen
 from specter_gguf.kernels import (DECODE_ATTN_MAX_TOKENS, decode_attention_supported, decode_attention_workspace_size,
                                   moe_workspace_size)
 from specter_gguf.layers import ResidentExperts
-from specter_gguf.sizes import GiB, format_size, parse_size
+from specter_gguf.sizes import GiB, MiB, format_size, parse_size
 
 SLOT_ALIGN = 256          # bytes: slot and part offsets (vector loads, any element type)
 WORKSPACE_SLACK = 1.1     # small tensors the estimate leaves out (measured on the H200: tests/test_memory_gpu.py)
 CUDA_RUNTIME = 1 * GiB
-SPECULATION = GiB // 4   # with a draft on CUDA: see the module docstring
+SPECULATION = GiB // 4   # with a draft on CUDA, at one verification depth: see the module docstring
+VERIFY_GRAPHS_PER_LAYER = 5 * MiB // 8  # and for each layer at every further depth
 VERIFY_ROWS = 17          # logits rows a forward returns at most: a verification of 16 drafted tokens
 FIT_MARGIN = 1 * GiB      # left free when the budget is the device's free memory (llama.cpp's --fit leaves 1 GiB)
 DEFAULT_PREFILL_CHUNK = 256
+
+
+def speculation_bytes(n_layer: int) -> int:
+    """The speculative decoder's device memory beyond the plain decoder's for a model of `n_layer` layers on CUDA
+    (the module docstring)."""
+    from specter_gguf.speculation.depth import MAX_DEPTH  # not at the top: the speculation package imports this one
+
+    return SPECULATION + (MAX_DEPTH - 1) * n_layer * VERIFY_GRAPHS_PER_LAYER
 
 
 def _slots_in(free: int, slot_bytes: int, n_experts_total: int) -> int:
@@ -292,7 +305,7 @@ def plan_memory(f: GGUFFile, budget: int | str, ctx_size: int | None = None, dev
     quantized = any(T[t] not in FLOAT_TYPES for t in types)
     ws = workspace_bytes(cfg, ctx, min(prefill_chunk, ctx), device_type, quantized)
     runtime = CUDA_RUNTIME if device_type == "cuda" else 0
-    speculation = SPECULATION if device_type == "cuda" and draft is not None else 0
+    speculation = speculation_bytes(cfg.n_layer) if device_type == "cuda" and draft is not None else 0
     fixed = non_expert + kv + ws + runtime + draft_bytes + speculation
     total = len(layers) * cfg.n_expert
     n_slots = _slots_in(budget - fixed, slot, total)
@@ -328,5 +341,5 @@ def slots_after_load(plan: MemoryPlan, measured_non_expert: int) -> int:
     return _slots_in(free, plan.slot_bytes, plan.n_experts_total)
 
 
-__all__ = ["MemoryPlan", "plan_memory", "fitted_budget", "free_device_memory",
+__all__ = ["MemoryPlan", "plan_memory", "speculation_bytes", "fitted_budget", "free_device_memory",
            "record_layout", "RecordLayout", "PartLayout", "moe_layers", "slots_after_load"]
