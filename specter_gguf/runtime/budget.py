@@ -24,8 +24,8 @@
   Without the quarter GiB, Qwen3-30B-A3B shapes went 0.10-0.19 GiB over 16 and 24 GiB budgets (nvidia-smi on the
   H200, 2026-12-01: 1.08-1.10 GiB beyond torch's peak, and torch's peak 0.07-0.09 GiB past what the plan gave it),
   where decoding from the expert cache fitted; with it alone, depth auto after a verification at every depth went
-  91 MiB over 16 GiB and 24 GiB (2026-12-03: 165 MB more than a fixed depth of 8 with the same model, 0.49 MB per
-  layer and further depth; the plan takes 0.625 MiB).
+  91 and 89 MiB over 16 and 24 GiB (2026-12-03: 165 MB more than a fixed depth of 8 with the same model, 0.49 MB
+  per layer and further depth; the plan takes 0.625 MiB).
 - **slots**: what is left, in whole slots. A slot holds one routed expert's gate|up|down record in the
   target's GGUF type (the largest record over the layers: Q4_K_M files mix types between layers).
 
