@@ -184,11 +184,11 @@ def test_every_half_value() -> None:
 
 
 def test_the_vector_path_gives_the_scalar_bits(tmp_path: Path) -> None:
-    """F16, Q8_0, Q4_K and Q6_K rows decode, and F16/BF16/Q8_0 rows are dotted with one row of x, with AVX2
-    instructions where the CPU has them: the scalar path (SPECTER_CPU_VECTORS=none, in a fresh process: the choice
-    is made once) gives this process's bits, for every half value (NaN payloads kept), for Q8_0, Q4_K and Q6_K
-    blocks of random bytes, and for one row of x times matrices of 520 halfs a row (a vector's tail) and of 17 Q8_0
-    blocks (the scalar path: the dequantized row's dot product)."""
+    """F16, Q8_0, Q4_K and Q6_K rows decode, and F16/BF16/Q8_0/Q4_K/Q6_K rows are dotted with one row of x, with
+    AVX2 instructions where the CPU has them: the scalar path (SPECTER_CPU_VECTORS=none, in a fresh process: the
+    choice is made once) gives this process's bits, for every half value (NaN payloads kept), for Q8_0, Q4_K and
+    Q6_K blocks of random bytes, and for one row of x times matrices of 520 halfs a row (a vector's tail), of 17 Q8_0
+    blocks and of those Q4_K and Q6_K blocks (the scalar path: the dequantized row's dot product)."""
     import os
     import subprocess
     import sys
@@ -206,6 +206,8 @@ def test_the_vector_path_gives_the_scalar_bits(tmp_path: Path) -> None:
     mats = {GT.F16: floats[GT.F16].astype(np.float16).view(np.uint8),
             GT.BF16: (floats[GT.BF16].view(np.uint32) >> 16).astype(np.uint16).view(np.uint8),
             GT.Q8_0: quantize(GT.Q8_0, floats[GT.Q8_0], None)}
+    mats[GT.Q4_K], mats[GT.Q6_K] = k4, k6  # 8 rows of 1024
+    ks[GT.Q4_K] = ks[GT.Q6_K] = 1024
     xs = {t: rng.standard_normal((1, k)).astype(np.float32) for t, k in ks.items()}
     np.savez(tmp_path / "in.npz", halfs=halfs, blocks=blocks, k4=k4, k6=k6,
              **{f"w{int(t)}": m for t, m in mats.items()}, **{f"x{int(t)}": v for t, v in xs.items()})
@@ -217,7 +219,7 @@ def test_the_vector_path_gives_the_scalar_bits(tmp_path: Path) -> None:
         f"           k4=native.dequantize(a['k4'], {int(GT.Q4_K)}, (8, 1024)),\n"
         f"           k6=native.dequantize(a['k6'], {int(GT.Q6_K)}, (8, 1024)))\n"
         f"for t, k in {[(int(t), k) for t, k in ks.items()]}:\n"
-        "    w = kernels.QuantizedTensor.from_numpy(a[f'w{t}'], t, (24, k))\n"
+        "    w = kernels.QuantizedTensor.from_numpy(a[f'w{t}'], t, (a[f'w{t}'].shape[0], k))\n"
         "    out[f'y{t}'] = kernels.qmatmul(torch.from_numpy(a[f'x{t}']), w).numpy()\n"
         "np.savez(d + '/out.npz', **out)\n")
     env = {**os.environ, "SPECTER_CPU_VECTORS": "none"}
@@ -232,8 +234,8 @@ def test_the_vector_path_gives_the_scalar_bits(tmp_path: Path) -> None:
     import torch
 
     for t, k in ks.items():
-        y = kernels.qmatmul(torch.from_numpy(xs[t]), kernels.QuantizedTensor.from_numpy(mats[t], int(t), (24, k)))
-        assert_bitwise_equal(got[f"y{int(t)}"], y.numpy())
+        w = kernels.QuantizedTensor.from_numpy(mats[t], int(t), (mats[t].shape[0], k))
+        assert_bitwise_equal(got[f"y{int(t)}"], kernels.qmatmul(torch.from_numpy(xs[t]), w).numpy())
 
 
 def test_gguf_reader_layout_3d(ggml_base: ctypes.CDLL, rng: np.random.Generator) -> None:

@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "fp16.h"
+#include "kquants_cpu.h"
 #include "vectors_cpu.h"
 
 namespace specter {
@@ -178,17 +179,6 @@ void dec_q3_k(const uint8_t * b, float * y) {
             }
 }
 
-// The 12-byte packing of eight 6-bit scales and eight 6-bit mins shared by Q4_K and Q5_K.
-inline void k4_scale_min(const uint8_t * s, int j, int & sc, int & m) {
-    if (j < 4) {
-        sc = s[j] & 63;
-        m = s[j + 4] & 63;
-    } else {
-        sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
-        m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    }
-}
-
 // block_q4_K: f16 d; f16 dmin; uint8 scales[12]; uint8 qs[128].
 // Element c*64 + h*32 + l is nibble h of qs[c*32 + l]; sub-block of 32 = 2c + h.
 void dec_q4_k(const uint8_t * b, float * y) {
@@ -211,20 +201,14 @@ void dec_q4_k(const uint8_t * b, float * y) {
 // Q4_K blocks: per sub-block the scale and offset as dec_q4_k computes them, then d1 * q - m1 rounded twice as
 // there (a multiply, then a subtraction).
 __attribute__((target("avx2"))) void q4_k_avx2(const uint8_t * b, float * y, int64_t n_blocks) {
-    const __m128i low = _mm_set1_epi8(0x0f);
     for (int64_t i = 0; i < n_blocks; ++i, b += 144, y += QK_K) {
         const float d = load_half(b), dmin = load_half(b + 2);
         for (int c = 0; c < 4; ++c)
             for (int h = 0; h < 2; ++h) {
-                int sc, m;
-                k4_scale_min(b + 4, 2 * c + h, sc, m);
-                const __m256 d1 = _mm256_set1_ps(d * float(sc)), m1 = _mm256_set1_ps(dmin * float(m));
-                for (int part = 0; part < 4; ++part) {
-                    const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(b + 16 + c * 32 + 8 * part));
-                    const __m128i q = _mm_and_si128(h ? _mm_srli_epi16(q8, 4) : q8, low);
-                    const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
-                    _mm256_storeu_ps(y + c * 64 + h * 32 + 8 * part, _mm256_sub_ps(_mm256_mul_ps(d1, v), m1));
-                }
+                __m256 d1, m1;
+                q4_k_sub_block(b, c, h, d, dmin, d1, m1);
+                for (int part = 0; part < 4; ++part)
+                    _mm256_storeu_ps(y + c * 64 + h * 32 + 8 * part, q4_k_weights8(b, c, h, part, d1, m1));
             }
     }
 }
@@ -281,16 +265,6 @@ void dec_q6_k(const uint8_t * b, float * y) {
 // Q6_K blocks: the four 6-bit quants of each byte triple as dec_q6_k assembles them, each weight the sub-block's
 // d * scale times (q - 32), one float multiply as there. A step takes 8 consecutive l of a half block, within one
 // sub-block.
-// The quants q_0..q_3 of bytes l of ql, ql + 32 and qh (a vector of consecutive l).
-inline void q6_quants(__m128i a, __m128i b, __m128i h, __m128i * q) {
-    const __m128i low = _mm_set1_epi8(0x0f);
-    q[0] = _mm_or_si128(_mm_and_si128(a, low), _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi8(0x03)), 4));
-    q[1] = _mm_or_si128(_mm_and_si128(b, low), _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi8(0x0c)), 2));
-    q[2] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), low), _mm_and_si128(h, _mm_set1_epi8(0x30)));
-    q[3] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(b, 4), low),
-                        _mm_and_si128(_mm_srli_epi16(h, 2), _mm_set1_epi8(0x30)));
-}
-
 __attribute__((target("avx2"))) void q6_k_avx2(const uint8_t * b, float * y, int64_t n_blocks) {
     for (int64_t i = 0; i < n_blocks; ++i, b += 210, y += QK_K) {
         const int8_t * sc = reinterpret_cast<const int8_t *>(b + 192);
@@ -303,9 +277,8 @@ __attribute__((target("avx2"))) void q6_k_avx2(const uint8_t * b, float * y, int
                           _mm_loadl_epi64(reinterpret_cast<const __m128i *>(ql + 32)),
                           _mm_loadl_epi64(reinterpret_cast<const __m128i *>(b + 128 + j * 32 + l)), q);
                 for (int k = 0; k < 4; ++k) {
-                    const __m256i v = _mm256_sub_epi32(_mm256_cvtepu8_epi32(q[k]), _mm256_set1_epi32(32));
-                    const __m256 dl = _mm256_set1_ps(d * float(sc[j * 8 + (l >> 4) + 2 * k]));
-                    _mm256_storeu_ps(y + j * 128 + k * 32 + l, _mm256_mul_ps(dl, _mm256_cvtepi32_ps(v)));
+                    const float dl = d * float(sc[j * 8 + (l >> 4) + 2 * k]);
+                    _mm256_storeu_ps(y + j * 128 + k * 32 + l, q6_k_weights8(q[k], dl));
                 }
             }
     }

@@ -3,7 +3,7 @@
 // dequantized (bit-exact with ggml) into a float buffer once per call and dotted with every row of X
 // that needs it, in float32 with a fixed summation order, so results do not depend on the thread count;
 // a row that meets one row of X only is decoded in registers instead where the type and the CPU allow
-// (F16, BF16, Q8_0 with AVX2: `RowDots`), with the same bits.
+// (F16, BF16, Q8_0, Q4_K and Q6_K with AVX2: `RowDots`), with the same bits.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -16,6 +16,7 @@
 #include "dequant_cpu.h"
 #include "fp16.h"
 #include "kernels_common.h"
+#include "kquants_cpu.h"
 #include "specter_kernels.h"
 #include "threads_cpu.h"
 #include "vectors_cpu.h"
@@ -47,7 +48,7 @@ float dot_f32(const float * a, const float * b, int64_t k) {
 
 // ---- one weight row dotted with one row of x, decoded in registers ------------------------------------------
 // dot_f32 of the dequantized row, bit for bit (the same lanes, order and rounding), without writing the row out:
-// F16, BF16 and Q8_0 rows with AVX2. A step covers the 16 lanes with two 8-lane sums.
+// F16, BF16, Q8_0, Q4_K and Q6_K rows with AVX2. A step covers the 16 lanes with two 8-lane sums.
 #ifdef SPECTER_X86_VECTORS
 __attribute__((target("avx2,f16c"))) inline __m256 halfs8_avx2(const uint16_t * h, bool bf) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i *>(h));
@@ -70,6 +71,14 @@ __attribute__((target("avx2,f16c"))) float dot_f16_avx2(const uint8_t * w, const
     return fold16(lanes);
 }
 
+// fold16 of the 16 lanes of two 8-lane sums.
+__attribute__((target("avx2"))) inline float fold16_avx2(const __m256 (&acc)[2]) {
+    float lanes[16];
+    _mm256_storeu_ps(lanes, acc[0]);
+    _mm256_storeu_ps(lanes + 8, acc[1]);
+    return fold16(lanes);
+}
+
 // Q8_0: a block's 32 weights (quant times the block's scale, as the decoder rounds it) are two 16-lane steps.
 __attribute__((target("avx2"))) float dot_q8_0_avx2(const uint8_t * w, const float * x, int64_t k) {
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -81,10 +90,53 @@ __attribute__((target("avx2"))) float dot_q8_0_avx2(const uint8_t * w, const flo
             acc[j & 1] = _mm256_add_ps(acc[j & 1], _mm256_mul_ps(v, _mm256_loadu_ps(x + i + 8 * j)));
         }
     }
-    float lanes[16];
-    _mm256_storeu_ps(lanes, acc[0]);
-    _mm256_storeu_ps(lanes + 8, acc[1]);
-    return fold16(lanes);
+    return fold16_avx2(acc);
+}
+
+// Q4_K: per sub-block of 32 the scale and offset as the decoder computes them, each weight d1 * q - m1 rounded
+// twice as there (a multiply, then a subtraction); a sub-block is two 16-lane steps.
+__attribute__((target("avx2"))) float dot_q4_k_avx2(const uint8_t * w, const float * x, int64_t k) {
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t i = 0; i < k; i += 256, w += 144) {
+        const float d = load_half(w), dmin = load_half(w + 2);
+        for (int c = 0; c < 4; ++c)
+            for (int h = 0; h < 2; ++h) {
+                __m256 d1, m1;
+                q4_k_sub_block(w, c, h, d, dmin, d1, m1);
+                const float * xs = x + i + c * 64 + h * 32;
+                for (int part = 0; part < 4; ++part) {
+                    const __m256 wv = q4_k_weights8(w, c, h, part, d1, m1);
+                    acc[part & 1] = _mm256_add_ps(acc[part & 1], _mm256_mul_ps(wv, _mm256_loadu_ps(xs + 8 * part)));
+                }
+            }
+    }
+    return fold16_avx2(acc);
+}
+
+// Q6_K: each weight the sub-block's d * scale times (q - 32), one multiply as the decoder does; one triple of byte
+// loads gives the quants of 8 consecutive l in each quarter of a half block, taken in the row's order.
+__attribute__((target("avx2"))) float dot_q6_k_avx2(const uint8_t * w, const float * x, int64_t k) {
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t i = 0; i < k; i += 256, w += 210) {
+        const int8_t * sc = reinterpret_cast<const int8_t *>(w + 192);
+        const float d = load_half(w + 208);
+        for (int j = 0; j < 2; ++j) {
+            __m128i q[4][4];  // [l / 8][quarter]
+            for (int l8 = 0; l8 < 4; ++l8) {
+                const uint8_t * ql = w + j * 64 + 8 * l8;
+                q6_quants(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(ql)),
+                          _mm_loadl_epi64(reinterpret_cast<const __m128i *>(ql + 32)),
+                          _mm_loadl_epi64(reinterpret_cast<const __m128i *>(w + 128 + j * 32 + 8 * l8)), q[l8]);
+            }
+            for (int quarter = 0; quarter < 4; ++quarter)
+                for (int l8 = 0; l8 < 4; ++l8) {
+                    const __m256 wv = q6_k_weights8(q[l8][quarter], d * float(sc[j * 8 + l8 / 2 + 2 * quarter]));
+                    const float * xs = x + i + j * 128 + quarter * 32 + 8 * l8;
+                    acc[l8 & 1] = _mm256_add_ps(acc[l8 & 1], _mm256_mul_ps(wv, _mm256_loadu_ps(xs)));
+                }
+        }
+    }
+    return fold16_avx2(acc);
 }
 
 // dot_f32 of a decoded row `a` with four rows of x, bit for bit (each x row's 16 lanes as two 8-lane sums, products
@@ -129,6 +181,14 @@ bool dot_row_f32(const TypeInfo & t, const uint8_t * w, const float * x, int64_t
     }
     if (t.type == SPECTER_TYPE_Q8_0) {
         *out = dot_q8_0_avx2(w, x, k);
+        return true;
+    }
+    if (t.type == SPECTER_TYPE_Q4_K) {
+        *out = dot_q4_k_avx2(w, x, k);
+        return true;
+    }
+    if (t.type == SPECTER_TYPE_Q6_K) {
+        *out = dot_q6_k_avx2(w, x, k);
         return true;
     }
 #endif

@@ -1,0 +1,58 @@
+// Pieces of the K-quant block layouts that the CPU decoders (dequant_cpu.cpp) and the fused row dots
+// (kernels_cpu.cpp) share (internal header of libspecter).
+#pragma once
+
+#include <cstdint>
+
+#include "fp16.h"
+#include "vectors_cpu.h"
+
+namespace specter {
+
+// The 12-byte packing of eight 6-bit scales and eight 6-bit mins shared by Q4_K and Q5_K: sub-block j's.
+inline void k4_scale_min(const uint8_t * s, int j, int & sc, int & m) {
+    if (j < 4) {
+        sc = s[j] & 63;
+        m = s[j + 4] & 63;
+    } else {
+        sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
+        m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+#ifdef SPECTER_X86_VECTORS
+// Q4_K: the scale and the offset of sub-block 2c + h of block b (scales d, dmin) as the decoder computes them.
+__attribute__((target("avx2"))) inline void q4_k_sub_block(const uint8_t * b, int c, int h, float d, float dmin,
+                                                          __m256 & d1, __m256 & m1) {
+    int sc, m;
+    k4_scale_min(b + 4, 2 * c + h, sc, m);
+    d1 = _mm256_set1_ps(d * float(sc)), m1 = _mm256_set1_ps(dmin * float(m));
+}
+
+// Q4_K: weights 8 part .. 8 part + 7 of that sub-block, d1 * q - m1 rounded twice as the decoder does (a multiply,
+// then a subtraction).
+__attribute__((target("avx2"))) inline __m256 q4_k_weights8(const uint8_t * b, int c, int h, int part, __m256 d1,
+                                                           __m256 m1) {
+    const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(b + 16 + c * 32 + 8 * part));
+    const __m128i q = _mm_and_si128(h ? _mm_srli_epi16(q8, 4) : q8, _mm_set1_epi8(0x0f));
+    return _mm256_sub_ps(_mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q))), m1);
+}
+
+// Q6_K: the 8 weights of quants q (the low 8 bytes) in a sub-block of scale d * sc: dl * (q - 32), one multiply.
+__attribute__((target("avx2"))) inline __m256 q6_k_weights8(__m128i q, float dl) {
+    const __m256i v = _mm256_sub_epi32(_mm256_cvtepu8_epi32(q), _mm256_set1_epi32(32));
+    return _mm256_mul_ps(_mm256_set1_ps(dl), _mm256_cvtepi32_ps(v));
+}
+
+// Q6_K: the quants q_0..q_3 of bytes l of ql, ql + 32 and qh (a vector of consecutive l).
+inline void q6_quants(__m128i a, __m128i b, __m128i h, __m128i * q) {
+    const __m128i low = _mm_set1_epi8(0x0f);
+    q[0] = _mm_or_si128(_mm_and_si128(a, low), _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi8(0x03)), 4));
+    q[1] = _mm_or_si128(_mm_and_si128(b, low), _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi8(0x0c)), 2));
+    q[2] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), low), _mm_and_si128(h, _mm_set1_epi8(0x30)));
+    q[3] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(b, 4), low),
+                        _mm_and_si128(_mm_srli_epi16(h, 2), _mm_set1_epi8(0x30)));
+}
+#endif
+
+}  // namespace specter
