@@ -271,11 +271,8 @@ __attribute__((target("avx2"))) void q6_k_avx2(const uint8_t * b, float * y, int
         const float d = load_half(b + 208);
         for (int j = 0; j < 2; ++j)
             for (int l = 0; l < 32; l += 8) {
-                const uint8_t * ql = b + j * 64 + l;
                 __m128i q[4];
-                q6_quants(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(ql)),
-                          _mm_loadl_epi64(reinterpret_cast<const __m128i *>(ql + 32)),
-                          _mm_loadl_epi64(reinterpret_cast<const __m128i *>(b + 128 + j * 32 + l)), q);
+                q6_quants(b, j, l, q);
                 for (int k = 0; k < 4; ++k) {
                     const float dl = d * float(sc[j * 8 + (l >> 4) + 2 * k]);
                     _mm256_storeu_ps(y + j * 128 + k * 32 + l, q6_k_weights8(q[k], dl));

@@ -122,12 +122,7 @@ __attribute__((target("avx2"))) float dot_q6_k_avx2(const uint8_t * w, const flo
         const float d = load_half(w + 208);
         for (int j = 0; j < 2; ++j) {
             __m128i q[4][4];  // [l / 8][quarter]
-            for (int l8 = 0; l8 < 4; ++l8) {
-                const uint8_t * ql = w + j * 64 + 8 * l8;
-                q6_quants(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(ql)),
-                          _mm_loadl_epi64(reinterpret_cast<const __m128i *>(ql + 32)),
-                          _mm_loadl_epi64(reinterpret_cast<const __m128i *>(w + 128 + j * 32 + 8 * l8)), q[l8]);
-            }
+            for (int l8 = 0; l8 < 4; ++l8) q6_quants(w, j, 8 * l8, q[l8]);
             for (int quarter = 0; quarter < 4; ++quarter)
                 for (int l8 = 0; l8 < 4; ++l8) {
                     const __m256 wv = q6_k_weights8(q[l8][quarter], d * float(sc[j * 8 + l8 / 2 + 2 * quarter]));

@@ -4,7 +4,6 @@
 
 #include <cstdint>
 
-#include "fp16.h"
 #include "vectors_cpu.h"
 
 namespace specter {
@@ -44,13 +43,17 @@ __attribute__((target("avx2"))) inline __m256 q6_k_weights8(__m128i q, float dl)
     return _mm256_mul_ps(_mm256_set1_ps(dl), _mm256_cvtepi32_ps(v));
 }
 
-// Q6_K: the quants q_0..q_3 of bytes l of ql, ql + 32 and qh (a vector of consecutive l).
-inline void q6_quants(__m128i a, __m128i b, __m128i h, __m128i * q) {
+// Q6_K: the quants q_0..q_3 of l .. l + 7 in half block j of block b: bytes l of ql, ql + 32 and qh.
+inline void q6_quants(const uint8_t * b, int j, int l, __m128i * q) {
+    const uint8_t * ql = b + j * 64 + l;
+    const __m128i a = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(ql));
+    const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(ql + 32));
+    const __m128i h = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(b + 128 + j * 32 + l));
     const __m128i low = _mm_set1_epi8(0x0f);
     q[0] = _mm_or_si128(_mm_and_si128(a, low), _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi8(0x03)), 4));
-    q[1] = _mm_or_si128(_mm_and_si128(b, low), _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi8(0x0c)), 2));
+    q[1] = _mm_or_si128(_mm_and_si128(c, low), _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi8(0x0c)), 2));
     q[2] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), low), _mm_and_si128(h, _mm_set1_epi8(0x30)));
-    q[3] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(b, 4), low),
+    q[3] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(c, 4), low),
                         _mm_and_si128(_mm_srli_epi16(h, 2), _mm_set1_epi8(0x30)));
 }
 #endif
