@@ -134,7 +134,7 @@ def topk_reference(logits: np.ndarray, k: int, normalize: bool, scale: float) ->
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("E,k", [(8, 2), (60, 4), (64, 6), (160, 8), (16, 16)])
+@pytest.mark.parametrize("E,k", [(8, 2), (60, 4), (64, 6), (160, 8), (16, 16), (256, 8), (300, 8)])
 def test_moe_topk(device: str, E: int, k: int) -> None:
     rng = np.random.default_rng(E * 100 + k)
     T = 13
@@ -243,9 +243,10 @@ def rope_reference(x: np.ndarray, pos: np.ndarray, cos: np.ndarray, sin: np.ndar
 @pytest.mark.parametrize("rope_dim", [64, 32], ids=["full", "partial"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("norm", [False, True], ids=["nonorm", "norm"])
-def test_rope_kv(device: str, neox: bool, rope_dim: int, bias: bool, norm: bool) -> None:
-    rng = np.random.default_rng(rope_dim + 2 * neox + 4 * bias + 8 * norm)
-    T, H, Hkv, d, cap, n_pos = 3, 4, 2, 64, 24, 32
+@pytest.mark.parametrize("d", [64, 96, 640], ids=["d64", "d96", "d640"])  # CUDA: 1 warp, part of 2, strided pairs
+def test_rope_kv(device: str, neox: bool, rope_dim: int, bias: bool, norm: bool, d: int) -> None:
+    rng = np.random.default_rng(rope_dim + 2 * neox + 4 * bias + 8 * norm + d)
+    T, H, Hkv, cap, n_pos = 3, 4, 2, 24, 32
     pos = np.array([5, 17, 3])
     wide = rng.standard_normal((T, (H + 2 * Hkv) * d + 8)).astype(np.float32)  # q | k | v | padding: strided
     q_np, k_np, v_np = wide[:, :H * d], wide[:, H * d:(H + Hkv) * d], wide[:, (H + Hkv) * d:(H + 2 * Hkv) * d]

@@ -1,6 +1,7 @@
 // CUDA versions of the small fused ops of a decode step (specter_kernels.h): the residual add and its norm, MoE
 // top-k routing and the attention inputs (biases, RoPE, KV cache store). Each replaces several framework kernels with one launch.
 // Also the wait on a counter that orders a graph's kernels after copies issued on another stream.
+#include <algorithm>
 #include <cstdint>
 
 #include "kernels_common.h"
@@ -15,6 +16,21 @@ namespace {
 // One CTA of 256 threads per row: s = x + d (specter_rms_norm's d) kept in registers (n <= 256 * kNormPerThread)
 // or re-read.
 constexpr int kNormPerThread = 16;
+
+// Threads of a rope_kv CTA at most (one head): pairs beyond them are strided.
+constexpr int kRopeMaxThreads = 256;
+
+// The sum over the CTA of one value per thread, in every thread: warp shuffles, then the warps' sums in order.
+// `red` holds a float per warp; call once per kernel (no barrier after the reads).
+__device__ __forceinline__ float cta_total(float v, float * red) {
+#pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float total = 0.0f;
+    for (int w = 0; w < int(blockDim.x >> 5); ++w) total += red[w];
+    return total;
+}
 
 // Element i of row sum s = x + d, the shared expert scaled by g (1 when ungated).
 __device__ __forceinline__ float residual_sum(const float * x, const float * delta, const float * shared, float g,
@@ -45,13 +61,7 @@ __global__ void __launch_bounds__(256) rms_norm_kernel(const float * x, const fl
         const float v = residual_sum(x, delta, shared, g, base + i);
         ss = fmaf(v, v, ss);
     }
-#pragma unroll
-    for (int o = 16; o >= 1; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    float total = 0.0f;
-    for (int w = 0; w < int(blockDim.x >> 5); ++w) total += red[w];
-    const float scale = rsqrtf(total / float(n) + eps);
+    const float scale = rsqrtf(cta_total(ss, red) / float(n) + eps);
 #pragma unroll
     for (int j = 0; j < kNormPerThread; ++j) {
         const long long i = threadIdx.x + (long long)j * blockDim.x;
@@ -76,19 +86,18 @@ __global__ void topk_kernel(const float * __restrict__ logits, int T, int E, lon
     topk_row(logits + t * stride, E, K, normalize, scale, ids + (long long)t * K, weights + (long long)t * K, lane);
 }
 
-// One thread per feature pair of one head of q, k or v of one token: heads [0, H) are q's, [H, H + Hkv) k's,
-// [H + Hkv, H + 2 Hkv) v's. Pair i < rope_dim/2 is rotated (q, k); the others pass through as (2i, 2i+1). A head's
-// RMS norm: each of its threads sums the squares of the whole head (the same loads across a warp, a few hundred
-// cycles), cheaper than a kernel of its own.
+// One CTA per head of one token (heads [0, H) are q's, [H, H + Hkv) k's, [H + Hkv, H + 2 Hkv) v's), one thread per
+// feature pair of the head (strided when the head has more pairs than the CTA threads). Pair i < rope_dim/2 is
+// rotated (q, k); the others pass through as (2i, 2i+1). A head's RMS norm sums its squares across the CTA (each
+// thread its own pairs, then warp shuffles and a shared-memory step), so every value is loaded once.
 template <class OUT>
-__global__ void rope_kv_kernel(RopeKvArgs a) {
+__global__ void __launch_bounds__(kRopeMaxThreads) rope_kv_kernel(RopeKvArgs a) {
     start_after_prior_kernels();
+    __shared__ float red[kRopeMaxThreads / 32];
     const long long half_dim = a.head_dim / 2, heads = a.n_head + 2 * a.n_head_kv;
-    const long long item = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (item >= a.n_tokens * heads * half_dim) return;
-    const long long i = item % half_dim, hh = (item / half_dim) % heads, t = item / (half_dim * heads);
+    const long long hh = blockIdx.x % heads, t = blockIdx.x / heads;
     const long long p = a.pos[t];
-    if (p < 0 || p >= a.n_pos || p >= a.capacity) return;
+    if (p < 0 || p >= a.n_pos || p >= a.capacity) return;  // the whole CTA
     const float * x;
     const float * bias;
     const float * norm;
@@ -105,32 +114,37 @@ __global__ void rope_kv_kernel(RopeKvArgs a) {
         hd = hh - a.n_head - a.n_head_kv, x = a.v + t * a.v_stride, bias = a.v_bias, norm = nullptr, rotate = false;
         out = static_cast<OUT *>(a.v_cache) + (hd * a.capacity + p) * a.head_dim;
     }
-    const long long half = a.rope_dim / 2;
-    rotate = rotate && i < half;
-    const long long ia = rotate && a.neox ? i : 2 * i, ib = rotate && a.neox ? i + half : 2 * i + 1;
     x += hd * a.head_dim;
     if (bias) bias += hd * a.head_dim;
-    float xa = x[ia], xb = x[ib];
-    if (bias) xa += bias[ia], xb += bias[ib];
+    const long long half = a.rope_dim / 2;
+    // element indices of pair i: (i, i + half) for a rotated NeoX pair, else (2i, 2i + 1)
+    auto first = [&](long long i) { return rotate && i < half && a.neox ? i : 2 * i; };
+    auto second = [&](long long i) { return rotate && i < half && a.neox ? i + half : 2 * i + 1; };
+    auto value = [&](long long e) { return bias ? x[e] + bias[e] : x[e]; };
+    float scale = 1.0f;
     if (norm) {
-        float s0 = 0.0f, s1 = 0.0f;
-        for (long long j = 0; j < a.head_dim; j += 2) {  // head_dim is even
-            const float h0 = x[j] + (bias ? bias[j] : 0.0f), h1 = x[j + 1] + (bias ? bias[j + 1] : 0.0f);
-            s0 = fmaf(h0, h0, s0), s1 = fmaf(h1, h1, s1);
+        float ss = 0.0f;
+        for (long long i = threadIdx.x; i < half_dim; i += blockDim.x) {
+            const float va = value(first(i)), vb = value(second(i));
+            ss = fmaf(va, va, fmaf(vb, vb, ss));
         }
-        const float scale = rsqrtf((s0 + s1) / float(a.head_dim) + a.norm_eps);
-        xa = xa * scale * norm[ia], xb = xb * scale * norm[ib];
+        scale = rsqrtf(cta_total(ss, red) / float(a.head_dim) + a.norm_eps);
     }
-    if (rotate) {
-        const float c = a.cos[p * half + i], s = a.sin[p * half + i];
-        const float ra = __fsub_rn(__fmul_rn(xa, c), __fmul_rn(xb, s));  // no FMA: the CPU's rounding
-        xb = __fadd_rn(__fmul_rn(xb, c), __fmul_rn(xa, s));
-        xa = ra;
-    }
-    if constexpr (sizeof(OUT) == 2) {
-        out[ia] = __float2half_rn(xa), out[ib] = __float2half_rn(xb);
-    } else {
-        out[ia] = xa, out[ib] = xb;
+    for (long long i = threadIdx.x; i < half_dim; i += blockDim.x) {
+        const long long ia = first(i), ib = second(i);
+        float xa = value(ia), xb = value(ib);
+        if (norm) xa = xa * scale * norm[ia], xb = xb * scale * norm[ib];
+        if (rotate && i < half) {
+            const float c = a.cos[p * half + i], s = a.sin[p * half + i];
+            const float ra = __fsub_rn(__fmul_rn(xa, c), __fmul_rn(xb, s));  // no FMA: the CPU's rounding
+            xb = __fadd_rn(__fmul_rn(xb, c), __fmul_rn(xa, s));
+            xa = ra;
+        }
+        if constexpr (sizeof(OUT) == 2) {
+            out[ia] = __float2half_rn(xa), out[ib] = __float2half_rn(xb);
+        } else {
+            out[ia] = xa, out[ib] = xb;
+        }
     }
 }
 
@@ -201,14 +215,15 @@ int specter_cuda_rope_kv(const float * q, int64_t q_stride, const float * k, int
                        k_cache, v_cache, capacity};
     const int rc = check_rope_kv(a);
     if (rc != SPECTER_OK) return rc;
-    const long long items = n_tokens * (n_head + 2 * n_head_kv) * (head_dim / 2);
-    if (items == 0) return SPECTER_OK;
+    const long long blocks = n_tokens * (n_head + 2 * n_head_kv);
+    if (blocks == 0 || head_dim == 0) return SPECTER_OK;
     cudaGetLastError();
-    const unsigned blocks = unsigned((items + 255) / 256);
+    const long long pairs = head_dim / 2;
+    const int threads = int(std::min<long long>(kRopeMaxThreads, (pairs + 31) / 32 * 32));
     if (out_type == SPECTER_TYPE_F16)
-        launch(rope_kv_kernel<__half>, blocks, 256, cudaStream_t(stream), a);
+        launch(rope_kv_kernel<__half>, unsigned(blocks), threads, cudaStream_t(stream), a);
     else
-        launch(rope_kv_kernel<float>, blocks, 256, cudaStream_t(stream), a);
+        launch(rope_kv_kernel<float>, unsigned(blocks), threads, cudaStream_t(stream), a);
     return launch_status();
 }
 
