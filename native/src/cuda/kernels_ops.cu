@@ -89,7 +89,7 @@ __global__ void topk_kernel(const float * __restrict__ logits, int T, int E, lon
 // One CTA per head of one token (heads [0, H) are q's, [H, H + Hkv) k's, [H + Hkv, H + 2 Hkv) v's), one thread per
 // feature pair of the head (strided when the head has more pairs than the CTA threads). Pair i < rope_dim/2 is
 // rotated (q, k); the others pass through as (2i, 2i+1). A head's RMS norm sums its squares across the CTA (each
-// thread its own pairs, then warp shuffles and a shared-memory step), so every value is loaded once.
+// thread its own pairs, then warp shuffles and a shared-memory step), so no thread reads the whole head.
 template <class OUT>
 __global__ void __launch_bounds__(kRopeMaxThreads) rope_kv_kernel(RopeKvArgs a) {
     start_after_prior_kernels();

@@ -19,7 +19,7 @@ constexpr int kTopkLane = 8;
 // passes over them wait on no memory; NL = 0: every pass reads them again. Both compare and sum the same values in
 // the same order.
 template <int NL>
-__device__ __forceinline__ void topk_row_pass(const float * l, int E, int K, int normalize, float scale,
+__device__ __forceinline__ void topk_row_held(const float * l, int E, int K, int normalize, float scale,
                                               int32_t * ids, float * weights, int lane) {
     float held[NL > 0 ? NL : 1];
     if constexpr (NL > 0) {
@@ -82,9 +82,9 @@ __device__ __forceinline__ void topk_row_pass(const float * l, int E, int K, int
 __device__ __forceinline__ void topk_row(const float * l, int E, int K, int normalize, float scale, int32_t * ids,
                                          float * weights, int lane) {
     if (E <= 32 * kTopkLane)
-        topk_row_pass<kTopkLane>(l, E, K, normalize, scale, ids, weights, lane);
+        topk_row_held<kTopkLane>(l, E, K, normalize, scale, ids, weights, lane);
     else
-        topk_row_pass<0>(l, E, K, normalize, scale, ids, weights, lane);
+        topk_row_held<0>(l, E, K, normalize, scale, ids, weights, lane);
 }
 
 }  // namespace cuda
