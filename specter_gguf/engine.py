@@ -286,7 +286,7 @@ class Model:
                  ctx_size: int) -> None:
         self.path, self.transformer, self.tokenizer, self.ctx_size = path, transformer, tokenizer, ctx_size
         self.config = transformer.config
-        self.device = transformer.token_embd.device
+        self.device = transformer.embedding.device
         self.offload: Any = None      # specter_gguf.runtime.OffloadRuntime when experts are offloaded
         self.memory_plan: Any = None  # specter_gguf.runtime.MemoryPlan when a GPU budget was given
         self.prefill_chunk: int | None = None  # prompts are evaluated in chunks of this many tokens (budget)

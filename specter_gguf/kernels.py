@@ -152,15 +152,21 @@ class QuantizedTensor:
         native.check(code, f"dequantize on {self.device} (ggml type {self.ggml_type}, shape {self.shape})")
         return out
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """float32 rows `ids` of a 2-D tensor (embedding lookup): only those rows are dequantized."""
+    def rows(self, ids: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+        """float32 rows `ids` of a 2-D tensor (embedding lookup) on `device` (default: the tensor's): only those
+        rows are dequantized. A tensor in pinned host memory (`weights.load_pinned`; the caller's to ensure: this
+        runs inside CUDA graph captures) gives its rows to a CUDA `device`, whose kernel reads them in place."""
         if self.ndim != 2:
             raise SpecterError(f"rows() needs a 2-D tensor, not shape {self.shape}")
-        idx = ids.to(self.device, torch.int32).contiguous()
-        out = torch.empty((*ids.shape, self.shape[1]), dtype=torch.float32, device=self.device)
+        device = self.device if device is None else torch.device(device)
+        if device != self.device and (device.type, self.device.type) != ("cuda", "cpu"):
+            raise SpecterError(f"rows() on {device} of a tensor on {self.device}: only pinned host memory is read "
+                               f"from another device")
+        idx = ids.to(device, torch.int32).contiguous()
+        out = torch.empty((*ids.shape, self.shape[1]), dtype=torch.float32, device=device)
         args = (self.ggml_type, _ptr(self.data), self.shape[0], self.shape[1], _ptr(idx, "int32_t *"), idx.numel(),
                 _ptr(out, "float *"))
-        _call("get_rows", args, self.device, "embedding rows")
+        _call("get_rows", args, device, "embedding rows")
         return out
 
     def __getitem__(self, index: Any) -> Any:

@@ -799,9 +799,30 @@ class Block:
 
 
 @dataclass
+class Embedding:
+    """Token embedding: float32 rows of `weight` [n_vocab, n_embd] on `device`. The weight is on that device, or,
+    where the experts are offloaded, in pinned host memory, whose rows the device's kernel reads in place: a step
+    reads a few rows of it, and the bytes go to the expert cache instead (`runtime.budget`)."""
+
+    weight: torch.Tensor | QuantizedTensor
+    device: torch.device
+
+    def __post_init__(self) -> None:
+        if self.weight.device != self.device and not (isinstance(self.weight, QuantizedTensor)
+                                                      and self.weight.data.is_pinned()):
+            raise SpecterError(f"the token embedding on {self.weight.device} is neither on {self.device} nor in "
+                               f"pinned host memory")
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, QuantizedTensor):
+            return self.weight.rows(tokens, self.device)
+        return self.weight[tokens].float()  # a float matrix on the device
+
+
+@dataclass
 class Transformer:
     config: ModelConfig
-    token_embd: torch.Tensor  # [n_vocab, n_embd]
+    embedding: Embedding
     blocks: list[Block]
     output_norm: RMSNorm
     output: Linear
@@ -819,7 +840,7 @@ class Transformer:
     def run(self, tokens: torch.Tensor, at: Positions, cache: KVCache, last_only: bool = False,
             experts: ExpertSource = None, observe: RoutingObserver | None = None) -> torch.Tensor:
         """`forward` at explicit positions, leaving `cache.length` alone (a CUDA graph's body)."""
-        x, delta = self.token_embd[tokens].float(), None
+        x, delta = self.embedding(tokens), None
         for block in self.blocks:
             x, delta = block(x, delta, at, cache, None if experts is None else experts[block.layer], observe)
         rows = slice(-1, None) if last_only else slice(None)
@@ -827,7 +848,7 @@ class Transformer:
 
     def new_cache(self, max_len: int) -> KVCache:
         c = self.config
-        device = self.token_embd.device
+        device = self.embedding.device
         dtype = torch.float16 if device.type == "cuda" else torch.float32
         if c.n_lora_kv > 0:  # MLA: one latent + rope key per token, no per-head keys/values (LatentAttention)
             return KVCache(c.n_layer, 1, c.n_lora_kv + c.rope_dim, max_len, device, dtype, v_dim=0)

@@ -40,3 +40,10 @@ def load_tensor(t: GGUFTensor, device: torch.device) -> torch.Tensor | Quantized
     # (torch would convert the whole matrix to float32 on every product)
     q = QuantizedTensor.from_numpy(t.data, int(t.type), t.shape)
     return q if device.type == "cpu" else q.to(device)
+
+
+def load_pinned(t: GGUFTensor) -> QuantizedTensor:
+    """`t` in its file encoding (any type, float ones included) in pinned host memory: rows that a CUDA kernel reads
+    in place over PCIe (`QuantizedTensor.rows(ids, device)`), without a copy on the device."""
+    mapped = QuantizedTensor.from_numpy(t.data, int(t.type), t.shape)
+    return QuantizedTensor(mapped.data.pin_memory(), mapped.ggml_type, mapped.shape)

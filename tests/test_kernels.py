@@ -31,6 +31,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from specter_gguf import kernels, native
 from specter_gguf.errors import SpecterError
 from specter_gguf.kernels import ExpertTable, QuantizedTensor
+from specter_gguf.layers import Embedding
 
 TOL_FP32 = 2e-6
 TOL_F16 = 1.5e-3
@@ -257,6 +258,34 @@ def test_dequantize_and_rows(device: str, qtype: GT) -> None:
     assert part.shape == (20, k) and part.data.data_ptr() == w.data.data_ptr() + 10 * w.row_bytes
     x = torch.from_numpy(rng.standard_normal((2, k)).astype(np.float32)).to(device)
     assert rel_err_terms(kernels.qmatmul(x, part).cpu().numpy(), x.cpu().numpy(), wv[10:30]) <= TOL_FP32
+
+
+@pytest.mark.skipif(not CUDA_OK, reason="needs a CUDA GPU visible to torch and a libspecter built with CUDA")
+@pytest.mark.parametrize("qtype", [GT.F16, GT.Q4_K, GT.Q8_0], ids=lambda t: t.name)
+def test_rows_read_in_place_from_pinned_host_memory(qtype: GT) -> None:
+    """A token embedding left in pinned host memory (offloaded experts) gives the device the rows its device copy
+    gives, bit for bit, in a CUDA graph too (a draft step's); one in pageable memory is refused."""
+    rng = np.random.default_rng(77 + int(qtype))
+    n, k = 300, 512
+    raw, _ = make_weight(qtype, n, k, rng)
+    host = qt(raw, qtype, (n, k), "cpu")
+    dev = host.to("cuda")
+    embedding = Embedding(QuantizedTensor(host.data.pin_memory(), int(qtype), (n, k)), dev.device)
+    ids = torch.tensor([5, 0, n - 1, 5, 17], device="cuda")
+    assert torch.equal(embedding(ids), dev.rows(ids))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        embedding(ids)  # warm-up before the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = embedding(ids)
+    ids.copy_(torch.tensor([1, 2, 3, n - 2, 4], device="cuda"))
+    graph.replay()
+    assert torch.equal(out, dev.rows(ids))
+    with pytest.raises(SpecterError, match="pinned host memory"):
+        Embedding(host, dev.device)
 
 
 # ---------------------------------------------------------------------------------------------

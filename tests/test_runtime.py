@@ -53,8 +53,14 @@ def test_plan_splits_the_budget(shipped_model) -> None:
     # the tensors in the allocator's 512-byte blocks, and on CUDA one block per MoE layer for its router's counter
     counters = 512 * len(moe_layers(f, cfg))
     tensors = sum((t.n_bytes + 511) // 512 * 512 for n, t in f.tensors.items() if "_exps." not in n)
-    assert huge.non_expert == tensors + counters
-    assert plan_memory(f, "64GiB", CTX, "cpu").non_expert == huge.non_expert - counters
+    # on CUDA the token embedding stays in host memory when the experts are offloaded (an LM head of its own here);
+    # a plain load, which the budget's `fits_all` is about, takes it onto the device
+    embedding = (f.tensor("token_embd.weight").n_bytes + 511) // 512 * 512
+    assert f.has_tensor("output.weight") and huge.host_embedding == embedding
+    assert huge.non_expert == tensors - embedding + counters
+    assert huge.whole_model == huge.fixed + huge.resident_expert_bytes + embedding
+    on_cpu = plan_memory(f, "64GiB", CTX, "cpu")
+    assert on_cpu.non_expert == tensors and on_cpu.host_embedding == 0
     assert huge.kv_cache == 2 * cfg.n_layer * cfg.n_head_kv * cfg.head_dim * CTX * 2
     assert huge.minimum == huge.fixed + cfg.n_layer * cfg.n_expert_used * slot
     tight = plan_memory(f, huge.minimum + 3 * slot, CTX, "cuda")
@@ -62,6 +68,9 @@ def test_plan_splits_the_budget(shipped_model) -> None:
     assert tight.fixed + tight.slots_bytes <= tight.budget
     text = tight.describe()
     assert f"{tight.n_slots} of {tight.n_experts_total}" in text and "minimum budget" in text
+    assert "token embedding in host memory" in text and "token embedding" not in huge.describe()
+    assert not plan_memory(f, huge.whole_model - 1, CTX, "cuda").fits_all
+    assert plan_memory(f, huge.whole_model, CTX, "cuda").fits_all
     # a draft's routed experts are counted (here the model itself stands in for a draft), and on CUDA what the
     # speculative decoder holds beside them
     with_draft = plan_memory(f, "64GiB", CTX, "cuda", draft=f)
@@ -157,13 +166,14 @@ def test_fitted_budget_is_the_free_memory_less_the_margin(shipped_model, monkeyp
     from specter_gguf.runtime import budget
 
     f = GGUFFile(shipped_model)
-    whole = plan_memory(f, "64GiB", CTX, "cuda")
-    need = whole.fixed + whole.resident_expert_bytes
+    need = plan_memory(f, "64GiB", CTX, "cuda").whole_model
     monkeypatch.setattr(budget, "free_device_memory", lambda device: need + budget.FIT_MARGIN)
     assert budget.fitted_budget(f, "cuda", CTX) is None
     monkeypatch.setattr(budget, "free_device_memory", lambda device: need + budget.FIT_MARGIN - 1)
     fit = budget.fitted_budget(f, "cuda", CTX)
-    assert fit is not None and fit.budget == need - 1 and not fit.fits_all and fit.n_slots < fit.n_experts_total
+    assert fit is not None and fit.budget == need - 1 and not fit.fits_all
+    # offloaded, the token embedding stays in host memory: here that frees more than all the experts take
+    assert fit.n_slots == fit.n_experts_total and fit.host_embedding > fit.slot_bytes
 
 
 # ---------------------------------------------------------------------------------------------- store, cache

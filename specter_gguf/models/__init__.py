@@ -14,9 +14,10 @@ from tqdm import tqdm
 from specter_gguf.config import ModelConfig
 from specter_gguf.errors import SpecterError
 from specter_gguf.gguf_file import GGUFFile
-from specter_gguf.layers import Linear, RMSNorm, Transformer
+from specter_gguf.layers import Embedding, Linear, RMSNorm, Transformer
 from specter_gguf.models import deepseek2, mixtral, olmoe, phimoe, qwen2moe, qwen3moe
 from specter_gguf.models.common import ExpertsFactory, Weights
+from specter_gguf.weights import load_pinned
 
 ARCHITECTURES: dict[str, ModuleType] = {"qwen2moe": qwen2moe, "qwen3moe": qwen3moe, "llama": mixtral,
                                         "olmoe": olmoe, "deepseek2": deepseek2, "phimoe": phimoe}
@@ -31,22 +32,31 @@ def check_architecture(f: GGUFFile) -> ModuleType:
 
 
 def load_transformer(f: GGUFFile, device: torch.device, progress: bool = True,
-                     make_experts: ExpertsFactory | None = None) -> Transformer:
+                     make_experts: ExpertsFactory | None = None, host_embedding: bool = False) -> Transformer:
+    """The file's transformer on `device`; `make_experts` places the routed experts (default: on the device).
+    `host_embedding` (offloaded experts on CUDA, an LM head of its own): the token embedding stays in pinned host
+    memory (`layers.Embedding`)."""
     module = check_architecture(f)
     cfg = ModelConfig.from_gguf(f)
     total = sum(t.n_bytes for t in f.tensors.values())
     with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=not progress,
               leave=False, delay=0.5) as bar:  # shown only when loading takes a while
         w = Weights(f, device, bar, make_experts)
-        token_embd = w("token_embd.weight", (cfg.n_vocab, cfg.n_embd))
         output = w("output.weight", (cfg.n_vocab, cfg.n_embd), optional=True)
+        if host_embedding and output is not None:
+            embedded = f.tensor("token_embd.weight", (cfg.n_vocab, cfg.n_embd))
+            bar.update(embedded.n_bytes)
+            embedding = Embedding(load_pinned(embedded), output.device)
+        else:
+            token_embd = w("token_embd.weight", (cfg.n_vocab, cfg.n_embd))
+            embedding = Embedding(token_embd, token_embd.device)
         model = Transformer(
             config=cfg,
-            token_embd=token_embd,
+            embedding=embedding,
             blocks=[],
             output_norm=RMSNorm(w("output_norm.weight", (cfg.n_embd,)), cfg.rms_eps,
                                 w("output_norm.bias", (cfg.n_embd,), optional=True)),  # bias: phimoe
-            output=Linear(token_embd if output is None else output,  # tied embeddings when absent
+            output=Linear(embedding.weight if output is None else output,  # tied embeddings when absent
                           w("output.bias", (cfg.n_vocab,), optional=True)),
         )
         model.blocks = [module.build_block(cfg, i, w.layer(i)) for i in range(cfg.n_layer)]

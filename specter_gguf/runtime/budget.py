@@ -6,7 +6,9 @@
 - **non-expert weights**: every tensor except the routed experts, at the size it takes on the device
   (`device_bytes`: the file's bytes — `weights.load_tensor` keeps quantized tensors quantized). The runtime
   re-measures after loading (`torch.cuda.memory_allocated`) and sizes the slot pool from what was really
-  allocated.
+  allocated. Not the token embedding where the experts are offloaded on CUDA: it stays in pinned host memory,
+  each step's rows read in place (`host_embedding`; llama.cpp keeps its input layer on the CPU too), unless the LM
+  head is the same matrix (tied embeddings). A plain load (the whole model fits) takes it onto the device.
 - **KV cache**: keys and values of every layer for the whole context, in the cache's dtype (fp16 on CUDA).
 - **workspace**: the transient memory of one forward over `prefill_chunk` tokens (the engine prefills long
   prompts in chunks of that size when offloading) at the full context, as `workspace_bytes` follows the code:
@@ -207,6 +209,7 @@ class MemoryPlan:
     top_k: int
     n_experts_total: int
     resident_expert_bytes: int   # all routed experts loaded the plain way (no offloading)
+    host_embedding: int          # the token embedding, in host memory when offloading (not in non_expert)
     n_slots: int
     minimum: int
     fits_all: bool               # the whole model fits: no offloading needed
@@ -215,6 +218,11 @@ class MemoryPlan:
     def fixed(self) -> int:
         return (self.non_expert + self.kv_cache + self.workspace + self.cuda_runtime + self.draft_experts
                 + self.speculation)
+
+    @property
+    def whole_model(self) -> int:
+        """What the plain load (every expert resident, the embedding too) takes on the device."""
+        return self.fixed + self.resident_expert_bytes + self.host_embedding
 
     @property
     def slots_bytes(self) -> int:
@@ -265,6 +273,8 @@ class MemoryPlan:
         if self.draft_experts and without > self.n_slots:
             lines.append(f"without the draft: {without} of {self.n_experts_total} experts cached "
                          f"({100 * without / max(1, self.n_experts_total):.1f}%)")
+        if self.host_embedding and not self.fits_all:
+            lines.append(f"token embedding in host memory, its rows read in place: {format_size(self.host_embedding)}")
         lines.append(f"minimum budget {format_size(self.minimum)} ({self.minimum} bytes)")
         if self.fits_all:
             lines.append("the whole model fits: no offloading needed (all experts resident)")
@@ -289,7 +299,9 @@ def plan_memory(f: GGUFFile, budget: int | str, ctx_size: int | None = None, dev
     layouts = [record_layout(f, cfg, i) for i in layers]
     slot = max((r.nbytes for r in layouts), default=0)
     types = tuple(sorted({t for r in layouts for t in r.types}))
-    non_expert = sum(device_bytes(t) for t in f.tensors.values() if not is_routed_expert(t.name))
+    host_embedding = (device_bytes(f.tensor("token_embd.weight"))
+                      if device_type == "cuda" and f.has_tensor("output.weight") else 0)
+    non_expert = sum(device_bytes(t) for t in f.tensors.values() if not is_routed_expert(t.name)) - host_embedding
     if device_type == "cuda":  # moe_route's int32 counter of each MoE layer's router (layers.Router): one block
         non_expert += len(layers) * device_bytes_of(4)
     resident = sum(device_bytes(t) for t in f.tensors.values() if is_routed_expert(t.name))
@@ -316,9 +328,9 @@ def plan_memory(f: GGUFFile, budget: int | str, ctx_size: int | None = None, dev
         speculation=speculation,
         slot_bytes=slot,
         slot_types=types, n_moe_layers=len(layers), n_expert=cfg.n_expert, top_k=cfg.n_expert_used,
-        n_experts_total=total, resident_expert_bytes=resident, n_slots=int(n_slots),
+        n_experts_total=total, resident_expert_bytes=resident, host_embedding=host_embedding, n_slots=int(n_slots),
         minimum=fixed + len(layers) * cfg.n_expert_used * slot,
-        fits_all=fixed + resident <= budget)
+        fits_all=fixed + resident + host_embedding <= budget)
 
 
 def free_device_memory(device: Any) -> int:

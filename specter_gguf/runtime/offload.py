@@ -324,7 +324,7 @@ def load_offloaded(f: GGUFFile, device: torch.device, ctx_size: int, progress: b
             if offload not in (None, "none"):
                 raise SpecterError(f"--offload {offload} needs a GPU memory budget: give --gpu-budget SIZE")
             return load_transformer(f, device, progress), None, None
-        need = (f"the model needs {format_size(fit.fixed + fit.resident_expert_bytes)} on {device} at a context of "
+        need = (f"the model needs {format_size(fit.whole_model)} on {device} at a context of "
                 f"{ctx_size} tokens and {format_size(fit.budget + FIT_MARGIN)} is free")
         if offload == "none":
             raise SpecterError(f"{need}; drop --offload none to offload its routed experts, or lower -c/--ctx-size")
@@ -336,7 +336,7 @@ def load_offloaded(f: GGUFFile, device: torch.device, ctx_size: int, progress: b
         offload = "none" if plan.fits_all else "lru"
     if offload == "none":
         if not plan.fits_all:
-            raise SpecterError(f"the model needs {format_size(plan.fixed + plan.resident_expert_bytes)} on the "
+            raise SpecterError(f"the model needs {format_size(plan.whole_model)} on the "
                                f"device, more than the budget {format_size(plan.budget)}; offload its experts "
                                f"(--offload lru) or raise --gpu-budget")
         return load_transformer(f, device, progress), None, plan
@@ -349,7 +349,8 @@ def load_offloaded(f: GGUFFile, device: torch.device, ctx_size: int, progress: b
     runtime = OffloadRuntime(f, cfg, plan, device, options, progress)
     try:
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        transformer = load_transformer(f, device, progress, make_experts=runtime.make_experts)
+        transformer = load_transformer(f, device, progress, make_experts=runtime.make_experts,
+                                       host_embedding=plan.host_embedding > 0)
         if device.type == "cuda":  # size the pool from what the weights really took
             n_slots = slots_after_load(plan, torch.cuda.memory_allocated(device) - before)
         else:
