@@ -4,15 +4,15 @@ llama.cpp's (ggml's CPU matrix products, from the libraries llama-cpp-python ins
 shape, GGUF type and token count, beside what copying the expert over PCIe takes — the measurement that decides
 where a cold expert of a verification should run (hybrid verification).
 
-    python3 scripts/bench_cpu_experts.py [--threads N] [--tokens 1,2,4,8] [--reps 20] [--pcie 55,25]
+    python3 scripts/bench_cpu_experts.py [--threads 4,16] [--tokens 1,2,4,8] [--reps 20] [--pcie 55,25]
 
 Weights are random GGUF data of each type (valid quants, small scales), gate/up [d_ff, d_model] and down
 [d_model, d_ff]; down takes Q8_0 where d_ff is no multiple of the K-quants' 256 (as llama.cpp's mixes do). Each
 system runs the three products and the SwiGLU; times are medians over `--reps` calls, each on another copy of the
-weights (512 MiB of copies: none is in the CPU's caches), in µs; threads:
-`--threads` (default: every core) for all three systems (ggml starts its threads in every call, as our kernel
-does; PyTorch keeps a pool). PyTorch runs bfloat16 products of the dequantized weights (what the CPU's AMX/AVX-512
-BF16 units take). Prints a Markdown table: µs per system and the weight bytes' rate of the fastest.
+weights (512 MiB of copies: none is in the CPU's caches), in µs, at each thread count of `--threads` (default: every
+core) for all three systems (ggml starts its threads in every call; our kernels and PyTorch keep a pool of them).
+PyTorch runs bfloat16 products of the dequantized weights (what the CPU's AMX/AVX-512 BF16 units take). Prints a
+Markdown table: µs per system and the weight bytes' rate of the fastest.
 """
 
 from __future__ import annotations
@@ -136,7 +136,8 @@ def _names(value: str, known: dict, option: str, ap: argparse.ArgumentParser) ->
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=0, help="CPU threads of every system (0: every core)")
+    ap.add_argument("--threads", default="0", help="comma list of CPU thread counts, each for every system (0: every "
+                    "core): how the products scale with threads")
     ap.add_argument("--tokens", default="1,2,4,8", help="tokens per expert (a verification's few)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--pcie", default="55,25", help="copy rates in GB/s to set beside (the H200 host; PCIe 4.0)")
@@ -144,8 +145,7 @@ def main() -> int:
     ap.add_argument("--types", default=",".join(TYPES), help=f"comma list of: {', '.join(TYPES)}")
     args = ap.parse_args()
     shapes, types = _names(args.shapes, SHAPES, "--shapes", ap), _names(args.types, TYPES, "--types", ap)
-    threads = args.threads or os.cpu_count() or 1
-    torch.set_num_threads(threads)
+    thread_counts = [int(n) or os.cpu_count() or 1 for n in args.threads.split(",") if n.strip()]
     tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
     rates = [float(r) for r in args.pcie.split(",") if r.strip()]
     try:
@@ -155,10 +155,10 @@ def main() -> int:
               file=sys.stderr)
         ggml = None
     gen = torch.Generator().manual_seed(0)
-    print(f"{threads} threads; torch {torch.__version__}; µs per expert (gate, up, SwiGLU, down)\n")
-    print("| shape | type | expert MB | T | ours | llama.cpp (ggml) | torch bf16 | best GB/s | "
+    print(f"{os.cpu_count()} cores; torch {torch.__version__}; µs per expert (gate, up, SwiGLU, down)\n")
+    print("| shape | type | expert MB | T | threads | ours | llama.cpp (ggml) | torch bf16 | best GB/s | "
           + " | ".join(f"copy at {r:g} GB/s" for r in rates) + " |")
-    print("|" + "---|" * (8 + len(rates)))
+    print("|" + "---|" * (9 + len(rates)))
     for shape in shapes:
         d, f = SHAPES[shape]
         for tname in types:
@@ -173,7 +173,8 @@ def main() -> int:
             tables = [ExpertTable.from_tensors(*(QuantizedTensor(m.data, m.ggml_type, (1, *m.shape)) for m in e))
                       for e in experts]
             dense = [[m.dequantize(torch.float32).to(torch.bfloat16) for m in e] for e in experts]
-            for T in tokens:
+            for T, threads in ((T, n) for T in tokens for n in thread_counts):
+                torch.set_num_threads(threads)
                 x = torch.randn(T, d, generator=gen)
                 xb = x.to(torch.bfloat16)
                 ids, wts, out = torch.zeros(T, 1, dtype=torch.int32), torch.ones(T, 1), torch.empty(T, d)
@@ -186,7 +187,7 @@ def main() -> int:
                     ggml.close()
                 best = min(v for v in (ours, theirs, tb) if v == v)
                 copies = " | ".join(f"{nbytes / (r * 1e9) * 1e6:.0f}" for r in rates)
-                print(f"| {shape} | {tname}{'+Q8_0' if down_ty != ty else ''} | {nbytes / 1e6:.1f} | {T} | "
+                print(f"| {shape} | {tname}{'+Q8_0' if down_ty != ty else ''} | {nbytes / 1e6:.1f} | {T} | {threads} | "
                       f"{ours:.0f} | {theirs:.0f} | {tb:.0f} | {nbytes / best / 1e3:.1f} | {copies} |", flush=True)
     return 0
 
