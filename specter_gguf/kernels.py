@@ -159,6 +159,8 @@ class QuantizedTensor:
         if self.ndim != 2:
             raise SpecterError(f"rows() needs a 2-D tensor, not shape {self.shape}")
         device = self.device if device is None else torch.device(device)
+        if device.type == self.device.type and device.index is None:  # "cuda": the tensor's own GPU
+            device = self.device
         if device != self.device and (device.type, self.device.type) != ("cuda", "cpu"):
             raise SpecterError(f"rows() on {device} of a tensor on {self.device}: only pinned host memory is read "
                                f"from another device")
