@@ -5,7 +5,8 @@ Storage policy (one copy of each weight, chosen for the device):
   tensors, quantized tensors and F16/BF16 matrices as a `QuantizedTensor` of the file's bytes.
 - CUDA: F16 stays float16, BF16 bfloat16, F32 float32; quantized tensors are copied as they are (a
   `QuantizedTensor` on the device): GPU memory of a quantized model is about its file size. The native
-  kernels (`specter_gguf.kernels`) compute with them in their GGUF encoding.
+  kernels (`specter_gguf.kernels`) compute with them in their GGUF encoding. Where the experts are offloaded, the
+  token embedding is the exception: a `QuantizedTensor` in pinned host memory (`load_pinned`), read in place.
 """
 
 from __future__ import annotations
