@@ -212,7 +212,6 @@ class MemoryPlan:
     host_embedding: int          # the token embedding, in host memory when offloading (not in non_expert)
     n_slots: int
     minimum: int
-    fits_all: bool               # the whole model fits: no offloading needed
 
     @property
     def fixed(self) -> int:
@@ -223,6 +222,11 @@ class MemoryPlan:
     def whole_model(self) -> int:
         """What the plain load (every expert resident, the embedding too) takes on the device."""
         return self.fixed + self.resident_expert_bytes + self.host_embedding
+
+    @property
+    def fits_all(self) -> bool:
+        """The whole model fits: no offloading needed."""
+        return self.whole_model <= self.budget
 
     @property
     def slots_bytes(self) -> int:
@@ -283,8 +287,9 @@ class MemoryPlan:
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "fixed": self.fixed, "slots_bytes": self.slots_bytes,
-                "cached_fraction": self.cached_fraction, "n_slots_without_draft": self.n_slots_without_draft}
+        return {**asdict(self), "fixed": self.fixed, "whole_model": self.whole_model, "fits_all": self.fits_all,
+                "slots_bytes": self.slots_bytes, "cached_fraction": self.cached_fraction,
+                "n_slots_without_draft": self.n_slots_without_draft}
 
 
 def plan_memory(f: GGUFFile, budget: int | str, ctx_size: int | None = None, device_type: str = "cuda",
@@ -329,8 +334,7 @@ def plan_memory(f: GGUFFile, budget: int | str, ctx_size: int | None = None, dev
         slot_bytes=slot,
         slot_types=types, n_moe_layers=len(layers), n_expert=cfg.n_expert, top_k=cfg.n_expert_used,
         n_experts_total=total, resident_expert_bytes=resident, host_embedding=host_embedding, n_slots=int(n_slots),
-        minimum=fixed + len(layers) * cfg.n_expert_used * slot,
-        fits_all=fixed + resident + host_embedding <= budget)
+        minimum=fixed + len(layers) * cfg.n_expert_used * slot)
 
 
 def free_device_memory(device: Any) -> int:
