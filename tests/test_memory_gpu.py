@@ -66,10 +66,13 @@ def _measure(path, ctx: int) -> None:
         cache = m._cache
         kv = sum(t.numel() * t.element_size() for t in (*cache.k, *cache.v))
         transient = peak - loaded - kv
-        planned = plan.non_expert + plan.kv_cache + plan.workspace + plan.slots_bytes
+        # the slots the load sized from what the weights really took (`slots_after_load`): the plan's count, or more
+        # where the allocator's rounding stayed under the plan's worst case
+        assert m.memory_plan.n_slots >= plan.n_slots
+        planned = plan.non_expert + plan.kv_cache + plan.workspace + m.memory_plan.slots_bytes
         print(f"\n{f.path.name} ctx {ctx}: peak {format_size(peak)} (planned {format_size(planned)}); loaded "
               f"{format_size(loaded)} (planned weights {format_size(plan.non_expert)} + slots "
-              f"{format_size(plan.slots_bytes)}), KV {format_size(kv)} (planned {format_size(plan.kv_cache)}), "
+              f"{format_size(m.memory_plan.slots_bytes)}), KV {format_size(kv)} (planned {format_size(plan.kv_cache)}), "
               f"transient {format_size(transient)} (planned workspace {format_size(plan.workspace)}, "
               f"{plan.workspace / max(transient, 1):.2f}x); generated {len(g.tokens)}")
         assert len(g.tokens) == DECODED

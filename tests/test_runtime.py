@@ -57,7 +57,10 @@ def test_plan_splits_the_budget(shipped_model) -> None:
     # a plain load, which the budget's `fits_all` is about, takes it onto the device
     embedding = (f.tensor("token_embd.weight").n_bytes + 511) // 512 * 512
     assert f.has_tensor("output.weight") and huge.host_embedding == embedding
-    assert huge.non_expert == tensors - embedding + counters
+    # plus, on CUDA, the caching allocator's worst case: 1 MiB for each tensor above 1 MiB (of its large pool)
+    tails = sum(1 << 20 for n, t in f.tensors.items()
+                if "_exps." not in n and n != "token_embd.weight" and t.n_bytes > 1 << 20)
+    assert huge.non_expert == tensors - embedding + counters + tails
     assert huge.whole_model == huge.fixed + huge.resident_expert_bytes + embedding
     on_cpu = plan_memory(f, "64GiB", CTX, "cpu")
     assert on_cpu.non_expert == tensors and on_cpu.host_embedding == 0
