@@ -161,7 +161,9 @@ def sampling_options(f: Any) -> Any:
         click.option("--min-p", default=0.05, help="Drop tokens below min-p times the top probability (0 = off)."),
         click.option("--repeat-penalty", default=1.0, help="Penalty for repeated tokens (1.0 = off)."),
         click.option("--repeat-last-n", default=64, help="Tokens the repeat penalty looks back over (-1 = context)."),
-        click.option("--seed", type=int, default=None, help="Random seed (default or -1: random)."),
+        click.option("--seed", type=int, default=None,
+                     help="Random seed (default or -1: random). With --draft, sampled output repeats for a seed at a "
+                     "fixed --n-draft; auto chooses its depths from measured timings, which move the draws."),
     ])
 
 

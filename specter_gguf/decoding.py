@@ -2,7 +2,7 @@
 
 A decoder turns the logits after the prompt into generated tokens, one at a time, over the generation's KV cache
 (`Decoder.tokens`). The caller appends each token to `history` before asking for the next, and stops asking when
-it has enough; a decoder ends when the context is full.
+it has enough (at most `n_wanted`); a decoder ends when the context is full.
 
 - `PlainDecoder`: one eager forward per token.
 - `GraphDecoder`: each step replays a CUDA graph (`cuda_graphs.StepGraphs`), offloaded models included (their
@@ -27,10 +27,10 @@ if TYPE_CHECKING:
 
 class Decoder(Protocol):
     def tokens(self, model: Model, logits: torch.Tensor, cache: KVCache, sampler: Sampler, history: list[int],
-               stats: GenerationStats) -> Iterator[int]:
-        """The generated tokens one by one, from `logits` after the prompt. The forward pass of a token runs
-        only when the next is asked for, so a generation that ends computes nothing more (except where a
-        decoder says it looks ahead)."""
+               stats: GenerationStats, n_wanted: int) -> Iterator[int]:
+        """The generated tokens one by one, from `logits` after the prompt; the caller takes at most `n_wanted`
+        of them. The forward pass of a token runs only when the next is asked for, so a generation that ends
+        computes nothing more (except where a decoder says it looks ahead)."""
         ...
 
 
@@ -38,7 +38,7 @@ class PlainDecoder:
     """One eager forward per token."""
 
     def tokens(self, model: Model, logits: torch.Tensor, cache: KVCache, sampler: Sampler, history: list[int],
-               stats: GenerationStats) -> Iterator[int]:
+               stats: GenerationStats, n_wanted: int) -> Iterator[int]:
         token = sampler.sample(logits, history)  # reads the logits back: the step's host sync
         while True:
             yield token
@@ -68,10 +68,10 @@ class GraphDecoder:
         return self._graphs
 
     def tokens(self, model: Model, logits: torch.Tensor, cache: KVCache, sampler: Sampler, history: list[int],
-               stats: GenerationStats) -> Iterator[int]:
+               stats: GenerationStats, n_wanted: int) -> Iterator[int]:
         graphs = self.graphs(model, cache)
         if graphs is None:
-            yield from PlainDecoder().tokens(model, logits, cache, sampler, history, stats)
+            yield from PlainDecoder().tokens(model, logits, cache, sampler, history, stats, n_wanted)
             return
         token = sampler.sample(logits, history)
         p = sampler.params

@@ -490,7 +490,7 @@ class Model:
         for first in range(0, len(prompt), step):
             logits = self.forward(prompt[first:first + step], cache, last_only=True,
                                   observe=self.routing_observer)[-1]
-        tokens = self.decoder.tokens(self, logits, cache, sampler, history, stats)
+        tokens = self.decoder.tokens(self, logits, cache, sampler, history, stats, limit)
         first_token_at = None
         cut = None
         while gen.finish_reason is None:

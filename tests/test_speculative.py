@@ -62,9 +62,21 @@ def test_greedy_speculative_equals_target_only(tiny_models, arch: str, draft_kin
 def test_the_target_as_its_own_draft_is_always_accepted(tiny_models, arch: str) -> None:
     target = tiny_models[(arch, "f16")]
     sm = Model.load(target, draft=target, device="cpu", progress=False, n_draft=3)
-    gen = sm.generate(PROMPT, N, GREEDY).wait()
-    assert gen.tokens == _target_tokens(target)
+    n = 1 + 4 * 8  # the first token, then 8 iterations of 3 drafts and one token more
+    gen = sm.generate(PROMPT, n, GREEDY).wait()
+    assert gen.tokens == _target_tokens(target, n)
     assert gen.stats.draft_accepted == gen.stats.draft_tokens and gen.stats.mean_accepted_len == 4.0
+
+
+def test_nothing_is_drafted_past_the_tokens_asked_for(tiny_models) -> None:
+    """An iteration yields its accepted drafts and one token more: with 5 tokens asked for, the first one and a
+    single iteration of 3 drafts (not 8), all of them kept (the target is its own draft) and all generated."""
+    target = tiny_models[("qwen2moe", "f16")]
+    sm = Model.load(target, draft=target, device="cpu", progress=False, n_draft=8)
+    gen = sm.generate(PROMPT, 5, GREEDY, ignore_eos=True).wait()
+    s = gen.stats
+    assert gen.tokens == _target_tokens(target, 5) and len(gen.tokens) == 5
+    assert (s.draft_rounds, s.draft_tokens, s.draft_accepted) == (1, 3, 3)
 
 
 def test_greedy_with_penalties_and_offloaded_target_with_lookahead(tiny_models) -> None:

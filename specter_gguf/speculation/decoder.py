@@ -137,7 +137,7 @@ class SpeculativeDecoder:
 
     # -- the iterations -----------------------------------------------------------------------------------
     def tokens(self, model: Model, logits: torch.Tensor, cache: KVCache, sampler: Sampler, history: list[int],
-               stats: GenerationStats) -> Iterator[int]:
+               stats: GenerationStats, n_wanted: int) -> Iterator[int]:
         stats.draft_tokens = stats.draft_accepted = stats.draft_rounds = 0
         if self.agreement is None or self.agreement.depth < self.n_draft:  # its buffers hold n_draft rows
             self.agreement = RoutingAgreement.of(model.transformer, model.device, self.n_draft)
@@ -152,9 +152,11 @@ class SpeculativeDecoder:
         on_device = not p.penalties_active
         token = sampler.sample(logits, history)
         start: torch.Tensor | None = None  # the last verification's verdict [token, position], on the device
+        n_yielded = 0
         try:
             while True:
                 yield token
+                n_yielded += 1
                 room = model.ctx_size - cache.length - 1  # positions left after `token`'s
                 if room < 0:
                     return
@@ -162,7 +164,9 @@ class SpeculativeDecoder:
                     logits = model.forward(torch.tensor([token], device=model.device), cache)[-1]
                     token, start = sampler.sample(logits, history), None
                     continue
-                k = min(self.n_draft if self.depth is None else self.depth.choose(), room)
+                # an iteration yields its accepted drafts and one token more: none drafted past what is wanted
+                k = min(self.n_draft if self.depth is None else self.depth.choose(), room,
+                        max(0, n_wanted - n_yielded - 1))
                 pos = cache.length
                 captures = self._captures()
                 clock.mark()
