@@ -15,8 +15,10 @@ length in characters before it is tokenized and in tokens after (400), ``max_tok
 (``{"error": {"message", "type", "param", "code"}}``), 404, 405 and 500 included.
 
 Sampling fields default to llama.cpp's values (temperature 0.8, top_p 0.95, and the extensions top_k 40,
-min_p 0.05, repeat_penalty 1.0), as llama.cpp's server does. ``max_tokens`` defaults to 16 for completions
-(OpenAI's default) and to "until the reply ends or the context is full" for chat completions.
+min_p 0.05, repeat_penalty 1.0), as llama.cpp's server does; a field that is null takes its default, as one left
+out. OpenAI's fields keep OpenAI's ranges (temperature 0 to 2, the penalties -2 to 2); top_k <= 0 disables it and
+seed -1 draws a random seed, as in llama.cpp. ``max_tokens`` defaults to 16 for completions (OpenAI's default) and
+to "until the reply ends or the context is full" for chat completions (at most ``--max-completion-tokens``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -35,8 +38,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator
 
 from . import api
-from .errors import SpecterError, TemplateError
-from .sampling import SamplingParams
+from .errors import ContextFullError, SpecterError, TemplateError
+from .sampling import SamplingOptionError, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
     from starlette.applications import Starlette
@@ -60,6 +63,8 @@ ADDITIVE_STATS = ("prefill_s", "decode_s", "cache_lookups", "cache_hits", "cache
 LOOPBACK_NAMES = ("localhost",)
 RETRY_AFTER_S = 1          # what a 429 asks the client to wait: one request of a small model, or a token of a big one
 PROMPT_CHARS_PER_TOKEN = 16  # a text longer than this many characters per allowed token is refused untokenized
+# OpenAI's ranges for its fields; the sampler alone would take any temperature (<= 0: greedy) and penalty
+RANGES = {"temperature": (0.0, 2.0), "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0)}
 
 
 @dataclass(frozen=True)
@@ -68,7 +73,7 @@ class ServerLimits:
 
     max_body_bytes: int = 2 * 1024 * 1024  # 413 above
     max_prompt_tokens: int | None = None   # 400 above; None: the context size less one (room for a token)
-    max_completion_tokens: int | None = None  # the largest max_tokens a request may ask; None: the context size
+    max_completion_tokens: int | None = None  # the largest max_tokens (a chat's default); None: the context size
     max_stop: int = 16                     # stop strings per request
     max_stop_chars: int = 512              # characters per stop string
     max_queue: int = 32                    # requests waiting for the device (the running one not counted); 429 above
@@ -155,7 +160,7 @@ class Metrics:
                 elif isinstance(v, str):
                     self.last_labels[k] = v
 
-    def render(self, info: dict[str, str]) -> str:
+    def render(self, info: dict[str, Any]) -> str:
         """Prometheus text exposition format (version 0.0.4)."""
         out: list[str] = []
 
@@ -221,7 +226,7 @@ def _num(v: float) -> str:
     return repr(float(v)) if isinstance(v, float) and not float(v).is_integer() else str(int(v))
 
 
-def _labels(d: dict[str, str]) -> str:
+def _labels(d: dict[str, Any]) -> str:
     def esc(s: str) -> str:
         return str(s).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
@@ -240,22 +245,36 @@ def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any)
     return v
 
 
+def _number(body: dict[str, Any], name: str, default: float) -> float:
+    """A numeric field as a float, within OpenAI's range where it is one of OpenAI's fields (400 outside)."""
+    v = _get(body, name, (int, float), default)
+    try:
+        x = float(v)
+    except OverflowError:  # an integer beyond a float's range: infinite, which the sampler refuses
+        x = math.inf if v > 0 else -math.inf
+    if name in RANGES:  # the sampler checks the others (NaN and infinities included)
+        lo, hi = RANGES[name]
+        if not lo <= x <= hi:  # NaN, which Python's JSON reads, too
+            raise RequestError(f"'{name}' must be from {lo:g} to {hi:g}, got {json.dumps(v)}", param=name)
+    return x
+
+
 def _sampling(body: dict[str, Any]) -> SamplingParams:
     d = SamplingParams()
-    num = (int, float)
+    seed = _get(body, "seed", (int,), None)
     try:
         return SamplingParams(
-            temperature=float(_get(body, "temperature", num, d.temperature)),
-            top_p=float(_get(body, "top_p", num, d.top_p)),
+            temperature=_number(body, "temperature", d.temperature),
+            top_p=_number(body, "top_p", d.top_p),
             top_k=_get(body, "top_k", (int,), d.top_k),
-            min_p=float(_get(body, "min_p", num, d.min_p)),
-            repeat_penalty=float(_get(body, "repeat_penalty", num, d.repeat_penalty)),
+            min_p=_number(body, "min_p", d.min_p),
+            repeat_penalty=_number(body, "repeat_penalty", d.repeat_penalty),
             repeat_last_n=_get(body, "repeat_last_n", (int,), d.repeat_last_n),
-            presence_penalty=float(_get(body, "presence_penalty", num, 0.0)),
-            frequency_penalty=float(_get(body, "frequency_penalty", num, 0.0)),
-            seed=_get(body, "seed", (int,), None))
-    except SpecterError as e:
-        raise RequestError(str(e)) from None
+            presence_penalty=_number(body, "presence_penalty", 0.0),
+            frequency_penalty=_number(body, "frequency_penalty", 0.0),
+            seed=None if seed == -1 else seed)  # -1: random, as the CLI's --seed and llama.cpp's server
+    except SamplingOptionError as e:
+        raise RequestError(str(e), param=e.option) from None
 
 
 def _unsupported(body: dict[str, Any]) -> None:
@@ -295,15 +314,17 @@ def _stop(body: dict[str, Any], limits: ServerLimits) -> list[str]:
     return stop
 
 
-def _max_tokens(body: dict[str, Any], default: int | None, most: int) -> int | None:
-    v = body.get("max_completion_tokens", body.get("max_tokens", default))
+def _max_tokens(body: dict[str, Any], default: int, most: int) -> int:
+    """`max_completion_tokens` (OpenAI's newer name) or else `max_tokens`; null is the same as left out."""
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    v = body.get(name)
     if v is None:
-        return None
+        return default
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise RequestError(f"'max_tokens' must be a positive integer or null, got {json.dumps(v)}", param="max_tokens")
+        raise RequestError(f"'{name}' must be a positive integer or null, got {json.dumps(v)}", param=name)
     if v > most:
-        raise RequestError(f"'max_tokens' is {v} but this server generates at most {most} tokens per request "
-                           f"(the context size or --max-completion-tokens); ask for fewer", param="max_tokens")
+        raise RequestError(f"'{name}' is {v} but this server generates at most {most} tokens per request "
+                           f"(the context size or --max-completion-tokens); ask for fewer", param=name)
     return v
 
 
@@ -352,13 +373,23 @@ async def _read_json(request: Request, limit: int) -> Any:
     return body
 
 
+def _too_long(tokens: int, limits: ServerLimits, model: Model, param: str) -> RequestError:
+    """The error for a prompt of more tokens than the server takes, addressed to the client: the context is the
+    server's choice, the prompt is the client's."""
+    most = limits.prompt_tokens(model)
+    why = (f"its context of {model.ctx_size} tokens, the server's -c/--ctx-size, less one for the reply"
+           if most == model.ctx_size - 1 else "the server's --max-prompt-tokens")
+    what = "the prompt has" if param == "prompt" else "the messages make a prompt of"
+    return RequestError(f"{what} {tokens} tokens; this server takes at most {most} ({why}); shorten the {param}",
+                        param=param)
+
+
 def _check_prompt_size(prompt: Any, limits: ServerLimits, model: Model, param: str) -> None:
     """Refuse a prompt that cannot fit before tokenizing it: tokenizing costs time and memory in its length."""
     most = limits.prompt_tokens(model)
     if param == "prompt" and isinstance(prompt, list) and not (len(prompt) == 1 and isinstance(prompt[0], str)):
         if len(prompt) > most:
-            raise RequestError(f"the prompt has {len(prompt)} tokens; this server takes at most {most} "
-                               f"(the context or --max-prompt-tokens)", param=param)
+            raise _too_long(len(prompt), limits, model, param)
         return
     chars = sum(len(s) for s in _strings(prompt))
     if chars > most * PROMPT_CHARS_PER_TOKEN:
@@ -535,9 +566,8 @@ def create_app(model: Model, model_name: str | None = None, api_key: str | None 
     worker = Worker(metrics, limits.max_queue)
     most_prompt, most_tokens = limits.prompt_tokens(model), limits.completion_tokens(model)
 
-    def info() -> dict[str, str]:
-        d = {"model": name, "device": str(model.device), "ctx_size": str(model.ctx_size),
-             "chat_template": template.source}
+    def info() -> dict[str, Any]:
+        d = {"model": name, "device": str(model.device), "ctx_size": model.ctx_size, "chat_template": template.source}
         if model.offload_mode is not None:
             d["offload"] = model.offload_mode
         return d
@@ -573,21 +603,30 @@ def create_app(model: Model, model_name: str | None = None, api_key: str | None 
                 messages = body.get("messages")
                 if not isinstance(messages, list) or not messages:
                     raise RequestError("'messages' must be a non-empty list", param="messages")
-                _check_prompt_size(messages, limits, model, "messages")
-                max_tokens = _max_tokens(body, None, most_tokens)
+                param = "messages"
+                _check_prompt_size(messages, limits, model, param)
+                # "until the reply ends": the context ends it, or the operator's bound on max_tokens
+                max_tokens = _max_tokens(body, most_tokens, most_tokens)
 
                 def start() -> Generation:
                     return api.start_chat_completion(model, messages, max_tokens, sampling, stop_strings)
+
+                def prompt_tokens() -> int:
+                    return len(template.tokens(model, messages))
                 chunks, result = api.chat_chunks, api.chat_result
             else:
-                if "prompt" not in body:
-                    raise RequestError("'prompt' is required", param="prompt")
-                prompt = body["prompt"]
-                _check_prompt_size(prompt, limits, model, "prompt")
+                param, prompt = "prompt", body.get("prompt")
+                if prompt is None:
+                    raise RequestError("'prompt' is required", param=param)
+                _check_prompt_size(prompt, limits, model, param)
                 max_tokens = _max_tokens(body, min(16, most_tokens), most_tokens)
 
                 def start() -> Generation:
                     return api.start_completion(model, prompt, max_tokens, sampling, stop_strings)
+
+                def prompt_tokens() -> int:  # a text, a batch of one text or of one list of ids
+                    one = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt
+                    return len(model.tokenize(one)) if isinstance(one, str) else len(one)
                 chunks, result = api.completion_chunks, api.completion_result
         except RequestError as e:
             metrics.count_request(endpoint, "error")
@@ -598,10 +637,12 @@ def create_app(model: Model, model_name: str | None = None, api_key: str | None 
         outcome = {"value": "cancelled"}
 
         def job(stop: threading.Event, emit: Callable[[Any], None]) -> None:
-            gen = start()  # SpecterError (e.g. a prompt longer than the context) ends the request as a 400
+            try:
+                gen = start()  # another SpecterError (e.g. a prompt of bad token ids) ends the request as a 400
+            except ContextFullError:  # the engine's message is for the CLI's user; count again to tell the client
+                raise _too_long(prompt_tokens(), limits, model, param) from None
             if len(gen.prompt_tokens) > most_prompt:
-                raise RequestError(f"the prompt has {len(gen.prompt_tokens)} tokens; this server takes at most "
-                                   f"{most_prompt} (--max-prompt-tokens)", param="prompt")
+                raise _too_long(len(gen.prompt_tokens), limits, model, param)
             emit(None)     # "started": headers may go out now
             complete = False
             try:

@@ -169,6 +169,7 @@ def test_models_health_metrics(server: str, client, model: Model) -> None:
     health = json.loads(_get(server + "/health"))
     assert health["status"] == "ok" and health["device"] == "cpu" and health["chat_template"] == "gguf"
     assert "one at a time" in health["scheduling"] and health["queue_depth"] == 0
+    assert type(health["ctx_size"]) is int and health["ctx_size"] == model.ctx_size
     m = metrics(server)
     assert m[f'specter_info{{model="tiny-qwen2moe",device="cpu",ctx_size="{model.ctx_size}",chat_template="gguf"}}'] == 1
     assert "specter_generated_tokens_total" in m and "specter_requests_queued" in m
@@ -219,9 +220,9 @@ def test_sampling_options_pass_through(client, model: Model) -> None:
     assert r.choices[0].text == want
     # penalties change the greedy output once it repeats tokens (within 24 of them)
     plain = client.completions.create(model="m", prompt="Hello", max_tokens=24, temperature=0)
-    penalized = client.completions.create(model="m", prompt="Hello", max_tokens=24, temperature=0, frequency_penalty=5)
+    penalized = client.completions.create(model="m", prompt="Hello", max_tokens=24, temperature=0, frequency_penalty=2)
     assert penalized.choices[0].text == model.generate(
-        "Hello", n_predict=24, sampling=SamplingParams(temperature=0, frequency_penalty=5)).wait().text
+        "Hello", n_predict=24, sampling=SamplingParams(temperature=0, frequency_penalty=2)).wait().text
     assert penalized.choices[0].text != plain.choices[0].text
 
 
@@ -254,11 +255,11 @@ def test_bad_requests(server: str, client, model: Model) -> None:
         client.completions.create(model="m", prompt="Hi", max_tokens=2, n=2)
     with pytest.raises(openai.BadRequestError, match="top_p"):
         client.completions.create(model="m", prompt="Hi", max_tokens=2, top_p=3)
-    with pytest.raises(openai.BadRequestError, match=f"context holds {model.ctx_size}"):
+    with pytest.raises(openai.BadRequestError, match="shorten the prompt"):
         client.completions.create(model="m", prompt=too_long, max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="role"):
         client.chat.completions.create(model="m", messages=[{"role": "wizard", "content": "x"}], max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match="context holds"):
+    with pytest.raises(openai.BadRequestError, match="shorten the prompt"):
         client.completions.create(model="m", prompt=too_long, max_tokens=2, stream=True)
     status, body = _post(server, "/v1/completions", b"{not json")
     assert status == 400 and "JSON" in body["error"]["message"]
@@ -266,6 +267,90 @@ def test_bad_requests(server: str, client, model: Model) -> None:
     assert status == 400 and body["error"]["param"] == "messages"
     m = metrics(server)
     assert m['specter_requests_total{endpoint="completions",outcome="error"}'] >= 4
+
+
+def test_a_prompt_too_long_for_the_context_is_a_400_the_client_can_act_on(server: str, model: Model) -> None:
+    """The real limit is the context less one (a token must be generated), stated with what the client can do:
+    -c/--ctx-size is the server's option, so the message names it as the reason, not as the client's fix."""
+    most = model.ctx_size - 1
+    ids = model.tokenize("hello " * model.ctx_size)
+    assert _post(server, "/v1/completions", {"prompt": ids[:most], "max_tokens": 2, "temperature": 0})[0] == 200
+    for prompt in (ids[:most + 1], "hello " * (2 * model.ctx_size)):
+        status, body = _post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+        err = _openai_error(body)
+        n = len(prompt) if isinstance(prompt, list) else len(model.tokenize(prompt))
+        assert status == 400 and err["param"] == "prompt", body
+        assert err["message"] == (f"the prompt has {n} tokens; this server takes at most {most} (its context of "
+                                  f"{model.ctx_size} tokens, the server's -c/--ctx-size, less one for the reply); "
+                                  f"shorten the prompt")
+    chat = {"messages": [{"role": "user", "content": "hello " * model.ctx_size}], "max_tokens": 2}
+    status, body = _post(server, "/v1/chat/completions", chat)
+    err = _openai_error(body)
+    assert status == 400 and err["param"] == "messages"
+    assert f"at most {most} (its context" in err["message"] and err["message"].endswith("shorten the messages")
+
+
+def test_null_is_the_same_as_absent(server: str) -> None:
+    """OpenAI's clients send null for a field not given: every optional field then takes its default."""
+    def post(path: str, body: dict) -> dict:
+        status, answer = _post(server, path, body)
+        assert status == 200, answer
+        return answer
+
+    hello = {"prompt": "Hello", "temperature": 0}
+    assert post("/v1/completions", {**hello, "max_tokens": None})["usage"]["completion_tokens"] == 16
+    assert post("/v1/completions", {**hello, "max_completion_tokens": None, "max_tokens": 3}
+                )["usage"]["completion_tokens"] == 3
+    chat = {"messages": MESSAGES, "temperature": 0}
+    assert post("/v1/chat/completions", {**chat, "max_completion_tokens": None, "max_tokens": 3}
+                )["usage"]["completion_tokens"] == 3
+    fields = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
+              "frequency_penalty", "stop", "stream", "stream_options", "n", "best_of", "echo", "logprobs",
+              "top_logprobs", "suffix", "logit_bias", "response_format")
+    sampled = {"prompt": "Hello", "max_tokens": 8, "seed": 3}
+    assert post("/v1/completions", {**sampled, **dict.fromkeys(fields)})["choices"][0]["text"] == post(
+        "/v1/completions", sampled)["choices"][0]["text"]
+    status, body = _post(server, "/v1/completions", {"prompt": None, "max_tokens": 2})
+    assert status == 400 and _openai_error(body)["message"] == "'prompt' is required"
+
+
+def test_sampling_ranges(server: str) -> None:
+    """OpenAI's ranges for its fields (400 naming the field and the range); llama.cpp's meanings for the rest:
+    seed -1 is a random seed (as the CLI's --seed -1) and top_k <= 0 disables top-k."""
+    def refused(field: str, value: object, want: str) -> None:
+        status, body = _post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, field: value})
+        err = _openai_error(body)
+        assert status == 400 and err["param"] == field and want in err["message"], body
+
+    refused("temperature", -1, "'temperature' must be from 0 to 2, got -1")
+    refused("temperature", 2.5, "from 0 to 2")
+    refused("presence_penalty", 3, "'presence_penalty' must be from -2 to 2, got 3")
+    refused("frequency_penalty", -2.5, "from -2 to 2")
+    refused("top_p", 1.5, "between 0 and 1")
+    refused("seed", -2, "seed")
+    for raw in (b'{"prompt": "Hi", "temperature": NaN}', b'{"prompt": "Hi", "top_p": 1' + b"0" * 400 + b"}"):
+        status, _, body = _request(server, "POST", "/v1/completions", raw)
+        assert status == 400, body
+
+    def text(**fields: object) -> str:
+        status, body = _post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 8, **fields})
+        assert status == 200, body
+        return body["choices"][0]["text"]
+
+    assert text(temperature=2, presence_penalty=-2, frequency_penalty=2, seed=1)  # the bounds themselves pass
+    text(seed=-1)
+    assert text(top_k=-3, seed=5) == text(top_k=0, seed=5)
+
+
+def test_chat_without_max_tokens_stops_at_max_completion_tokens(shipped_model: Path) -> None:
+    """A chat reply runs until it ends, but never past the server's --max-completion-tokens."""
+    from specter_gguf.server import ServerLimits, create_app
+
+    m = Model.load(shipped_model, device="cpu", progress=False)
+    with _in_process(create_app(m, limits=ServerLimits(max_completion_tokens=4))) as base:
+        status, body = _post(base, "/v1/chat/completions", {"messages": MESSAGES, "temperature": 0})
+        assert status == 200 and body["usage"]["completion_tokens"] == 4, body
+        assert body["choices"][0]["finish_reason"] == "length"
 
 
 def test_requests_are_queued(server: str, client) -> None:
@@ -524,7 +609,7 @@ def test_limits(server: str, limited: str, model: Model) -> None:
     assert refused(limited, {"prompt": list(model.tokenize("hello " * 70))})["param"] == "prompt"
     long_chat = {"messages": [{"role": "user", "content": "hi " * 400}]}
     assert refused(limited, long_chat, path="/v1/chat/completions")["param"] == "messages"
-    # the default server: the context (2048) bounds max_tokens, the stop strings are bounded too
+    # the default server: the context (512) bounds max_tokens, the stop strings are bounded too
     assert refused(server, {"prompt": "Hi", "max_tokens": 2049})["param"] == "max_tokens"
     assert refused(limited, {"prompt": "Hi", "max_tokens": 513})["param"] == "max_tokens"
     assert "at most 4" in refused(limited, {"prompt": "Hi", "stop": list("abcde")})["message"]
