@@ -72,9 +72,9 @@ def _check_n_predict(ctx: click.Context, param: click.Parameter, value: int) -> 
 
 
 def _read_prompt_file(path: Path) -> str:
-    """The text of a -f/--file prompt, or one error line naming the file."""
+    """The text of a -f/--file prompt (`-`: standard input), or one error line naming the file."""
     try:
-        return path.read_text(encoding="utf-8")
+        return sys.stdin.read() if str(path) == "-" else path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise SpecterError(f"cannot read the prompt file {path}: it is not UTF-8 text (byte {e.start}); "
                            "save it as UTF-8 (e.g. iconv -t UTF-8) or give the prompt with -p") from None
@@ -124,8 +124,8 @@ class DraftFile(click.ParamType):
 
 DRAFT_HELP = (f"Decode speculatively with the experts of a quantized copy of the model: a file, or a type "
               f"({', '.join(DRAFT_TYPES)}) made from the model with llama.cpp's quantizer on first use and kept beside "
-              f"it in .specter-drafts/ (or the user cache); the output is the model's own. Without MODEL: the shipped "
-              f"model with a {SHIPPED_DRAFT} draft.")
+              f"it in .specter-drafts/ (or the user cache); the output is the model's own. Where MODEL may be left out "
+              f"(run, chat, serve), the shipped model runs with a {SHIPPED_DRAFT} draft.")
 
 
 def _with_options(f: Any, options: list[Any]) -> Any:
@@ -212,8 +212,9 @@ def load_options(f: Any) -> Any:
 @cli.command()
 @model_argument(required=False)
 @click.option("-p", "--prompt", help="Prompt text.")
-@click.option("-f", "--file", "prompt_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Read the prompt from a file.")
+@click.option("-f", "--file", "prompt_file", type=click.Path(exists=True, dir_okay=False, allow_dash=True,
+                                                             path_type=Path),
+              help="Read the prompt from a file (-: standard input).")
 @click.option("-n", "--n-predict", default=128, callback=_check_n_predict,
               help="Tokens to generate (-1: until end of text or full context).")
 @sampling_options
@@ -224,12 +225,14 @@ def load_options(f: Any) -> Any:
 @click.option("--save-routing-profile", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Count the experts each layer routes to during this run and write them as a routing profile.")
 @click.option("--stats", "show_stats", is_flag=True, help="Print every statistic of the run (timings, expert cache, "
-              "copies, peak GPU memory) to stderr.")
+              "copies, peak GPU memory) to stderr; with --json they are in its \"stats\" instead.")
 def run(model: Path | None, prompt: str | None, prompt_file: Path | None, n_predict: int, sampling: Any,
         stop: tuple[str, ...], as_json: bool, quiet: bool, load: Any, save_routing_profile: Path | None,
         show_stats: bool) -> None:
     """Generate text from MODEL (default: the small model shipped in models/)."""
     if prompt_file is not None:
+        if prompt is not None:
+            raise SpecterError("give the prompt with -p/--prompt or -f/--file, not both")
         prompt = _read_prompt_file(prompt_file)
     if prompt is None:
         raise SpecterError("no prompt: give one with -p/--prompt TEXT or -f/--file PATH")
@@ -270,8 +273,9 @@ DEPTH_PROMPT = ("The history of the printing press begins long before Gutenberg:
 @model_argument(required=True)
 @click.option("-p", "--prompt", default=DEPTH_PROMPT, show_default=False,
               help="Prompt text (default: a sentence about the printing press).")
-@click.option("-f", "--file", "prompt_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Read the prompt from a file.")
+@click.option("-f", "--file", "prompt_file", type=click.Path(exists=True, dir_okay=False, allow_dash=True,
+                                                             path_type=Path),
+              help="Read the prompt from a file instead (-: standard input).")
 @click.option("-n", "--n-predict", default=64, help="Tokens generated per run.")
 @click.option("--depths", default=f"1-{MAX_DEPTH}", help="Fixed depths to measure, e.g. 1-8 or 1,2,4,8 (auto is "
               "always measured too).")
@@ -290,13 +294,19 @@ def profile_depth(model: Path, prompt: str, prompt_file: Path | None, n_predict:
     from specter_gguf.speculation.profile import best_fixed, markdown_table, parse_depths, profile_depths, write_profile
 
     ks = parse_depths(depths, MAX_DEPTH)
+    ctx = click.get_current_context()
     if prompt_file is not None:
+        if ctx.get_parameter_source("prompt") is not click.core.ParameterSource.DEFAULT:
+            raise SpecterError("give the prompt with -p/--prompt or -f/--file, not both")
         prompt = _read_prompt_file(prompt_file)
+    if ctx.params.get("n_draft") is not None:
+        raise SpecterError("profile-depth measures each depth of --depths and auto: give the depths with --depths, "
+                           "not --n-draft")
     if n_predict < 2:
         raise SpecterError(f"-n/--n-predict must be at least 2 to measure decoding, got {n_predict}")
     if repeats < 1:
         raise SpecterError(f"--repeats must be at least 1, got {repeats}")
-    draft = click.get_current_context().params.get("draft")
+    draft = ctx.params.get("draft")
     if draft is None:
         raise SpecterError("profile-depth needs a draft: give --draft DRAFT.gguf or a type such as --draft q4_k_m")
     _check_output_folder(out, "-o/--out")
@@ -304,7 +314,7 @@ def profile_depth(model: Path, prompt: str, prompt_file: Path | None, n_predict:
     ids = m.tokenize(prompt)
     with tqdm(total=len(ks) + 1, desc="depths", unit="depth", leave=False) as bar:
         rows = profile_depths(m, ids, n_predict, sampling, ks, repeats, lambda row: bar.update(1))
-    budget = f", budget {m.memory_plan.budget / 2**30:.1f} GiB" if m.memory_plan is not None else ""
+    budget = f", budget {format_size(m.memory_plan.budget)}" if m.memory_plan is not None else ""
     decoding = "greedy" if sampling.greedy else f"temperature {sampling.temperature:g}"
     title = (f"{m.path.name}, draft {Path(draft).name}{budget}, {m.device}, {decoding}, "
              f"{len(ids)}-token prompt, {n_predict} tokens x {repeats}")
@@ -347,8 +357,9 @@ def fidelity(model: Path | None, drafts: str, prompts_file: Path | None, n_predi
         raise SpecterError("fidelity runs every prompt greedy and sampled: give a --temp above 0 for the sampled runs")
     if n_predict < 2:
         raise SpecterError(f"-n/--n-predict must be at least 2 to draft, got {n_predict}")
-    if sampling.seed is None:
-        sampling = dataclasses.replace(sampling, seed=0)
+    if sampling.seed is None:  # seed 0 unless --seed; -1 draws one, as everywhere
+        drawn = int.from_bytes(os.urandom(4), "little") if click.get_current_context().params.get("seed") == -1 else 0
+        sampling = dataclasses.replace(sampling, seed=drawn)
     names = [d.strip() for d in drafts.split(",") if d.strip()]
     if not names:
         raise SpecterError("--drafts is empty: give types such as q2_k,q4_k_m,q8_0 or draft files")
@@ -461,7 +472,8 @@ def _verbosity() -> int:
               help="Most prompt tokens per request, 400 above (default: the context size less one). A text of more "
               "than 16 characters per allowed token is refused before it is tokenized.")
 @click.option("--max-completion-tokens", type=int, default=None, show_default=False,
-              help="Largest max_tokens a request may ask for, 400 above (default: the context size).")
+              help="Largest max_tokens a request may ask for, 400 above, and the length of a chat reply that sets "
+              "none (default: the context size).")
 @click.option("--max-stop", default=16, help="Most stop strings per request (400 above).")
 @click.option("--max-stop-chars", default=512, help="Most characters per stop string (400 above).")
 @click.option("--max-queue", default=32, help="Most requests waiting for the device, the running one not counted; "

@@ -177,6 +177,42 @@ def test_prompt_file_not_utf8(shipped_model: Path, tmp_path: Path, no_work: None
     assert str(prompt) in line and "UTF-8" in line, line
 
 
+def test_prompt_from_both_p_and_f_is_refused(shipped_model: Path, tmp_path: Path, no_work: None) -> None:
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("def f():", encoding="utf-8")
+    for command in ("run", "profile-depth"):
+        line = user_error(invoke(command, str(shipped_model), "-p", PROMPT, "-f", str(prompt), "--draft", "q4_k_m"))
+        assert "-p/--prompt or -f/--file, not both" in line, line
+
+
+def test_prompt_file_dash_reads_standard_input(shipped_model: Path, greedy8: dict) -> None:
+    result = CliRunner().invoke(cli, ["run", str(shipped_model), "-f", "-", "--device", "cpu", "--json", "-n", "8",
+                                      "--temp", "0"], input=PROMPT)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["tokens"] == greedy8["tokens"]
+
+
+def test_profile_depth_refuses_n_draft(shipped_model: Path, no_work: None) -> None:
+    line = user_error(invoke("profile-depth", str(shipped_model), "--draft", "q4_k_m", "--n-draft", "3"))
+    assert "--depths" in line and "--n-draft" in line, line
+
+
+def test_cache_options_without_offloading_are_refused(shipped_model: Path) -> None:
+    line = user_error(invoke("run", str(shipped_model), "-p", PROMPT, "--device", "cpu", "--cache-policy", "lfu"))
+    assert "--cache-policy" in line and "--gpu-budget" in line, line
+    line = user_error(invoke("run", str(shipped_model), "-p", PROMPT, "--device", "cpu", "--cache-policy", "lfu",
+                             "--gpu-budget", "1GiB"))
+    assert "--cache-policy" in line and "fits the budget" in line, line
+
+
+def test_plan_below_the_minimum_shows_no_shares(shipped_model: Path) -> None:
+    result = invoke("plan", str(shipped_model), "--gpu-budget", "4MiB", "--device", "cpu")
+    assert result.exit_code == 1 and "short of the fixed part by" in result.output, result.output
+    rows = [line for line in result.output.splitlines() if line.startswith("  ")]
+    assert rows and not any("%" in line for line in rows) and "CUDA context" not in result.output, result.output
+    assert user_error(result).startswith("Error: memory budget 4.00 MiB is too small")
+
+
 def test_chat_stdin_not_utf8(shipped_model: Path) -> None:
     result = CliRunner().invoke(cli, ["chat", str(shipped_model), "--device", "cpu", "-n", "2"],
                                 input=b"\xff\xfe hello\n")

@@ -248,6 +248,19 @@ def test_a_draft_of_another_model_is_refused(tiny_models) -> None:
         Model.load(tiny_models[("qwen2moe", "f16")], device="cpu", progress=False, n_draft=3)
 
 
+def test_a_draft_with_another_vocabulary_is_refused(shipped_model, tmp_path) -> None:
+    """Same layers and experts as the shipped model, another vocabulary: not a quantized copy of it."""
+    import dataclasses
+
+    from specter_gguf.synthetic.shapes import get_preset
+    from specter_gguf.synthetic.writer import write_synthetic
+
+    shape = dataclasses.replace(get_preset("tiny-qwen2moe").with_layers(4), n_expert_used=2)
+    other = write_synthetic(tmp_path / "other.gguf", shape, "f16").path
+    with pytest.raises(SpecterError, match=r"not a draft of .*vocabulary\) \(.*949\) against \(.*3072\)"):
+        Model.load(shipped_model, draft=other, device="cpu", progress=False)
+
+
 def test_cli_run_with_draft(tiny_models) -> None:
     target, draft = tiny_models[("qwen2moe", "f16")], tiny_models[("qwen2moe", "q4_k_m")]
     base = ["run", str(target), "-p", "Once upon a time", "-n", "12", "--temp", "0", "--device", "cpu", "--json"]

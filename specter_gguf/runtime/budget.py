@@ -259,18 +259,20 @@ class MemoryPlan:
         """Refuse a budget below the minimum, naming it."""
         if self.budget < self.minimum:
             raise SpecterError(
-                f"GPU budget {format_size(self.budget)} is too small: the minimum for this model at a context of "
-                f"{self.ctx_size} tokens is {format_size(self.minimum)} ({self.minimum} bytes: non-expert weights "
-                f"{format_size(self.non_expert)} + KV cache {format_size(self.kv_cache)} + workspace "
-                f"{format_size(self.workspace)} + CUDA runtime {format_size(self.cuda_runtime)}"
+                f"{'GPU' if self.device == 'cuda' else 'memory'} budget {format_size(self.budget)} is too small: the "
+                f"minimum for this model at a context of {self.ctx_size} tokens is {format_size(self.minimum)} "
+                f"({self.minimum} bytes: non-expert weights {format_size(self.non_expert)} + KV cache "
+                f"{format_size(self.kv_cache)} + workspace {format_size(self.workspace)}"
+                + (f" + CUDA runtime {format_size(self.cuda_runtime)}" if self.cuda_runtime else "")
                 + (f" + draft experts {format_size(self.draft_experts)}" if self.draft_experts else "")
                 + (f" + speculation {format_size(self.speculation)}" if self.speculation else "")
                 + f" + {self.top_k} expert slots per MoE layer × {self.n_moe_layers} layers of "
                 f"{format_size(self.slot_bytes)}); raise --gpu-budget or lower -c/--ctx-size")
 
     def describe(self) -> str:
-        rows = [("non-expert weights", self.non_expert), ("KV cache", self.kv_cache),
-                ("workspace", self.workspace), ("CUDA context, cuBLAS, allocator reserve", self.cuda_runtime)]
+        rows = [("non-expert weights", self.non_expert), ("KV cache", self.kv_cache), ("workspace", self.workspace)]
+        if self.device == "cuda":
+            rows.append(("CUDA context, cuBLAS, allocator reserve", self.cuda_runtime))
         if self.draft_experts:
             rows.append(("draft experts", self.draft_experts))
         if self.speculation:
@@ -278,11 +280,15 @@ class MemoryPlan:
         rows.append((f"expert cache ({self.n_slots} slots × {format_size(self.slot_bytes)})", self.slots_bytes))
         context = (f"context {self.ctx_size} tokens (the model's own)" if self.ctx_size == self.n_ctx_train else
                    f"context {self.ctx_size} tokens (the model's own is {self.n_ctx_train}: -c 0)")
-        lines = [f"GPU budget {format_size(self.budget)} on {self.device}, {context}, prefill chunk "
-                 f"{self.prefill_chunk}"]
-        lines += [f"  {name:<44} {format_size(n):>12}  {100 * n / self.budget:5.1f}%" for name, n in rows]
+        lines = [f"{'GPU' if self.device == 'cuda' else 'Memory'} budget {format_size(self.budget)} on "
+                 f"{self.device}, {context}, prefill chunk {self.prefill_chunk}"]
         unused = self.budget - self.fixed - self.slots_bytes
-        lines.append(f"  {'unassigned':<44} {format_size(unused):>12}  {100 * unused / self.budget:5.1f}%")
+        if unused >= 0:
+            lines += [f"  {name:<44} {format_size(n):>12}  {100 * n / self.budget:5.1f}%" for name, n in rows]
+            lines.append(f"  {'unassigned':<44} {format_size(unused):>12}  {100 * unused / self.budget:5.1f}%")
+        else:  # shares of a budget that cannot hold them would mean nothing
+            lines += [f"  {name:<44} {format_size(n):>12}" for name, n in rows]
+            lines.append(f"  {'short of the fixed part by':<44} {format_size(-unused):>12}")
         lines.append(f"experts cached: {self.n_slots} of {self.n_experts_total} "
                      f"({100 * self.cached_fraction:.1f}%; {self.n_moe_layers} MoE layers × {self.n_expert} "
                      f"experts, top-{self.top_k}); slot = gate|up|down in {'/'.join(self.slot_types)}")
@@ -295,8 +301,6 @@ class MemoryPlan:
         lines.append(f"minimum budget {format_size(self.minimum)} ({self.minimum} bytes)")
         if self.fits_all:
             lines.append("the whole model fits: no offloading needed (all experts resident)")
-        elif self.budget < self.minimum:
-            lines.append("budget below the minimum: it would be refused")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:

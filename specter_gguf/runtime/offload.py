@@ -318,11 +318,16 @@ def load_offloaded(f: GGUFFile, device: torch.device, ctx_size: int, progress: b
         raise SpecterError(f"unknown --offload mode '{offload}'; choose one of {', '.join(MODES)} or none")
     if cache_policy is not None and cache_policy not in POLICIES:
         raise SpecterError(f"unknown cache policy '{cache_policy}'; choose one of {', '.join(POLICIES)}")
+    cache_options = " and ".join(name for name, value in (("--cache-policy", cache_policy),
+                                                          ("--routing-profile", routing_profile)) if value is not None)
     if gpu_budget is None:
         fit = fitted_budget(f, device, ctx_size, draft) if device.type == "cuda" else None
         if fit is None:
             if offload not in (None, "none"):
                 raise SpecterError(f"--offload {offload} needs a GPU memory budget: give --gpu-budget SIZE")
+            if cache_options:
+                raise SpecterError(f"{cache_options}: only for offloaded experts, and the model fits {device} whole: "
+                                   f"give --gpu-budget SIZE to offload them")
             return load_transformer(f, device, progress), None, None
         need = (f"the model needs {format_size(fit.whole_model)} on {device} at a context of "
                 f"{ctx_size} tokens and {format_size(fit.budget + FIT_MARGIN)} is free")
@@ -339,6 +344,9 @@ def load_offloaded(f: GGUFFile, device: torch.device, ctx_size: int, progress: b
             raise SpecterError(f"the model needs {format_size(plan.whole_model)} on the "
                                f"device, more than the budget {format_size(plan.budget)}; offload its experts "
                                f"(--offload lru) or raise --gpu-budget")
+        if cache_options:
+            raise SpecterError(f"{cache_options}: only for offloaded experts, and the model fits the budget "
+                               f"{format_size(plan.budget)} whole: give --offload lru (or a smaller budget)")
         return load_transformer(f, device, progress), None, plan
     plan.check()
     if isinstance(routing_profile, (str, bytes)) or hasattr(routing_profile, "__fspath__"):

@@ -23,11 +23,12 @@ def load_draft_experts(draft: GGUFFile, target: Model) -> list[Experts | None]:
     """The routed experts of every MoE layer of `target`, from `draft` (a quantized copy of the target file),
     resident on the target's device; None for layers without routed experts."""
     cfg, dcfg = target.config, ModelConfig.from_gguf(draft)
-    same = (dcfg.arch, dcfg.n_layer, dcfg.n_expert, dcfg.n_embd, dcfg.n_ff_exp)
-    want = (cfg.arch, cfg.n_layer, cfg.n_expert, cfg.n_embd, cfg.n_ff_exp)
+    same = (dcfg.arch, dcfg.n_layer, dcfg.n_expert, dcfg.n_expert_used, dcfg.n_embd, dcfg.n_ff_exp, dcfg.n_vocab)
+    want = (cfg.arch, cfg.n_layer, cfg.n_expert, cfg.n_expert_used, cfg.n_embd, cfg.n_ff_exp, cfg.n_vocab)
     if same != want:
-        raise SpecterError(f"{draft.path}: not a draft of {target.path}: (architecture, layers, experts, hidden, "
-                           f"expert width) {same} against {want}; make one with `specter-gguf quantize`")
+        raise SpecterError(f"{draft.path}: not a draft of {target.path}: (architecture, layers, experts, experts "
+                           f"per token, hidden, expert width, vocabulary) {same} against {want}; make one with "
+                           f"`specter-gguf quantize`")
     e, f, d = cfg.n_expert, cfg.n_ff_exp, cfg.n_embd
     experts: list[Experts | None] = []
     for i, block in enumerate(target.transformer.blocks):
