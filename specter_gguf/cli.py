@@ -592,20 +592,26 @@ def _read_stdin_line() -> str:
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Output file (default: next to MODEL, named after it and the type, e.g. model-q4_k_m.gguf).")
 @click.option("--threads", default=0, help="CPU threads for llama.cpp (0 = all).")
+@click.option("--allow-requantize", is_flag=True,
+              help="Quantize a MODEL that is quantized already (as llama-quantize's option; an F32/F16/BF16 source "
+              "gives better quality).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def quantize(model: Path, qtype: str, output: Path | None, threads: int, quiet: bool) -> None:
+def quantize(model: Path, qtype: str, output: Path | None, threads: int, allow_requantize: bool, quiet: bool) -> None:
     """Quantize MODEL (an F32/F16/BF16 GGUF) with llama.cpp's own quantizer.
 
     Routers and 1-D tensors stay F32 and llama.cpp's type mixes apply (Q4_K_M keeps some tensors at Q6_K);
     K-quants need input dimensions that are multiples of 256, else llama.cpp picks another type per tensor.
     """
+    from specter_gguf.gguf_file import GGUFFile
     from specter_gguf.quantize import quantize_with_progress, quantized_path
 
-    if model.is_dir():  # a missing file or not a GGUF: quantize_gguf's and llama.cpp's own error line
-        raise SpecterError(f"{model}: not a file; give the path of a .gguf model file")
+    if threads < 0:
+        raise SpecterError(f"--threads must be 0 (every core) or more, got {threads}")
+    GGUFFile(model)  # a missing, truncated or non-GGUF file: our error line naming it and the fix, not llama.cpp's
     out = output if output is not None else quantized_path(model, qtype)
     _check_output_file(out, "-o/--output", create_folder=True)  # quantize_gguf creates missing folders
-    summary = quantize_with_progress(model, out, qtype, show=not quiet, n_threads=threads)
+    summary = quantize_with_progress(model, out, qtype, show=not quiet, n_threads=threads,
+                                     allow_requantize=allow_requantize)
     sizes = f" ({', '.join(summary)})" if summary else ""
     click.echo(f"wrote {out}: {format_size(out.stat().st_size)}{sizes}", err=True)
 

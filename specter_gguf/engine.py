@@ -25,6 +25,7 @@ from specter_gguf.runtime.budget import MemoryPlan, plan_memory
 from specter_gguf.runtime.cache import POLICIES  # the values of Model.load's cache_policy
 from specter_gguf.runtime.offload import OFFLOAD_CHOICES, load_offloaded  # ... and of its offload
 from specter_gguf.runtime.routing import DeviceRoutingCounts, RoutingProfile
+from specter_gguf.sizes import format_size
 from specter_gguf.sampling import Sampler, SamplingParams
 from specter_gguf.sizes import parse_size
 from specter_gguf.speculation.depth import MAX_DEPTH, parse_depth  # ... and of its n_draft: 1 to MAX_DEPTH or "auto"
@@ -228,8 +229,6 @@ class GenerationStats:
         """One line: tokens, context, prefill, TPOT, tokens/s; with offloading the cache's hit rate, bytes copied per
         token and hidden copy share; with a draft its acceptance; on CUDA the peak memory (`to_dict` has every
         figure)."""
-        from specter_gguf.sizes import format_size
-
         text = (f"prompt {self.prompt_tokens} tokens, generated {self.generated_tokens} tokens, context "
                 f"{self.ctx_size}, prefill {self.prefill_s * 1000:.1f} ms, TPOT {self.tpot_ms:.2f} ms, "
                 f"{self.tokens_per_s:.1f} tokens/s")
@@ -352,6 +351,17 @@ class Model:
             model.decoder = SpeculativeDecoder.load(model, draft_file, "auto" if n_draft is None else n_draft)
         elif model.cuda_graphs:
             model.decoder = GraphDecoder()
+        log.info("loaded %s: %s, %d layers, %d experts (top-%d), on %s, context %d tokens, %s", f.path, cfg.arch,
+                 cfg.n_layer, cfg.n_expert, cfg.n_expert_used, dev, ctx,
+                 "CUDA graphs" if model.cuda_graphs else "eager steps")
+        if plan is not None:
+            log.info("%s budget %s: %s", "GPU" if dev.type == "cuda" else "memory", format_size(plan.budget),
+                     "the whole model fits" if runtime is None else
+                     f"experts offloaded ({runtime.mode}, {runtime.options.policy} cache of {plan.n_slots} of "
+                     f"{plan.n_experts_total} experts)")
+        if draft_file is not None:
+            log.info("speculative decoding with the experts of %s, depth %s", draft_file.path,
+                     "auto" if n_draft is None else n_draft)
         return model
 
     @property

@@ -109,6 +109,7 @@ def quantize_with_progress(src: str | Path, dst: str | Path, qtype: str, *, show
         reasons = [r.split("failed to quantize: ", 1)[-1] for r in (progress.errors if progress else [])]
         if not reasons:
             raise
-        hint = " (start from an F32/F16/BF16 file)" if any("requantiz" in r for r in reasons) else ""
+        hint = (" (start from an F32/F16/BF16 file, or allow requantizing: `specter-gguf quantize --allow-requantize`)"
+                if any("requantiz" in r for r in reasons) else "")
         raise SpecterError(f"llama.cpp failed to quantize {src} to {qtype}: {'; '.join(reasons)}{hint}") from None
     return progress.summary

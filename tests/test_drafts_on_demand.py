@@ -64,6 +64,11 @@ def test_a_draft_type_is_made_once_beside_the_target_and_reused(target: Path, qu
     Model.load(target, draft="q4_k_m", device="cpu", progress=False)
     assert quantizations == ["q4_k_m", "q4_k_m"], "a target changed since is quantized again"
     assert not list(made.parent.glob("*.tmp"))
+    whole = made.stat().st_size
+    with open(made, "r+b") as fh:
+        fh.truncate(whole // 2)
+    Model.load(target, draft="q4_k_m", device="cpu", progress=False)
+    assert quantizations == ["q4_k_m"] * 3 and made.stat().st_size == whole, "a draft cut short is made again"
 
 
 def test_a_folder_that_cannot_take_drafts_sends_them_to_the_user_cache(target: Path, tmp_path: Path,
@@ -81,7 +86,8 @@ def test_a_file_named_like_a_type_is_the_file(target: Path, tmp_path: Path, monk
 
 
 def test_draft_mistakes_are_one_error_line(target: Path) -> None:
-    with pytest.raises(SpecterError, match="no such file, and not a draft type"):
+    with pytest.raises(SpecterError, match="no such file, and not a draft type; give a draft GGUF or a llama.cpp "
+                                           "type such as q2_k, q3_k_m, q4_k_m or q8_0"):
         draft_files.resolve_draft(target, "q5_x")
     with pytest.raises(SpecterError, match="is not a file"):
         draft_files.resolve_draft(target.parent / "missing.gguf", "q4_k_m")

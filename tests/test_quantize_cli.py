@@ -51,19 +51,24 @@ def test_quantize_errors(shipped_model: Path, tmp_path: Path) -> None:
     r = invoke("quantize", str(shipped_model), "-t", "q5_k")
     assert r.exit_code == 2 and "'q5_k' is not one of" in r.output and "q4_k_m" in r.output
     r = invoke("quantize", str(tmp_path / "missing.gguf"), "-t", "q8_0")
-    assert r.exit_code == 1 and "Error: cannot quantize: source GGUF" in r.output and "not found" in r.output
+    assert r.exit_code == 1 and "missing.gguf: no such file" in r.output
     r = invoke("quantize", str(shipped_model), "-t", "q8_0", "-o", str(shipped_model))
     assert r.exit_code == 1 and "onto itself" in r.output
     q = tmp_path / "q8.gguf"
     assert invoke("quantize", str(shipped_model), "-t", "q8_0", "-o", str(q), "-q").exit_code == 0
     r = invoke("quantize", str(q), "-t", "q2_k", "-q")
     assert r.exit_code == 1 and "Error: llama.cpp failed to quantize" in r.output
-    assert "requantizing from type q8_0 is disabled (start from an F32/F16/BF16 file)" in r.output
+    assert "requantizing from type q8_0 is disabled (start from an F32/F16/BF16 file, or allow requantizing: " \
+           "`specter-gguf quantize --allow-requantize`)" in r.output
     assert not (tmp_path / "q8-q2_k.gguf").exists()  # no half-written output left behind
+    assert invoke("quantize", str(q), "-t", "q2_k", "-q", "--allow-requantize").exit_code == 0
+    assert (tmp_path / "q8-q2_k.gguf").is_file()
     not_gguf = tmp_path / "notes.gguf"
     not_gguf.write_text("hello")
     r = invoke("quantize", str(not_gguf), "-t", "q8_0")
-    assert r.exit_code == 1 and "invalid magic" in r.output  # llama.cpp's reason, shown as an error
+    assert r.exit_code == 1 and "notes.gguf: not a GGUF file" in r.output  # our reason and fix, not llama.cpp's
+    r = invoke("quantize", str(shipped_model), "-t", "q8_0", "--threads", "-1")
+    assert r.exit_code == 1 and "--threads must be 0 (every core) or more" in r.output
 
 
 def test_run_quiet(shipped_model: Path) -> None:
@@ -82,6 +87,14 @@ def test_verbose_logging(shipped_model: Path) -> None:
     assert plain.exit_code == verbose.exit_code == 0
     assert "INFO specter_gguf.chat: chat template: the one in" in verbose.stderr
     assert "INFO" not in plain.stderr
+    # without MODEL: the shipped model with its draft
+    run = ["run", "-p", "Hello", "-n", "2", "--device", "cpu", "--gpu-budget", "64MiB"]
+    verbose = CliRunner().invoke(cli, ["-v", *run])
+    assert verbose.exit_code == 0, verbose.output
+    assert f"INFO specter_gguf.engine: loaded {shipped_model.resolve()}: qwen2moe, 4 layers" in verbose.stderr
+    assert "INFO specter_gguf.engine: memory budget 64.00 MiB: the whole model fits" in verbose.stderr
+    assert "INFO specter_gguf.engine: speculative decoding with the experts of" in verbose.stderr
+    assert "INFO specter_gguf.speculation.draft_files: " in verbose.stderr  # the draft made, or made before
 
 
 @pytest.mark.parametrize("command", ["", "run", "serve", "chat", "quantize", "inspect", "logits"])

@@ -4,14 +4,16 @@ quantizer (`quantize.quantize_with_progress`, a progress bar over tensors) the f
 The file goes into `.specter-drafts/` beside the target, named `<target stem>-<type>.gguf`; when the target's
 folder is not writable, into the user cache (`$SPECTER_CACHE`, else `$XDG_CACHE_HOME/specter-gguf`, else
 `~/.cache/specter-gguf`) under `drafts/<a hash of the target's path>/`. A JSON file beside each draft records the
-target's size and modification time: a draft of a target that changed since is made again. A draft is written
-under a temporary name and renamed when complete, so an interrupted quantization leaves no draft behind.
+target's size and modification time and the draft's size: a draft of a target that changed since, or a draft
+file that changed (e.g. cut short), is made again. A draft is written under a temporary name and renamed when
+complete, so an interrupted quantization leaves no draft behind.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -22,6 +24,8 @@ DRAFT_TYPES = ("q2_k", "q3_k_m", "q4_k_m", "q8_0")
 """The draft types the help names (any llama.cpp type of `quantize.FTYPES` is accepted)."""
 
 FOLDER = ".specter-drafts"
+
+log = logging.getLogger(__name__)
 
 
 def user_cache_dir() -> Path:
@@ -61,8 +65,9 @@ def draft_file_or_type(draft: str | os.PathLike[str]) -> Path | str:
     if not path.exists() and str(draft).strip().lower() in FTYPES:
         return str(draft).strip().lower()
     if not path.is_file():
-        raise SpecterError(f"draft {draft}: no such file, and not a draft type; give a draft GGUF or one of "
-                           f"{', '.join(DRAFT_TYPES)} (made from the model with llama.cpp's quantizer)")
+        raise SpecterError(f"draft {draft}: no such file, and not a draft type; give a draft GGUF or a llama.cpp "
+                           f"type such as {', '.join(DRAFT_TYPES[:-1])} or {DRAFT_TYPES[-1]} (any type of "
+                           f"`specter-gguf quantize --type`; made from the model with llama.cpp's quantizer)")
     return path
 
 
@@ -82,7 +87,10 @@ def resolve_draft(target: str | os.PathLike[str], draft: str | os.PathLike[str] 
     stamp_file = out.with_suffix(".json")
     if out.is_file() and stamp_file.is_file():
         try:
-            if json.loads(stamp_file.read_text(encoding="utf-8")) == _stamp(target):
+            record = json.loads(stamp_file.read_text(encoding="utf-8"))
+            # records written before the draft's size was kept hold only the target's
+            if record == {**_stamp(target), **({"draft_size": out.stat().st_size} if "draft_size" in record else {})}:
+                log.info("the %s draft of %s: %s, made before", qtype, target, out)
                 return out
         except (OSError, ValueError):
             pass  # an unreadable record: the draft is made again
@@ -91,6 +99,7 @@ def resolve_draft(target: str | os.PathLike[str], draft: str | os.PathLike[str] 
     except OSError as e:
         raise SpecterError(f"cannot make a {qtype} draft in {out.parent}: {e.strerror}; set SPECTER_CACHE to a "
                            f"writable folder, or give a draft file") from None
+    log.info("making the %s draft of %s in %s", qtype, target, out)
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     try:
         quantize_with_progress(target, tmp, qtype, show=progress, desc=f"making the {qtype} draft",
@@ -98,5 +107,5 @@ def resolve_draft(target: str | os.PathLike[str], draft: str | os.PathLike[str] 
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
-    stamp_file.write_text(json.dumps(_stamp(target)) + "\n", encoding="utf-8")
+    stamp_file.write_text(json.dumps({**_stamp(target), "draft_size": out.stat().st_size}) + "\n", encoding="utf-8")
     return out
