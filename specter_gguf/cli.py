@@ -413,7 +413,8 @@ def logits(model: Path, tokens: str, out: Path, device: str | None) -> None:
     from specter_gguf.engine import Model
 
     try:
-        ids = [int(t) for t in tokens.replace(" ", "").split(",") if t]
+        entries = tokens.replace(" ", "").split(",")
+        ids = [int(t) for t in entries] if any(entries) else []  # a blank entry among ids is a mistake
     except ValueError:
         raise SpecterError(f"--tokens must be comma-separated integers, got '{tokens}'") from None
     if not ids:
@@ -521,7 +522,8 @@ def chat(model: Path | None, system: str | None, n_predict: int, sampling: Any, 
 
     Replies stream as they are generated and the conversation keeps its history, formatted with the chat
     template in the GGUF file (or a built-in ChatML one). Type /reset to clear the history, /exit or
-    Ctrl-D to quit; Ctrl-C stops a reply. Reads lines from standard input, so it can be piped.
+    Ctrl-D to quit, /help for these; another single word starting with / is not sent. Ctrl-C stops a reply.
+    Reads lines from standard input, so it can be piped.
     """
     import logging
 
@@ -562,6 +564,10 @@ def chat(model: Path | None, system: str | None, n_predict: int, sampling: Any, 
             click.echo("(history cleared)", err=True)
             continue
         if not command:
+            continue
+        if command.startswith("/") and not any(c.isspace() for c in command):  # a mistyped command, not a message
+            click.echo(f"{'' if command == '/help' else f'unknown command {command}: '}/reset clears the history, "
+                       "/exit or Ctrl-D quits", err=True)
             continue
         try:
             gen = session.send(text)

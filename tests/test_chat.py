@@ -265,13 +265,14 @@ def test_model_chat_equals_generate_on_template_tokens(model: Model) -> None:
 
 
 def test_cli_chat_piped(shipped_model: Path, model: Model) -> None:
-    stdin = "Hi!\n\n/reset\nHi!\n/exit\nnever read\n"
+    stdin = "Hi!\n\n/reset\n/rest\nHi!\n/exit\nnever read\n"  # /rest: a mistyped command, not a message
     result = CliRunner().invoke(cli, ["chat", str(shipped_model), "--device", "cpu", "-n", "3", "--temp", "0",
                                       "-s", "Be brief."], input=stdin)
     assert result.exit_code == 0, result.output
     reply = model.chat(MESSAGES, n_predict=3, sampling=GREEDY).wait().text
     assert result.stdout == f"{reply}\n{reply}\n"  # /reset: the second "Hi!" starts afresh
     assert "(history cleared)" in result.stderr and "chat template: gguf" in result.stderr
+    assert "unknown command /rest: /reset clears the history, /exit or Ctrl-D quits" in result.stderr
 
 
 def test_cli_chat_end_of_input_and_history(shipped_model: Path, model: Model) -> None:

@@ -213,6 +213,13 @@ def test_plan_below_the_minimum_shows_no_shares(shipped_model: Path) -> None:
     assert user_error(result).startswith("Error: memory budget 4.00 MiB is too small")
 
 
+@pytest.mark.parametrize("tokens", ["1,,5", "1,5,", ",1"])
+def test_logits_tokens_with_an_empty_entry_are_refused(shipped_model: Path, tmp_path: Path, no_work: None,
+                                                       tokens: str) -> None:
+    line = user_error(invoke("logits", str(shipped_model), "--tokens", tokens, "--out", str(tmp_path / "l.npy")))
+    assert "--tokens must be comma-separated integers" in line, line
+
+
 def test_chat_stdin_not_utf8(shipped_model: Path) -> None:
     result = CliRunner().invoke(cli, ["chat", str(shipped_model), "--device", "cpu", "-n", "2"],
                                 input=b"\xff\xfe hello\n")
