@@ -554,6 +554,8 @@ def test_bench_end_to_end_ours_speculative_on_cpu(tmp_path):
     real, synth = json.loads((out / "results.json").read_text())["results"]
     assert (real["family"], synth["family"]) == ("ours-spec", "ours-spec-synth")
     assert real["status"] == synth["status"] == "ok", (real["error"], synth["error"])
+    # one worker loaded the model once for both rows, then set each row's acceptance
+    assert "one load for 2 rows" in real["command"] and real["load_s"] == synth["load_s"]
     assert real["summary"]["greedy"]["mean_accepted_len"] >= 1.0  # auto may choose plain steps on the CPU
     assert 2.0 <= synth["summary"]["greedy"]["mean_accepted_len"] <= 4.0
     g = synth["summary"]["greedy"]  # (a fixed depth) the worker carries the engine's drafting and verification times
@@ -575,7 +577,7 @@ def test_real_acceptance_mode_meets_every_depth_before_the_prompts(tiny_models, 
     set_depth = SpeculativeDecoder.set_depth
     monkeypatch.setattr(SpeculativeDecoder, "set_depth", lambda self, k: (depths.append(k), set_depth(self, k))[1])
     job = {"model": str(target), "draft": str(draft), "device": "cpu", "ctx_size": 256, "budget_bytes": None,
-           "settings": {"decodings": ["greedy", "sampled"]}}
+           "settings": {"decodings": ["greedy", "sampled"]}, "rows": [{"mode": "ours-spec", "synth_len": None}]}
     model = OURS_MODES["ours-spec"].load(job, None)
     assert depths == ["auto", *range(speculation.MAX_DEPTH, 0, -1), "auto"]  # loaded with auto, then each depth
     assert model.decoder.depth is not None and model.decoder.n_draft == speculation.MAX_DEPTH
@@ -592,10 +594,10 @@ def test_ours_worker_without_llama_cpp_tokenizer(tmp_path, shipped_model):
     settings = RunSettings(n_predict=5, decodings=("greedy",), seed=3, seconds_per_system=60, warmup_tokens=2)
     tokens = []
     for force in ("", "1"):
-        job = {"mode": "ours", "model": str(shipped_model), "device": "cpu", "ctx_size": 256, "budget_bytes": None,
-               "draft": None, "synth_len": None, "prompts": [vars(p) for p in prompts],
-               "settings": vars(settings) | {"decodings": ["greedy"]}, "time_budget_s": 120,
-               "result": str(tmp_path / f"r{force}.json")}
+        job = {"model": str(shipped_model), "device": "cpu", "ctx_size": 256, "budget_bytes": None, "draft": None,
+               "rows": [{"key": "ours", "mode": "ours", "synth_len": None, "result": str(tmp_path / f"r{force}.json")}],
+               "prompts": [vars(p) for p in prompts], "settings": vars(settings) | {"decodings": ["greedy"]},
+               "time_budget_s": 120}
         (tmp_path / "job.json").write_text(json.dumps(job))
         env = dict(os.environ, SPECTER_BENCH_NO_LLAMA_CPP=force, PYTHONPATH=str(REPO))
         p = subprocess.run([sys.executable, "-m", "specter_gguf.bench.worker", str(tmp_path / "job.json")],

@@ -1,7 +1,9 @@
 """Running the systems of a matrix, one after another, each over the same prompts (`run_prompt_set`): a llama.cpp
-system is a llama-server started, waited for (``/health``) and killed in a ``finally``; one of ours runs in a worker
+system is a llama-server started, waited for (``/health``) and killed in a ``finally``; ours run in a worker
 subprocess (``python -m specter_gguf.bench.worker JOB.json``) so that a crash, a hang or CUDA memory left behind
-cannot affect the next system. A failing system records its error and the matrix goes on."""
+cannot affect the next system, one worker for consecutive rows that load alike (`ours.OursMode`: the real and
+synthetic acceptance rows of one draft and budget), whose peak GPU memory they then share. A failing system records
+its error and the matrix goes on."""
 
 from __future__ import annotations
 
@@ -96,31 +98,46 @@ def _result(spec: SystemSpec) -> dict[str, Any]:
 
 def run_system(spec: SystemSpec, ctx: BenchContext) -> dict[str, Any]:
     """Run one system; never raises (errors are recorded in the result)."""
-    res = _result(spec)
-    t0 = time.monotonic()
+    return run_systems([spec], ctx)[0]
+
+
+def run_systems(specs: Sequence[SystemSpec], ctx: BenchContext) -> list[dict[str, Any]]:
+    """Run one llama.cpp system, or rows of ours that load alike in one worker (`ours.OursMode`); never raises
+    (errors are recorded in the results)."""
+    results = [_result(spec) for spec in specs]
     if ctx.remaining() < 30:
-        res.update(status="skipped", error="skipped: the run's --deadline was reached")
-        return res
-    ctx.log(f"== {spec.key}")
+        for res in results:
+            res.update(status="skipped", error="skipped: the run's --deadline was reached")
+        return results
+    t0 = time.monotonic()
+    for spec in specs:
+        ctx.log(f"== {spec.key}")
     try:
-        if spec.kind == "llama":
-            _run_llama(spec, ctx, res)
+        if specs[0].kind == "llama":
+            _run_llama(specs[0], ctx, results[0])
         else:
-            _run_ours(spec, ctx, res)
-        if not any(not r.get("warmup") for r in res["runs"]):
-            raise SpecterError("no measured run")
+            _run_ours(specs, ctx, results)
     except Exception as e:  # noqa: BLE001 - a failed system must not stop the matrix
         msg = str(e).strip() or type(e).__name__
-        res.update(status="error", error=f"{type(e).__name__}: {msg}" if not isinstance(e, SpecterError) else msg)
-        ctx.log(f"   FAILED: {res['error'][:2000]}")
-    res["summary"] = summarize_runs([r for r in res["runs"] if not r.get("warmup")])
-    res["wall_s"] = time.monotonic() - t0
-    for dec, s in res["summary"].items():
-        ctx.log(f"   {dec}: TPOT {s['tpot_ms'] or 0:.2f} ms, {s['tokens_per_s'] or 0:.1f} tok/s over {s['n_prompts']} prompts"
-                + (f", acceptance {s['acceptance']:.1%}" if s.get("acceptance") is not None else ""))
-    if res["peak_gpu_bytes"] is not None:
-        ctx.log(f"   peak GPU memory {format_size(res['peak_gpu_bytes'])}")
-    return res
+        for res in results:
+            if res["error"] is None and not res["runs"]:
+                res["error"] = f"{type(e).__name__}: {msg}" if not isinstance(e, SpecterError) else msg
+    for spec, res in zip(specs, results):
+        if res["error"] is None and not any(not r.get("warmup") for r in res["runs"]):
+            res["error"] = "no measured run"
+        if res["error"] is not None:
+            res["status"] = "error"
+            ctx.log(f"   {spec.key} FAILED: {res['error'][:2000]}")
+        res["summary"] = summarize_runs([r for r in res["runs"] if not r.get("warmup")])
+        if res["wall_s"] is None:
+            res["wall_s"] = time.monotonic() - t0
+        for dec, sm in res["summary"].items():
+            ctx.log(f"   {spec.key}: {dec}: TPOT {sm['tpot_ms'] or 0:.2f} ms, {sm['tokens_per_s'] or 0:.1f} tok/s over "
+                    f"{sm['n_prompts']} prompts"
+                    + (f", acceptance {sm['acceptance']:.1%}" if sm.get("acceptance") is not None else ""))
+        if res["peak_gpu_bytes"] is not None:
+            ctx.log(f"   peak GPU memory {format_size(res['peak_gpu_bytes'])}")
+    return results
 
 
 def _run_llama(spec: SystemSpec, ctx: BenchContext, res: dict[str, Any]) -> None:
@@ -130,7 +147,7 @@ def _run_llama(spec: SystemSpec, ctx: BenchContext, res: dict[str, Any]) -> None
     if not binary.exists():
         raise SpecterError(f"{binary} not found")
     args = llama_server_args(spec, ctx.model, ctx.ctx_size, ctx.threads)
-    slug = re.sub(r"[^A-Za-z0-9_.=-]+", "_", spec.key)[:120]
+    slug = _slug(spec)
     budget_s = min(ctx.job_timeout, ctx.remaining())
     t_start = time.monotonic()
     mon = GpuMemoryMonitor().start()
@@ -161,25 +178,37 @@ def _clip_settings(ctx: BenchContext, budget_s: float, t_start: float) -> RunSet
     return dataclasses.replace(ctx.settings, seconds_per_system=min(ctx.settings.seconds_per_system, 0.5 * left))
 
 
-def _run_ours(spec: SystemSpec, ctx: BenchContext, res: dict[str, Any]) -> None:
-    budget_s = min(ctx.job_timeout, ctx.remaining())
+def _slug(spec: SystemSpec) -> str:
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", spec.key)[:120]
+
+
+def _run_ours(specs: Sequence[SystemSpec], ctx: BenchContext, results: list[dict[str, Any]]) -> None:
+    """The rows `specs` in one worker process: one load, then each row (`worker`); fills `results` row by row."""
+    budget_s = min(ctx.job_timeout * len(specs), ctx.remaining())
     work = ctx.out_dir / "logs"
     work.mkdir(parents=True, exist_ok=True)
-    slug = re.sub(r"[^A-Za-z0-9_.=-]+", "_", spec.key)[:120]
-    job = {"mode": spec.params["mode"], "model": ctx.model, "device": ctx.device, "ctx_size": ctx.ctx_size,
-           "budget_bytes": spec.budget.bytes if spec.budget else None, "draft": spec.params.get("draft"),
-           "synth_len": spec.params.get("synth_len"), "draft_n_max": spec.params.get("draft_n_max"),
+    first = specs[0]
+    rows = [{"key": spec.key, "mode": spec.params["mode"], "synth_len": spec.params.get("synth_len"),
+             "result": str(work / f"{_slug(spec)}.result.json")} for spec in specs]
+    for row in rows:
+        Path(row["result"]).unlink(missing_ok=True)
+    job = {"model": ctx.model, "device": ctx.device, "ctx_size": ctx.ctx_size,
+           "budget_bytes": first.budget.bytes if first.budget else None, "draft": first.params.get("draft"),
+           "draft_n_max": first.params.get("draft_n_max"), "rows": rows,
            "prompts": [dataclasses.asdict(p) for p in ctx.prompts],
            "settings": dataclasses.asdict(ctx.settings) | {"decodings": list(ctx.settings.decodings)},
-           "time_budget_s": budget_s, "result": str(work / f"{slug}.result.json")}
-    job_path = work / f"{slug}.job.json"
+           "time_budget_s": budget_s}
+    job_path = work / f"{_slug(first)}.job.json"
     job_path.write_text(json.dumps(job))
-    log_path = work / f"{slug}.log"
+    log_path = work / f"{_slug(first)}.log"
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     cmd = [sys.executable, "-m", "specter_gguf.bench.worker", str(job_path)]
-    res["command"] = f"specter_gguf.bench.worker ({spec.params['mode']}, device {ctx.device})"
+    shared = f", one load for {len(specs)} rows" if len(specs) > 1 else ""
+    for res, spec in zip(results, specs):
+        res["command"] = f"specter_gguf.bench.worker ({spec.params['mode']}, device {ctx.device}{shared})"
     mon = GpuMemoryMonitor(enabled=ctx.device.startswith("cuda")).start()
+    killed = None
     try:
         with open(log_path, "w") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -189,30 +218,50 @@ def _run_ours(spec: SystemSpec, ctx: BenchContext, res: dict[str, Any]) -> None:
             except subprocess.TimeoutExpired:
                 kill_group(proc)
                 proc.wait(timeout=30)
-                raise SpecterError(f"worker killed after {budget_s:.0f} s (job timeout or deadline):\n{tail(log_path)}")
+                killed = f"worker killed after {budget_s:.0f} s (job timeout or deadline):\n{tail(log_path)}"
             finally:
                 if proc.poll() is None:
                     kill_group(proc)
     finally:
-        res["peak_gpu_bytes"] = mon.stop()
-    out = Path(job["result"])
-    if not out.exists():
-        raise SpecterError(f"worker exited with code {proc.returncode} and no result:\n{tail(log_path)}")
-    w = json.loads(out.read_text())
-    res["runs"] = w.get("runs", [])
-    res["torch_peak_bytes"] = w.get("torch_peak_bytes")
-    res["load_s"] = w.get("load_s")
-    if w.get("note"):
-        res["note"] = "; ".join(x for x in (res["note"], w["note"]) if x)
-    if w.get("error"):
-        raise SpecterError(w["error"])
+        peak = mon.stop()  # the process's: its rows share the device
+    for row, res in zip(rows, results):
+        res["peak_gpu_bytes"] = peak
+        out = Path(row["result"])
+        if not out.exists():
+            res["error"] = killed or f"worker exited with code {proc.returncode} and no result:\n{tail(log_path)}"
+            continue
+        w = json.loads(out.read_text())
+        res["runs"] = w.get("runs", [])
+        res["torch_peak_bytes"] = w.get("torch_peak_bytes")
+        res["load_s"] = w.get("load_s")
+        res["wall_s"] = w.get("row_s")
+        if w.get("note"):
+            res["note"] = "; ".join(x for x in (res["note"], w["note"]) if x)
+        if w.get("error"):
+            res["error"] = w["error"]
+
+
+def _load_group(spec: SystemSpec) -> tuple[Any, ...] | None:
+    """Rows of ours with the same key load alike (`ours.OursMode`); None: a system of its own."""
+    from specter_gguf.bench.ours import OURS_MODES
+
+    if spec.kind != "ours":
+        return None
+    return (OURS_MODES[spec.params["mode"]].load, spec.budget.label if spec.budget else None,
+            spec.params.get("draft"), spec.params.get("draft_n_max"))
 
 
 def run_matrix(specs: Sequence[SystemSpec], ctx: BenchContext,
                on_result: Callable[[dict[str, Any]], None] = lambda r: None) -> list[dict[str, Any]]:
-    results = []
-    for spec in specs:
-        r = run_system(spec, ctx)
-        results.append(r)
-        on_result(r)
+    """Every system in order; consecutive rows of ours that load alike run in one worker."""
+    results: list[dict[str, Any]] = []
+    i = 0
+    while i < len(specs):
+        key, j = _load_group(specs[i]), i + 1
+        while key is not None and j < len(specs) and _load_group(specs[j]) == key:
+            j += 1
+        for r in run_systems(specs[i:j], ctx):
+            results.append(r)
+            on_result(r)
+        i = j
     return results

@@ -1,5 +1,7 @@
 """The worker subprocess of one of our modes (started by `runner`): ``python -m specter_gguf.bench.worker JOB.json``
-loads the model as the job's mode does (`ours`), runs the job's prompts and writes the result JSON the job names.
+loads the model as the job's mode does (`ours`), then for each row of the job (rows of modes that load alike:
+real and synthetic acceptance of one draft and budget) sets the row up, runs the job's prompts and writes the
+result JSON the row names.
 
 Where llama-cpp-python is missing (the GPU machine), or ``SPECTER_BENCH_NO_LLAMA_CPP`` is set, the model is loaded
 with an ids-only tokenizer: the benchmark gives token ids and reads token ids."""
@@ -21,28 +23,26 @@ from specter_gguf.tokenizer import IdsOnlyTokenizer, ids_only_unless_llama_cpp
 
 
 def ours_worker(job_path: str | Path) -> int:
-    """Run one of our modes over the job's prompts and write the result JSON (see `runner._run_ours`)."""
+    """Run one of our modes over the job's prompts for each of its rows and write each row's result JSON (see
+    `runner._run_ours`); a failure ends the rows not yet run with it."""
     job = json.loads(Path(job_path).read_text())
-    out = Path(job["result"])
-    result: dict[str, Any] = {"runs": [], "error": None}
+    rows = job["rows"]
     t_begin = time.monotonic()
+    done = 0
+    load_s = None
     try:
         import torch
 
         from specter_gguf.engine import tpot_ms
         from specter_gguf.sampling import SamplingParams
 
-        mode = OURS_MODES[job["mode"]]
         cuda = str(job["device"]).startswith("cuda")
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         t0 = time.monotonic()
         forced = bool(os.environ.get("SPECTER_BENCH_NO_LLAMA_CPP"))
-        model = mode.load(job, IdsOnlyTokenizer() if forced else ids_only_unless_llama_cpp())
-        result["load_s"] = time.monotonic() - t0
-        settings = RunSettings(**{**job["settings"], "decodings": tuple(job["settings"]["decodings"])})
-        left = job["time_budget_s"] - (time.monotonic() - t_begin)
-        settings.seconds_per_system = min(settings.seconds_per_system, 0.5 * left)
+        model = OURS_MODES[rows[0]["mode"]].load(job, IdsOnlyTokenizer() if forced else ids_only_unless_llama_cpp())
+        load_s = time.monotonic() - t0
         prompts = [Prompt(**p) for p in job["prompts"]]
 
         def gen(ids: list[int], n: int, dec: str, seed: int) -> dict[str, Any]:
@@ -56,20 +56,36 @@ def ours_worker(job_path: str | Path) -> int:
                     "tpot_ms": tpot_ms(d["decode_s"], int(d["generated_tokens"])), "tokens": list(g.tokens),
                     "extra": extra}
 
-        runs, note = run_prompt_set(gen, prompts, settings, lambda s: print(s, flush=True))
-        result["runs"], result["note"] = runs, note
-        if cuda:
-            result["torch_peak_bytes"] = int(torch.cuda.max_memory_allocated())
-            result["torch_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
+        for row in rows:
+            t_row = time.monotonic()
+            print(f"== {row['key']}", flush=True)
+            OURS_MODES[row["mode"]].prepare(model, job, row)
+            settings = RunSettings(**{**job["settings"], "decodings": tuple(job["settings"]["decodings"])})
+            left = (job["time_budget_s"] - (time.monotonic() - t_begin)) / (len(rows) - done)  # this row's share
+            settings.seconds_per_system = min(settings.seconds_per_system, 0.5 * left)
+            runs, note = run_prompt_set(gen, prompts, settings, lambda s: print(s, flush=True))
+            result = {"runs": runs, "note": note, "error": None, "load_s": load_s, "row_s": time.monotonic() - t_row}
+            if cuda:  # the process's peak so far: its rows share the device
+                result["torch_peak_bytes"] = int(torch.cuda.max_memory_allocated())
+                result["torch_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
+            _write(row["result"], result)
+            done += 1
     except Exception as e:  # noqa: BLE001
         import traceback
 
         traceback.print_exc()
-        result["error"] = f"{type(e).__name__}: {e}"
+        for row in rows[done:]:
+            _write(row["result"], {"runs": [], "error": f"{type(e).__name__}: {e}", "load_s": load_s})
+        return 1
+    return 0
+
+
+def _write(path: str, result: dict[str, Any]) -> None:
+    """`result` as JSON at `path`, whole or not at all (a runner reading it meanwhile sees no file)."""
+    out = Path(path)
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(result))
     tmp.replace(out)
-    return 0 if result["error"] is None else 1
 
 
 def main(argv: Sequence[str]) -> int:

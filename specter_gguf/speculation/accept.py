@@ -143,15 +143,17 @@ def synthetic_count(sampler: Sampler, k: int, synth_len: float) -> int:
     return min(k, math.floor(extra) + (sampler.random() < extra - math.floor(extra)))
 
 
-def synthetic_acceptance(model: Model, synth_len: float) -> None:
+def synthetic_acceptance(model: Model, synth_len: float | None) -> None:
     """Benchmarks only: make `model`'s speculative decoder accept a mean of `synth_len` tokens per verification
-    (module docstring), drafting a fixed depth of at least ceil(L - 1) tokens."""
+    (module docstring), drafting a fixed depth of at least ceil(L - 1) tokens; None: the target's own verdicts
+    again (the depth is left as it is)."""
     from specter_gguf.speculation.decoder import SpeculativeDecoder
 
     decoder = model.decoder
     if not isinstance(decoder, SpeculativeDecoder):
         raise SpecterError("synthetic acceptance needs a speculative model (a draft)")
-    if not synth_len >= 1:
+    if synth_len is not None and not synth_len >= 1:
         raise SpecterError(f"a synthetic accepted length must be at least 1, got {synth_len}")
     decoder.synth_len = synth_len
-    decoder.set_depth(max(decoder.n_draft, math.ceil(synth_len - 1)))
+    if synth_len is not None:
+        decoder.set_depth(max(decoder.n_draft, math.ceil(synth_len - 1)))
