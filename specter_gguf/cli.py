@@ -351,6 +351,7 @@ def fidelity(model: Path | None, drafts: str, prompts_file: Path | None, n_predi
     from tqdm import tqdm
 
     from specter_gguf.engine import Model
+    from specter_gguf.gguf_file import GGUFFile
     from specter_gguf.speculation.fidelity import DEFAULT_PROMPTS, measure, read_prompts, write
 
     if sampling.greedy:
@@ -367,6 +368,8 @@ def fidelity(model: Path | None, drafts: str, prompts_file: Path | None, n_predi
         DraftFile().convert(d, None, None)
     prompts = read_prompts(prompts_file) if prompts_file is not None else list(DEFAULT_PROMPTS)
     _check_output_folder(out, "-o/--out")
+    if model is not None:
+        GGUFFile(model)  # a missing or broken file: its error line before the progress bar
 
     def load(draft: str) -> Any:
         return Model.load(model, device=device, ctx_size=ctx_size, draft=draft, n_draft=n_draft, progress=True)

@@ -192,6 +192,11 @@ def test_prompt_file_dash_reads_standard_input(shipped_model: Path, greedy8: dic
     assert json.loads(result.stdout)["tokens"] == greedy8["tokens"]
 
 
+def test_fidelity_on_a_missing_file_is_one_error_line(tmp_path: Path, no_work: None) -> None:
+    result = invoke("fidelity", str(tmp_path / "missing.gguf"))
+    assert "missing.gguf: no such file" in user_error(result) and "generations" not in result.output  # no bar
+
+
 def test_profile_depth_refuses_n_draft(shipped_model: Path, no_work: None) -> None:
     line = user_error(invoke("profile-depth", str(shipped_model), "--draft", "q4_k_m", "--n-draft", "3"))
     assert "--depths" in line and "--n-draft" in line, line
