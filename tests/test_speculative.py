@@ -68,15 +68,20 @@ def test_the_target_as_its_own_draft_is_always_accepted(tiny_models, arch: str) 
     assert gen.stats.draft_accepted == gen.stats.draft_tokens and gen.stats.mean_accepted_len == 4.0
 
 
-def test_nothing_is_drafted_past_the_tokens_asked_for(tiny_models) -> None:
-    """An iteration yields its accepted drafts and one token more: with 5 tokens asked for, the first one and a
-    single iteration of 3 drafts (not 8), all of them kept (the target is its own draft) and all generated."""
+@pytest.mark.parametrize("n_draft, n, rounds, drafted", [
+    (8, 5, 1, 3),    # the first token, then one iteration of 3 drafts (not 8) and one token more
+    (3, 10, 3, 6),   # 1 + 4 + 4, then a verification of nothing drafted for the last token
+])
+def test_nothing_is_drafted_past_the_tokens_asked_for(tiny_models, n_draft: int, n: int, rounds: int,
+                                                     drafted: int) -> None:
+    """An iteration yields its accepted drafts and one token more; the target is its own draft, so every drafted
+    token is kept, and every one is generated."""
     target = tiny_models[("qwen2moe", "f16")]
-    sm = Model.load(target, draft=target, device="cpu", progress=False, n_draft=8)
-    gen = sm.generate(PROMPT, 5, GREEDY, ignore_eos=True).wait()
+    sm = Model.load(target, draft=target, device="cpu", progress=False, n_draft=n_draft)
+    gen = sm.generate(PROMPT, n, GREEDY, ignore_eos=True).wait()
     s = gen.stats
-    assert gen.tokens == _target_tokens(target, 5) and len(gen.tokens) == 5
-    assert (s.draft_rounds, s.draft_tokens, s.draft_accepted) == (1, 3, 3)
+    assert gen.tokens == _target_tokens(target, n) and len(gen.tokens) == n
+    assert (s.draft_rounds, s.draft_tokens, s.draft_accepted) == (rounds, drafted, drafted)
 
 
 def test_greedy_with_penalties_and_offloaded_target_with_lookahead(tiny_models) -> None:

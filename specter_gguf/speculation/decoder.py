@@ -211,6 +211,7 @@ class SpeculativeDecoder:
                 self._account(model, stats, k, len(accepted))
                 for t in accepted:
                     yield t
+                    n_yielded += 1
         finally:
             stats.draft_s, stats.verify_s = clock.total("draft"), clock.total("verify")
             stats.expert_agreement, stats.expert_agreement_layers = self.agreement.read()
