@@ -567,19 +567,24 @@ def test_bench_end_to_end_ours_speculative_on_cpu(tmp_path):
 
 def test_real_acceptance_mode_meets_every_depth_before_the_prompts(tiny_models, monkeypatch):
     """ours-spec (depth auto) runs one short generation at each depth, deepest first, in each decoding, before the
-    measured prompts (each depth's verification graphs are then captured), and decodes with depth auto after."""
+    measured prompts (each depth's verification graphs are then captured, depth 0 included: the last token of a
+    generation at a fixed depth may be verified alone), and decodes with depth auto after."""
     from specter_gguf import speculation
     from specter_gguf.bench.ours import OURS_MODES
     from specter_gguf.speculation.decoder import SpeculativeDecoder
 
-    target, draft = tiny_models[("qwen2moe", "f16")], tiny_models[("qwen2moe", "q4_k_m")]
+    target = draft = tiny_models[("qwen2moe", "f16")]  # its own draft: every drafted token is kept
     depths: list[int] = []
-    set_depth = SpeculativeDecoder.set_depth
+    verified: set[int] = set()
+    set_depth, steps = SpeculativeDecoder.set_depth, SpeculativeDecoder.steps
     monkeypatch.setattr(SpeculativeDecoder, "set_depth", lambda self, k: (depths.append(k), set_depth(self, k))[1])
+    monkeypatch.setattr(SpeculativeDecoder, "steps", lambda self, model, cache, n, draft, sampled=None: (
+        verified.add(n - 1) if not draft else None, steps(self, model, cache, n, draft, sampled))[1])
     job = {"model": str(target), "draft": str(draft), "device": "cpu", "ctx_size": 256, "budget_bytes": None,
            "settings": {"decodings": ["greedy", "sampled"]}, "rows": [{"mode": "ours-spec", "synth_len": None}]}
     model = OURS_MODES["ours-spec"].load(job, None)
     assert depths == ["auto", *range(speculation.MAX_DEPTH, 0, -1), "auto"]  # loaded with auto, then each depth
+    assert verified == set(range(speculation.MAX_DEPTH + 1))  # a verification of every depth k, 0 .. MAX_DEPTH
     assert model.decoder.depth is not None and model.decoder.n_draft == speculation.MAX_DEPTH
     g = model.generate([5, 6, 7], 6, ignore_eos=True).wait()
     assert len(g.tokens) == 6 and g.stats.draft_rounds > 0

@@ -50,8 +50,7 @@ def _load_spec(job: dict[str, Any], tokenizer: Tokenizer | IdsOnlyTokenizer | No
 
     model = Model.load(job["model"], draft=job["draft"], device=job["device"], ctx_size=job["ctx_size"],
                        gpu_budget=job["budget_bytes"], progress=False, tokenizer=tokenizer, n_draft="auto")
-    if any(row.get("synth_len") is None for row in job["rows"]):
-        _capture_every_depth(model, job["settings"]["decodings"])
+    _capture_every_depth(model, job["settings"]["decodings"])
     return model
 
 
@@ -66,11 +65,13 @@ def _spec_acceptance(model: Any, job: dict[str, Any], row: dict[str, Any]) -> No
 
 
 def _capture_every_depth(model: Any, decodings: list[str]) -> None:
-    """One short generation at each fixed depth MAX_DEPTH .. 1 in each decoding, then depth auto again: `--n-draft
-    auto` tries every depth that could win, and the first verification of a depth captures its CUDA graphs once per
-    process (the warm-ups of 2026-12-02 05:17 UTC: 32-72 ms a verification, 12-15 later), which would otherwise land
-    in the measured prompts. Deepest first: the decoder's buffers are sized by the deepest depth so far, and
-    growing them drops the graphs captured before."""
+    """One short generation at each fixed depth MAX_DEPTH .. 0 in each decoding, then depth auto again: `--n-draft
+    auto` tries every depth that could win, a fixed depth drafts fewer in a generation's last iteration (no token
+    past the ones asked for), and the first verification of a depth captures its CUDA graphs once per process (the
+    warm-ups of 2026-12-02 05:17 UTC: 32-72 ms a verification, 12-15 later), which would otherwise land in the
+    measured prompts. k + 3 tokens at depth k: the first, an iteration of k drafts, and one more that is verified at
+    depth 0. Deepest first: the decoder's buffers are sized by the deepest depth so far, and growing them drops the
+    graphs captured before."""
     from specter_gguf import speculation
     from specter_gguf.bench.metrics import DECODINGS
     from specter_gguf.sampling import SamplingParams
@@ -78,7 +79,7 @@ def _capture_every_depth(model: Any, decodings: list[str]) -> None:
     for k in range(speculation.MAX_DEPTH, 0, -1):
         model.decoder.set_depth(k)
         for dec in decodings:
-            model.generate(list(range(16, 24)), k + 2, SamplingParams(**DECODINGS[dec]), ignore_eos=True).wait()
+            model.generate(list(range(16, 24)), k + 3, SamplingParams(**DECODINGS[dec]), ignore_eos=True).wait()
     model.decoder.set_depth("auto")
 
 
