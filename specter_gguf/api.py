@@ -32,11 +32,11 @@ def stop_list(stop: str | Sequence[str] | None) -> list[str]:
 
 
 def _max_tokens(max_tokens: int | None) -> int:
-    if max_tokens is None or max_tokens < 0:
-        return -1  # until the end of generation or a full context
-    if max_tokens == 0:
-        raise SpecterError("max_tokens must be at least 1 (or null: until the end of the text)")
-    return int(max_tokens)
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)):
+        raise SpecterError(f"max_tokens must be a whole number or None, got {max_tokens!r}")
+    if max_tokens is None or max_tokens <= 0:
+        return -1  # llama-cpp-python's: until the end of generation or a full context
+    return max_tokens
 
 
 def _prompt_ids(model: Model, prompt: str | Sequence[int]) -> str | list[int]:
@@ -128,7 +128,15 @@ def sampling_params(temperature: float, top_p: float, top_k: int, min_p: float, 
                     presence_penalty: float, frequency_penalty: float, seed: int | None) -> SamplingParams:
     return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                           repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
-                          frequency_penalty=frequency_penalty, seed=seed)
+                          frequency_penalty=frequency_penalty, seed=None if seed == -1 else seed)  # -1: random
+
+
+def _refuse(call: str, unsupported: Mapping[str, Any]) -> None:
+    """llama-cpp-python's arguments that this API does not take: one error naming them (not a TypeError)."""
+    if unsupported:
+        raise SpecterError(f"{call}: {', '.join(sorted(unsupported))} not supported (the arguments taken are "
+                           f"llama-cpp-python's prompt or messages, max_tokens, temperature, top_p, top_k, min_p, "
+                           f"stop, seed, presence_penalty, frequency_penalty, repeat_penalty and stream)")
 
 
 def _model_name(model: Model) -> str:
@@ -139,9 +147,11 @@ def create_completion(model: Model, prompt: str | Sequence[int], max_tokens: int
                       temperature: float = 0.8, top_p: float = 0.95, top_k: int = 40, min_p: float = 0.05,
                       stop: str | Sequence[str] | None = None, seed: int | None = None,
                       presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repeat_penalty: float = 1.0,
-                      stream: bool = False) -> dict[str, Any] | Iterator[dict[str, Any]]:
+                      stream: bool = False, **unsupported: Any) -> dict[str, Any] | Iterator[dict[str, Any]]:
     """Complete `prompt` (text or token ids), with llama-cpp-python's defaults. ``max_tokens=None`` or
-    ``<0`` generates until the end of the text or a full context."""
+    ``<= 0`` generates until the end of the text or a full context; ``seed=-1`` draws one. Other arguments of
+    llama-cpp-python's (echo, logprobs, suffix, ...) are refused with a SpecterError naming them."""
+    _refuse("create_completion", unsupported)
     sp = sampling_params(temperature, top_p, top_k, min_p, repeat_penalty, presence_penalty, frequency_penalty, seed)
     gen = start_completion(model, prompt, max_tokens, sp, stop)
     if stream:
@@ -154,9 +164,12 @@ def create_chat_completion(model: Model, messages: Sequence[Mapping[str, Any]], 
                            stop: str | Sequence[str] | None = None, seed: int | None = None,
                            presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                            repeat_penalty: float = 1.0,
-                           stream: bool = False) -> dict[str, Any] | Iterator[dict[str, Any]]:
+                           stream: bool = False, **unsupported: Any) -> dict[str, Any] | Iterator[dict[str, Any]]:
     """Answer OpenAI-style `messages` through the model's chat template, with llama-cpp-python's
-    defaults (``max_tokens=None``: until the end of the reply or a full context)."""
+    defaults (``max_tokens=None`` or ``<= 0``: until the end of the reply or a full context; ``seed=-1`` draws one).
+    Other arguments of llama-cpp-python's (tools, response_format, logprobs, ...) are refused with a SpecterError
+    naming them."""
+    _refuse("create_chat_completion", unsupported)
     sp = sampling_params(temperature, top_p, top_k, min_p, repeat_penalty, presence_penalty, frequency_penalty, seed)
     gen = start_chat_completion(model, messages, max_tokens, sp, stop)
     if stream:

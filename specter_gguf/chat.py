@@ -475,6 +475,8 @@ class ChatSession:
 
     def send(self, text: str) -> Generation:
         """Add a user message and start the reply; iterate the result to stream it."""
+        if not isinstance(text, str):
+            raise SpecterError(f"send takes the user's message as text, not {type(text).__name__}")
         messages = [*self.history, {"role": "user", "content": text}]
         gen = start_chat(self.model, messages, n_predict=self.n_predict, sampling=self.sampling)
         self.history.append({"role": "user", "content": text})

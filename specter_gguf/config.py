@@ -160,6 +160,8 @@ class ModelConfig:
         min(training context, DEFAULT_CTX_SIZE), 0 the training context."""
         if requested is None:
             return min(self.n_ctx_train, DEFAULT_CTX_SIZE)
+        if isinstance(requested, bool) or not isinstance(requested, int):
+            raise SpecterError(f"context size must be a whole number of tokens, got {requested!r}")
         if requested < 0:
             raise SpecterError(f"context size must be 0 (the model's own, {self.n_ctx_train}) or positive, "
                                f"got {requested}")

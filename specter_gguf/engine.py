@@ -400,25 +400,41 @@ class Model:
 
     # -- tokens ----------------------------------------------------------------------------------------
     def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
+        if not isinstance(text, str):
+            raise SpecterError(f"tokenize takes text (a str), not {type(text).__name__}")
         return self.tokenizer.encode(text, add_bos=add_bos)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
-        return self.tokenizer.decode(tokens)
+        return self.tokenizer.decode(self._token_ids(tokens))
+
+    def _token_ids(self, tokens: Any) -> list[int]:
+        """`tokens` as a list of token ids of the vocabulary, or one error line naming what is wrong."""
+        if isinstance(tokens, (np.ndarray, torch.Tensor)):
+            tokens = tokens.tolist()
+        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+            raise SpecterError(f"token ids must be a list of integers, not {type(tokens).__name__}")
+        bad = next((t for t in tokens if isinstance(t, bool) or not isinstance(t, (int, np.integer))), None)
+        if bad is not None:
+            raise SpecterError(f"token ids must be integers, got {bad!r}")
+        out = [int(t) for t in tokens]
+        wrong = next((t for t in out if not 0 <= t < self.config.n_vocab), None)
+        if wrong is not None:
+            raise SpecterError(f"token id {wrong} is out of range: the vocabulary has {self.config.n_vocab} tokens")
+        return out
 
     def _check_tokens(self, tokens: Sequence[int]) -> torch.Tensor:
-        if len(tokens) == 0:
+        ids = self._token_ids(tokens)
+        if not ids:
             raise SpecterError("no tokens to evaluate: the prompt is empty")
-        bad = [t for t in tokens if not 0 <= t < self.config.n_vocab]
-        if bad:
-            raise SpecterError(f"token id {bad[0]} is out of range: the vocabulary has {self.config.n_vocab} tokens")
-        return torch.tensor(list(tokens), dtype=torch.long, device=self.device)
+        return torch.tensor(ids, dtype=torch.long, device=self.device)
 
     # -- evaluation ------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def logits(self, tokens: Sequence[int]) -> np.ndarray:
-        """float32 logits [len(tokens), n_vocab] of one forward pass over `tokens` from an empty context."""
-        ids = self._check_tokens(tokens)
-        cache = self.transformer.new_cache(len(tokens))
+    def logits(self, tokens: str | Sequence[int]) -> np.ndarray:
+        """float32 logits [n_tokens, n_vocab] of one forward pass over `tokens` (token ids, or text, tokenized as
+        `generate` does) from an empty context."""
+        ids = self._check_tokens(self.tokenize(tokens) if isinstance(tokens, str) else tokens)
+        cache = self.transformer.new_cache(len(ids))
         out = self.forward(ids, cache).cpu().numpy()
         if not np.isfinite(out).all():  # corrupt weights (a flipped exponent bit) give NaN or Inf, not an error
             raise SpecterError(f"{self.path}: the forward pass gave non-finite logits (NaN or Inf); the weights are "
@@ -426,19 +442,27 @@ class Model:
         return out
 
     def generate(self, prompt: str | Sequence[int], n_predict: int = 128,
-                 sampling: SamplingParams | None = None, stop: Sequence[str] = (),
+                 sampling: SamplingParams | None = None, stop: str | Sequence[str] | None = (),
                  ignore_eos: bool = False) -> Generation:
         """Generate up to `n_predict` tokens (-1: until the end of generation or a full context) after
-        `prompt` (text, or token ids used as they are). Iterate the result to stream text. `ignore_eos`: an
-        end-of-generation token does not end the generation (llama-server's option of that name; the benchmark
-        generates exactly `n_predict` tokens)."""
-        prompt_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        `prompt` (text, or token ids used as they are). Iterate the result to stream text. `stop`: a text or
+        texts that end the generation. `ignore_eos`: an end-of-generation token does not end the generation
+        (llama-server's option of that name; the benchmark generates exactly `n_predict` tokens)."""
+        if isinstance(n_predict, bool) or not isinstance(n_predict, (int, np.integer)) or n_predict < -1:
+            raise SpecterError(f"n_predict must be a whole number of tokens, -1 for no limit, got {n_predict!r}")
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise SpecterError(f"sampling must be a SamplingParams (e.g. SamplingParams(temperature=0)), not "
+                               f"{type(sampling).__name__}")
+        stop = [stop] if isinstance(stop, str) else list(stop or ())
+        if not all(isinstance(s, str) for s in stop):
+            raise SpecterError("stop must be a text or a list of texts")
+        prompt_ids = self.tokenize(prompt) if isinstance(prompt, str) else self._token_ids(prompt)
         self._check_tokens(prompt_ids)
         if len(prompt_ids) >= self.ctx_size:
             raise ContextFullError(f"the prompt has {len(prompt_ids)} tokens but the context holds {self.ctx_size}; "
                                    f"shorten it or raise -c/--ctx-size")
         gen = Generation(prompt_tokens=prompt_ids)
-        gen._pieces = self._run(gen, n_predict, Sampler(sampling or SamplingParams()), list(stop), ignore_eos)
+        gen._pieces = self._run(gen, int(n_predict), Sampler(sampling or SamplingParams()), stop, ignore_eos)
         return gen
 
     # -- chat and llama-cpp-python–shaped results (specter_gguf/chat.py, specter_gguf/api.py) ------------

@@ -77,3 +77,33 @@ def test_a_context_past_the_training_one_is_warned_about(shipped_model: Path, ca
     with caplog.at_level(logging.WARNING, logger="specter_gguf"):
         Model.load(shipped_model, device="cpu", progress=False, ctx_size=512)
     assert not [r for r in caplog.records if "exceeds" in r.getMessage()]
+
+
+def test_api_arguments_of_the_wrong_type_are_one_error_line(shipped_model: Path) -> None:
+    """A wrong type at the Python API is a SpecterError naming the argument, not a TypeError from deep inside."""
+    from specter_gguf.chat import ChatSession
+
+    m = Model.load(shipped_model, device="cpu", progress=False)
+    for call, match in [(lambda: Model.load(shipped_model, device="cpu", ctx_size="512"), "context size"),
+                        (lambda: m.generate("hi", n_predict="4"), "n_predict"),
+                        (lambda: m.generate("hi", n_predict=None), "n_predict"),
+                        (lambda: m.generate(None), "token ids must be a list"),
+                        (lambda: m.generate(["a", "b"]), "token ids must be integers"),
+                        (lambda: m.generate([1.5, 2]), "token ids must be integers"),
+                        (lambda: m.generate("hi", stop=[1]), "stop"),
+                        (lambda: m.generate("hi", sampling={"temperature": 0}), "SamplingParams"),
+                        (lambda: m.tokenize(None), "tokenize takes text"),
+                        (lambda: m.detokenize([10**6]), "out of range"),
+                        (lambda: m.detokenize("abc"), "token ids must be a list"),
+                        (lambda: ChatSession(m).send(None), "send takes"),
+                        (lambda: m.create_completion("hi", echo=True), "echo not supported"),
+                        (lambda: m.create_chat_completion([{"role": "user", "content": "hi"}], tools=[]),
+                         "tools not supported")]:
+        with pytest.raises(SpecterError, match=match):
+            call()
+    # llama-cpp-python's readings: no stop list, max_tokens <= 0 (no limit), seed -1 (random); logits of text
+    greedy = SamplingParams(temperature=0)
+    assert m.generate("hi", 3, greedy, stop=None).wait().tokens == m.generate("hi", 3, greedy).wait().tokens
+    out = m.create_completion("Once", max_tokens=0, seed=-1)
+    assert out["usage"]["completion_tokens"] >= 1
+    assert (m.logits("import os") == m.logits(m.tokenize("import os"))).all()
