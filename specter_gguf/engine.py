@@ -453,8 +453,8 @@ class Model:
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise SpecterError(f"sampling must be a SamplingParams (e.g. SamplingParams(temperature=0)), not "
                                f"{type(sampling).__name__}")
-        stop = [stop] if isinstance(stop, str) else list(stop or ())
-        if not all(isinstance(s, str) for s in stop):
+        stop = [stop] if isinstance(stop, str) else [] if stop is None else stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
             raise SpecterError("stop must be a text or a list of texts")
         prompt_ids = self.tokenize(prompt) if isinstance(prompt, str) else self._token_ids(prompt)
         self._check_tokens(prompt_ids)
@@ -462,7 +462,7 @@ class Model:
             raise ContextFullError(f"the prompt has {len(prompt_ids)} tokens but the context holds {self.ctx_size}; "
                                    f"shorten it or raise -c/--ctx-size")
         gen = Generation(prompt_tokens=prompt_ids)
-        gen._pieces = self._run(gen, int(n_predict), Sampler(sampling or SamplingParams()), stop, ignore_eos)
+        gen._pieces = self._run(gen, int(n_predict), Sampler(sampling or SamplingParams()), list(stop), ignore_eos)
         return gen
 
     # -- chat and llama-cpp-python–shaped results (specter_gguf/chat.py, specter_gguf/api.py) ------------

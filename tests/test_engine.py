@@ -91,6 +91,7 @@ def test_api_arguments_of_the_wrong_type_are_one_error_line(shipped_model: Path)
                         (lambda: m.generate(["a", "b"]), "token ids must be integers"),
                         (lambda: m.generate([1.5, 2]), "token ids must be integers"),
                         (lambda: m.generate("hi", stop=[1]), "stop"),
+                        (lambda: m.generate("hi", stop=5), "stop"),
                         (lambda: m.generate("hi", sampling={"temperature": 0}), "SamplingParams"),
                         (lambda: m.tokenize(None), "tokenize takes text"),
                         (lambda: m.detokenize([10**6]), "out of range"),
