@@ -25,9 +25,8 @@ from specter_gguf.runtime.budget import MemoryPlan, plan_memory
 from specter_gguf.runtime.cache import POLICIES  # the values of Model.load's cache_policy
 from specter_gguf.runtime.offload import OFFLOAD_CHOICES, load_offloaded  # ... and of its offload
 from specter_gguf.runtime.routing import DeviceRoutingCounts, RoutingProfile
-from specter_gguf.sizes import format_size
 from specter_gguf.sampling import Sampler, SamplingParams
-from specter_gguf.sizes import parse_size
+from specter_gguf.sizes import format_size, parse_size
 from specter_gguf.speculation.depth import MAX_DEPTH, parse_depth  # ... and of its n_draft: 1 to MAX_DEPTH or "auto"
 from specter_gguf.speculation.draft_files import DRAFT_TYPES, draft_file_or_type, resolve_draft  # its draft: file or type
 from specter_gguf.tokenizer import IdsOnlyTokenizer, Tokenizer
@@ -422,20 +421,21 @@ class Model:
             raise SpecterError(f"token id {wrong} is out of range: the vocabulary has {self.config.n_vocab} tokens")
         return out
 
-    def _check_tokens(self, tokens: Sequence[int]) -> torch.Tensor:
-        ids = self._token_ids(tokens)
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """The token ids of `prompt` (text, tokenized, or token ids, checked), at least one."""
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else self._token_ids(prompt)
         if not ids:
             raise SpecterError("no tokens to evaluate: the prompt is empty")
-        return torch.tensor(ids, dtype=torch.long, device=self.device)
+        return ids
 
     # -- evaluation ------------------------------------------------------------------------------------
     @torch.inference_mode()
     def logits(self, tokens: str | Sequence[int]) -> np.ndarray:
         """float32 logits [n_tokens, n_vocab] of one forward pass over `tokens` (token ids, or text, tokenized as
         `generate` does) from an empty context."""
-        ids = self._check_tokens(self.tokenize(tokens) if isinstance(tokens, str) else tokens)
+        ids = self._prompt_ids(tokens)
         cache = self.transformer.new_cache(len(ids))
-        out = self.forward(ids, cache).cpu().numpy()
+        out = self.forward(torch.tensor(ids, dtype=torch.long, device=self.device), cache).cpu().numpy()
         if not np.isfinite(out).all():  # corrupt weights (a flipped exponent bit) give NaN or Inf, not an error
             raise SpecterError(f"{self.path}: the forward pass gave non-finite logits (NaN or Inf); the weights are "
                                f"corrupt or overflow — download or convert the model again")
@@ -456,8 +456,7 @@ class Model:
         stop = [stop] if isinstance(stop, str) else [] if stop is None else stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
             raise SpecterError("stop must be a text or a list of texts")
-        prompt_ids = self.tokenize(prompt) if isinstance(prompt, str) else self._token_ids(prompt)
-        self._check_tokens(prompt_ids)
+        prompt_ids = self._prompt_ids(prompt)
         if len(prompt_ids) >= self.ctx_size:
             raise ContextFullError(f"the prompt has {len(prompt_ids)} tokens but the context holds {self.ctx_size}; "
                                    f"shorten it or raise -c/--ctx-size")
@@ -519,7 +518,7 @@ class Model:
         stops = _StopScan(stop)
         counters = self.offload.counters.snapshot() if self.offload is not None else None
         start = time.perf_counter()
-        prompt = self._check_tokens(gen.prompt_tokens)
+        prompt = torch.tensor(gen.prompt_tokens, dtype=torch.long, device=self.device)  # checked by generate
         step = self.prefill_chunk or len(prompt)  # chunks keep the workspace within a GPU budget
         for first in range(0, len(prompt), step):
             logits = self.forward(prompt[first:first + step], cache, last_only=True,
