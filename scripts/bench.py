@@ -81,7 +81,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--ncmoe-sweep", default="-1,0,1", help="offsets around the smallest fitting -ncmoe (write --ncmoe-sweep=-1,0,1)")
     g.add_argument("--synth-lens", default="2,4,6,8", help="synthetic mean accepted lengths L")
     g.add_argument("--draft-n-max", type=int, default=8,
-                   help="tokens drafted per verification, llama.cpp's and ours alike")
+                   help="llama.cpp's --spec-draft-n-max (and ours-spec-synth-fixed's depth); the depth at which "
+                        "synthetic acceptance keeps a mean of L")
     g.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: its own)")
     g.add_argument("--part", default=None, help="run only part i/n of the matrix, e.g. 1/2")
     g = ap.add_argument_group("time limits")

@@ -544,25 +544,28 @@ def test_bench_end_to_end_ours_on_cpu(tmp_path, preset):
 
 def test_bench_end_to_end_ours_speculative_on_cpu(tmp_path):
     """Our speculative modes in the harness: a Q4_K_M draft made from the target, real acceptance (depth auto,
-    which may choose plain steps on the CPU) and synthetic acceptance, with the engine's iteration times."""
+    which may choose plain steps on the CPU) and synthetic acceptance at depth auto and at llama.cpp's depth, with
+    the engine's iteration times."""
     pytest.importorskip("llama_cpp")
     out = tmp_path / "out"
-    p = _bench("--model-preset", "tiny-qwen2moe", "--systems", "ours-spec,ours-spec-synth", "--budgets", "2GiB",
-               "--synth-lens", "3", "--device", "cpu", "--prompts", "2", "--n-predict", "12", "--out", str(out),
-               "--work-dir", str(tmp_path / "work"))
+    p = _bench("--model-preset", "tiny-qwen2moe", "--systems", "ours-spec,ours-spec-synth,ours-spec-synth-fixed",
+               "--budgets", "2GiB", "--synth-lens", "3", "--draft-n-max", "4", "--device", "cpu", "--prompts", "2",
+               "--n-predict", "24", "--out", str(out), "--work-dir", str(tmp_path / "work"))
     assert p.returncode == 0, p.stdout + p.stderr
-    real, synth = json.loads((out / "results.json").read_text())["results"]
-    assert (real["family"], synth["family"]) == ("ours-spec", "ours-spec-synth")
-    assert real["status"] == synth["status"] == "ok", (real["error"], synth["error"])
-    # one worker loaded the model once for both rows, then set each row's acceptance
-    assert "one load for 2 rows" in real["command"] and real["load_s"] == synth["load_s"]
-    assert real["summary"]["greedy"]["mean_accepted_len"] >= 1.0  # auto may choose plain steps on the CPU
-    assert 2.0 <= synth["summary"]["greedy"]["mean_accepted_len"] <= 4.0
-    g = synth["summary"]["greedy"]  # (a fixed depth) the worker carries the engine's drafting and verification times
+    real, auto, fixed = json.loads((out / "results.json").read_text())["results"]
+    assert [r["family"] for r in (real, auto, fixed)] == ["ours-spec", "ours-spec-synth", "ours-spec-synth-fixed"]
+    assert all(r["status"] == "ok" for r in (real, auto, fixed)), [r["error"] for r in (real, auto, fixed)]
+    # one worker loaded the model once for the three rows, then set each row's depth and acceptance
+    assert "one load for 3 rows" in real["command"] and real["load_s"] == auto["load_s"] == fixed["load_s"]
+    for r in (real, auto):  # auto may choose plain steps on the CPU
+        assert r["summary"]["greedy"]["mean_accepted_len"] >= 1.0
+    # at llama.cpp's depth (4 here) synthetic acceptance keeps a mean of L - 1 = 2 drafts (p + .. + p^4 = 2)
+    assert 2.0 <= fixed["summary"]["greedy"]["mean_accepted_len"] <= 4.0
+    g = fixed["summary"]["greedy"]  # the worker carries the engine's drafting and verification times
     assert g["draft_step_ms"] > 0 and g["iter_draft_ms"] > 0 and g["iter_verify_ms"] > 0
     assert g["iter_other_ms"] >= 0
     md = (out / "section.md").read_text()
-    assert "L=3" in md and "| Verify ms/iter |" in md
+    assert "L=3" in md and "| Verify ms/iter |" in md and "`--spec-draft-n-max` 4" in md
 
 
 def test_real_acceptance_mode_meets_every_depth_before_the_prompts(tiny_models, monkeypatch):

@@ -31,7 +31,7 @@ from specter_gguf.gguf_file import GGUFFile
 from specter_gguf.runtime.budget import plan_memory
 from specter_gguf.sampling import Sampler, SamplingParams, chain_sample
 from specter_gguf.speculation import accept_drafts, synthetic_acceptance
-from specter_gguf.speculation.accept import SampledVerdict
+from specter_gguf.speculation.accept import SampledVerdict, synthetic_count, synthetic_rate
 from tests.test_kernels import DEVICES
 
 MODELS = ["qwen2moe", "qwen3moe", "llama", "olmoe", "tiny-deepseek2", "tiny-deepseek2-lite", "tiny-phimoe"]
@@ -119,15 +119,36 @@ def test_full_context_ends_the_generation(tiny_models) -> None:
     assert gen.tokens == _target_tokens(target, n=-1, ctx_size=ctx)
 
 
+def test_synthetic_acceptance_is_llama_cpps() -> None:
+    """llama.cpp's --spec-synth-len L at --spec-draft-n-max n: each drafted token kept with probability p once the
+    one before it was, p + ... + p^n = L - 1, so a depth of n keeps a mean of L - 1 drafts."""
+    for L, n in ((4, 8), (2.5, 4), (6, 8)):
+        p = synthetic_rate(L, n)
+        assert abs(sum(p ** j for j in range(1, n + 1)) - (L - 1)) < 1e-9
+    assert synthetic_rate(1, 8) == 0.0 and synthetic_rate(9, 8) == 1.0
+    for bad in (0.5, 9.5):
+        with pytest.raises(SpecterError, match=r"within \[1, 9\]"):
+            synthetic_rate(bad, 8)
+    sampler, p = Sampler(SamplingParams(temperature=0, seed=5)), synthetic_rate(4, 8)
+    counts = [synthetic_count(sampler, 8, p) for _ in range(20000)]
+    assert abs(sum(counts) / len(counts) - 3) < 0.05
+    # at a shallower depth, as many as a real draft of per-token acceptance p keeps: p + p^2 + p^3 at depth 3
+    counts = [synthetic_count(sampler, 3, p) for _ in range(20000)]
+    assert abs(sum(counts) / len(counts) - (p + p * p + p ** 3)) < 0.05 and max(counts) == 3
+
+
 def test_synthetic_acceptance_has_the_asked_mean_length(tiny_models) -> None:
     target = tiny_models[("qwen2moe", "f16")]
-    sm = Model.load(target, draft=tiny_models[("qwen2moe", "q2_k")], device="cpu", progress=False)
-    synthetic_acceptance(sm, 2.5)
-    s = sm.generate(PROMPT, 64, SamplingParams(temperature=0, seed=3)).wait().stats
-    assert 2.2 <= s.mean_accepted_len <= 2.8, s.mean_accepted_len
+    sm = Model.load(target, draft=tiny_models[("qwen2moe", "q2_k")], device="cpu", progress=False, n_draft=4)
+    synthetic_acceptance(sm, 2.5, 4)
+    s = sm.generate(PROMPT, 96, SamplingParams(temperature=0, seed=3)).wait().stats
+    assert 2.0 <= s.mean_accepted_len <= 3.0, s.mean_accepted_len
     sm = Model.load(target, draft=target, device="cpu", progress=False)
-    synthetic_acceptance(sm, 1)
+    synthetic_acceptance(sm, 1, 8)
     assert sm.generate(PROMPT, 16, GREEDY).wait().stats.draft_accepted == 0
+    synthetic_acceptance(sm, 9, 8)  # every drafted token kept
+    s = sm.generate(PROMPT, 16, GREEDY).wait().stats
+    assert s.draft_accepted == s.draft_tokens > 0
 
 
 def test_speculative_sampling_outputs_the_target_distribution() -> None:

@@ -55,13 +55,14 @@ def _load_spec(job: dict[str, Any], tokenizer: Tokenizer | IdsOnlyTokenizer | No
 
 
 def _spec_acceptance(model: Any, job: dict[str, Any], row: dict[str, Any]) -> None:
-    """Real acceptance: our default depth ("auto", at most speculation.MAX_DEPTH); synthetic: llama.cpp's fixed
-    --spec-draft-n-max of the same matrix."""
+    """Depth auto (our default, at most speculation.MAX_DEPTH), or llama.cpp's fixed --spec-draft-n-max of the
+    same matrix for ours-spec-synth-fixed; a synthetic row's acceptance is llama.cpp's for its L at that
+    --spec-draft-n-max, whatever depth we draft."""
     from specter_gguf import speculation
 
-    synth_len = row.get("synth_len")
-    model.decoder.set_depth("auto" if synth_len is None else job.get("draft_n_max") or speculation.DEFAULT_N_DRAFT)
-    speculation.synthetic_acceptance(model, synth_len)
+    n_max = job.get("draft_n_max") or speculation.DEFAULT_N_DRAFT
+    model.decoder.set_depth(n_max if row["mode"] == "ours-spec-synth-fixed" else "auto")
+    speculation.synthetic_acceptance(model, row.get("synth_len"), n_max)
 
 
 def _capture_every_depth(model: Any, decodings: list[str]) -> None:
@@ -94,6 +95,8 @@ OURS_MODES: dict[str, OursMode] = {m.name: m for m in [
              _load_offload("gate-prefetch"), budget_bound=True),
     OursMode("ours-spec", "speculative decoding with the draft's experts, depth auto", _load_spec, budget_bound=True,
              needs_draft=True, prepare=_spec_acceptance),
-    OursMode("ours-spec-synth", "speculative decoding, synthetic acceptance", _load_spec, budget_bound=True,
-             synthetic=True, needs_draft=True, prepare=_spec_acceptance),
+    OursMode("ours-spec-synth", "speculative decoding, synthetic acceptance, depth auto", _load_spec,
+             budget_bound=True, synthetic=True, needs_draft=True, prepare=_spec_acceptance),
+    OursMode("ours-spec-synth-fixed", "speculative decoding, synthetic acceptance, llama.cpp's depth", _load_spec,
+             budget_bound=True, synthetic=True, needs_draft=True, prepare=_spec_acceptance),
 ]}

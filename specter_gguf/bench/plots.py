@@ -61,7 +61,7 @@ def write_plots(doc: dict[str, Any], out_dir: str | Path, stem: str = "bench") -
         axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         written.append(save(fig, f"TPOT per system and GPU budget — {title} — {gpu}", f"{stem}-tpot.png"))
 
-    synth = [r for r in res if r["family"].endswith("spec-synth")]
+    synth = [r for r in res if "spec-synth" in r["family"]]
     if synth:
         fig, axes = plt.subplots(1, len(decs), figsize=(6 * len(decs), 4.5), squeeze=False)
         for ax, dec in zip(axes[0], decs):

@@ -167,13 +167,17 @@ def render_markdown(doc: dict[str, Any], images: Sequence[str] = ()) -> str:
     lines.append("")
     lines += _speculation_table(res, decs)
     real = [r for r in res if r["family"] in ("llama-spec", "ours-spec") and r["status"] == "ok"]
-    synth = [r for r in res if r["family"].endswith("spec-synth")]
+    synth = [r for r in res if "spec-synth" in r["family"]]
     if synth:
         acc = ", ".join(f"{r['family']} {r['budget']}: {_pair(r['summary'], 'acceptance', decs, pct=True)}"
                         for r in real) or "not measured"
-        lines.append("Rows with `L=` use synthetic acceptance (llama.cpp `--spec-synth-len L`: drafted tokens are "
-                     "accepted at random so that the mean accepted length per verification, target token included, "
-                     "is L; the output is invalid, the compute and data movement are real). Real acceptance of "
+        n_max = next((r["params"].get("draft_n_max") for r in synth if r["params"].get("draft_n_max")), 8)
+        lines.append("Rows with `L=` use synthetic acceptance (llama.cpp's `--spec-synth-len L`: each drafted token "
+                     "is kept at random with probability p once the one before it was, p such that a depth of "
+                     f"`--spec-draft-n-max` {n_max} keeps a mean of L tokens per verification, the target's included; "
+                     "the output is invalid, the compute and data movement are real). llama.cpp and "
+                     f"ours-spec-synth-fixed draft {n_max} tokens an iteration, ours-spec-synth chooses its depth "
+                     "(auto, as a draft of per-token acceptance p would be run). Real acceptance of "
                      f"the same draft on this model ({' / '.join(decs)}): {acc}.")
         lines.append("")
     for b in m.get("budgets") or {}:

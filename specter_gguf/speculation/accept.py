@@ -9,14 +9,15 @@ Without penalties both run on the device, as verdicts of the steps (`steps.judge
 read per iteration. With penalties (which depend on the tokens drafted so far) `accept_drafts` decides on the
 host.
 
-Synthetic acceptance (benchmarks only, `synthetic_acceptance`): each iteration keeps floor(L - 1) or
-ceil(L - 1) drafted tokens whatever the target says, with mean L - 1, so that the mean accepted length per
-verification (the target's token included) is L. The compute and data movement are real, the text is not.
+Synthetic acceptance (benchmarks only, `synthetic_acceptance`) is llama.cpp's `--spec-synth-len L`: whatever the
+target says, each drafted token is kept with probability p once the one before it was, p chosen so that a depth
+of n_max (llama.cpp's `--spec-draft-n-max`) keeps p + p^2 + ... + p^n_max = L - 1 drafts on average: the mean
+accepted length per verification at that depth, the target's token included, is L. A real draft of per-token
+acceptance p behaves so, shallower depths included. The compute and data movement are real, the text is not.
 """
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,13 +31,13 @@ if TYPE_CHECKING:
 
 
 def accept_drafts(verified: torch.Tensor, drafted: list[int], draft_probs: list[torch.Tensor] | None,
-                  sampler: Sampler, history: list[int], synth_len: float | None = None) -> tuple[list[int], int]:
+                  sampler: Sampler, history: list[int], synth_rate: float | None = None) -> tuple[list[int], int]:
     """The accepted prefix of `drafted` and the target's token after it, from the target's logits `verified`
     [k+1, n_vocab] after the last token of `history` and after each drafted one. `draft_probs`: the draft
-    distributions the tokens were drawn from (None: greedy drafting)."""
+    distributions the tokens were drawn from (None: greedy drafting); `synth_rate`: synthetic acceptance's p."""
     seen = [*history]
-    if synth_len is not None:
-        n = synthetic_count(sampler, len(drafted), synth_len)
+    if synth_rate is not None:
+        n = synthetic_count(sampler, len(drafted), synth_rate)
         return drafted[:n], sampler.sample(verified[n], [*seen, *drafted[:n]])
     for i, d in enumerate(drafted):
         if draft_probs is None:
@@ -137,23 +138,40 @@ class SampledVerdict:
         next.copy_(torch.cat([after, pos + n + 1]))
 
 
-def synthetic_count(sampler: Sampler, k: int, synth_len: float) -> int:
-    """Drafted tokens a synthetic iteration keeps: floor or ceil of L - 1 (mean L - 1), at most k."""
-    extra = synth_len - 1
-    return min(k, math.floor(extra) + (sampler.random() < extra - math.floor(extra)))
+def synthetic_rate(synth_len: float, n_max: int) -> float:
+    """Synthetic acceptance's p for a mean accepted length `synth_len` at depth `n_max` (module docstring), found
+    by bisection as llama.cpp does."""
+    if not 1 <= synth_len <= n_max + 1:
+        raise SpecterError(f"a synthetic accepted length must be within [1, {n_max + 1}] at a depth of {n_max} "
+                           f"drafted tokens, got {synth_len:g}")
+    if synth_len in (1, n_max + 1):
+        return float(synth_len > 1)
+    low, high = 0.0, 1.0
+    for _ in range(48):
+        mid = (low + high) / 2
+        if sum(mid ** j for j in range(1, n_max + 1)) < synth_len - 1:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2
 
 
-def synthetic_acceptance(model: Model, synth_len: float | None) -> None:
-    """Benchmarks only: make `model`'s speculative decoder accept a mean of `synth_len` tokens per verification
-    (module docstring), drafting a fixed depth of at least ceil(L - 1) tokens; None: the target's own verdicts
-    again (the depth is left as it is)."""
+def synthetic_count(sampler: Sampler, k: int, rate: float) -> int:
+    """Drafted tokens a synthetic iteration of depth k keeps: each with probability `rate` once the one before it
+    was (draws from the sampler's generator)."""
+    n = 0
+    while n < k and sampler.random() < rate:
+        n += 1
+    return n
+
+
+def synthetic_acceptance(model: Model, synth_len: float | None, n_max: int) -> None:
+    """Benchmarks only: make `model`'s speculative decoder keep drafted tokens as llama.cpp's `--spec-synth-len
+    synth_len` with `--spec-draft-n-max n_max` does (module docstring), at whatever depth it drafts; None: the
+    target's own verdicts again."""
     from specter_gguf.speculation.decoder import SpeculativeDecoder
 
     decoder = model.decoder
     if not isinstance(decoder, SpeculativeDecoder):
         raise SpecterError("synthetic acceptance needs a speculative model (a draft)")
-    if synth_len is not None and not synth_len >= 1:
-        raise SpecterError(f"a synthetic accepted length must be at least 1, got {synth_len}")
-    decoder.synth_len = synth_len
-    if synth_len is not None:
-        decoder.set_depth(max(decoder.n_draft, math.ceil(synth_len - 1)))
+    decoder.synth_rate = None if synth_len is None else synthetic_rate(synth_len, n_max)

@@ -52,7 +52,7 @@ class SpeculativeDecoder:
         self.experts, self.lookahead, self.verify_experts, self.name = experts, lookahead, verify_experts, name
         self.depth: DepthChooser | None = None
         self.set_depth(n_draft)
-        self.synth_len: float | None = None  # benchmarks only (`accept.synthetic_acceptance`)
+        self.synth_rate: float | None = None  # benchmarks only (`accept.synthetic_acceptance`)
         self.prefetch_wait = "layer"  # one of PREFETCH_WAITS
         self._steps: dict[tuple, Steps] = {}  # (tokens, experts, observer, top_k or None) -> steps over the cache
         self._cache: KVCache | None = None
@@ -189,8 +189,8 @@ class SpeculativeDecoder:
                     self.agreement.compare(k)
                     clock.mark("verify")
                     n, *choices = verify.read_choice()()  # the one host read of the iteration
-                    if self.synth_len is not None:
-                        n = synthetic_count(sampler, k, self.synth_len)
+                    if self.synth_rate is not None:
+                        n = synthetic_count(sampler, k, self.synth_rate)
                         accepted = drafted[1:n + 1].tolist()
                         token, start = choices[n], None
                     else:
@@ -200,7 +200,7 @@ class SpeculativeDecoder:
                     self.agreement.compare(k)
                     clock.mark("verify")
                     accepted, token = accept_drafts(verified, drafted_ids, draft_probs, sampler, history,
-                                                    self.synth_len)
+                                                    self.synth_rate)
                 cache.truncate(pos + 1 + len(accepted))
                 # the verdict was read: the phases' events have completed; an iteration that captured a CUDA graph
                 # (a one-time cost of tens of ms) would make drafting look as if it never paid
