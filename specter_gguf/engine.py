@@ -143,6 +143,8 @@ class GenerationStats:
     draft_rounds: int | None = None     # verification passes
     draft_s: float | None = None        # time spent drafting (GPU time on CUDA)
     verify_s: float | None = None       # time spent verifying, the lookahead's prefetch planning included
+    depth_rounds: dict[int, int] | None = None       # verification passes per draft depth
+    depth_verify_s: dict[int, float] | None = None   # their verification time, per draft depth
     prefetched: int | None = None       # experts the lookahead buffer copied in ahead of verifications
     prefetched_used: int | None = None  # ... that the verification then used
     verify_missing: int | None = None   # (layer, expert) pairs the verifications used that were prefetched

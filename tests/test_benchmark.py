@@ -564,8 +564,13 @@ def test_bench_end_to_end_ours_speculative_on_cpu(tmp_path):
     g = fixed["summary"]["greedy"]  # the worker carries the engine's drafting and verification times
     assert g["draft_step_ms"] > 0 and g["iter_draft_ms"] > 0 and g["iter_verify_ms"] > 0
     assert g["iter_other_ms"] >= 0
+    # [depth, verifications, mean ms] per depth: 4 but where a prompt's last iterations wanted fewer tokens
+    depths = {k: (n, ms) for k, n, ms in g["depths"]}
+    assert max(depths) == 4 and depths[4][0] >= sum(n for n, _ in depths.values()) - 2 * 3
+    assert all(ms > 0 for _, ms in depths.values()) and 3 < g["drafted_per_iter"] <= 4
     md = (out / "section.md").read_text()
     assert "L=3" in md and "| Verify ms/iter |" in md and "`--spec-draft-n-max` 4" in md
+    assert f"4:{depths[4][0]} ({depths[4][1]:.1f})" in md
 
 
 def test_real_acceptance_mode_meets_every_depth_before_the_prompts(tiny_models, monkeypatch):

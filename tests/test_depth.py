@@ -112,6 +112,9 @@ def test_auto_is_the_default_and_lossless(tiny_models) -> None:
     got = spec.generate([5, 17, 300], 64, greedy).wait()
     assert got.tokens == want.tokens
     assert got.stats.draft_rounds > 0 and spec.decoder.depth.verify_s  # it measured what it chose from
+    assert sum(got.stats.depth_rounds.values()) == got.stats.draft_rounds
+    assert sum(k * n for k, n in got.stats.depth_rounds.items()) == got.stats.draft_tokens
+    assert set(got.stats.depth_verify_s) == set(got.stats.depth_rounds) and sum(got.stats.depth_verify_s.values()) > 0
     assert Model.load(target, draft=draft, device="cpu", progress=False, n_draft=3).decoder.depth is None
 
 

@@ -15,7 +15,8 @@ how a system's runs are summarized:
   ``draft_n_accepted``; ours: see :data:`STAT_COUNTS`), expert-cache hit rate, bytes copied per token and
   the share of copy time hidden behind compute;
 - for ours, where the stats carry them (the report's second table, ``report.SPEC_COLUMNS``): tokens per
-  verification pass, prefetch precision (prefetched experts the verification used / prefetched) and recall
+  verification pass and tokens drafted for it, the verifications per draft depth with their mean time (``depths``:
+  where depth auto settles), prefetch precision (prefetched experts the verification used / prefetched) and recall
   (used and prefetched / experts the verifications used that were prefetched or read in place), the share of
   prefetches that landed after their verification began, counted experts refused a slot per iteration, expert
   bytes moved over PCIe per processed token (copied plus read in place, prompt and generated tokens), the
@@ -49,6 +50,7 @@ STAT_COUNTS = {
     "prefetch_recall": ("prefetched_used", "verify_missing"),
     "prefetch_late_share": ("prefetch_late", "prefetched"),
     "prefetch_refused_per_iter": ("prefetch_refused", "draft_rounds"),
+    "drafted_per_iter": ("draft_tokens", "draft_rounds"),
 }
 # ... (seconds, count) pairs -> milliseconds per count: a drafted token's step, and the speculative iteration
 # broken down per verification pass (`other_s`: decode time outside drafting and verification; see
@@ -106,6 +108,19 @@ def _with_other_s(run: dict[str, Any]) -> dict[str, Any]:
     return {**e, "other_s": max(0.0, other)}
 
 
+def _depths(extra: Sequence[dict[str, Any]]) -> list[list[float]]:
+    """[depth, verifications, mean verification ms] per draft depth of our speculative runs, summed over them
+    (JSON gives the depths as text)."""
+    rounds: dict[int, int] = {}
+    secs: dict[int, float] = {}
+    for e in extra:
+        verify = {int(k): float(v) for k, v in (e.get("depth_verify_s") or {}).items()}
+        for k, n in (e.get("depth_rounds") or {}).items():
+            rounds[int(k)] = rounds.get(int(k), 0) + int(n)
+            secs[int(k)] = secs.get(int(k), 0.0) + verify.get(int(k), 0.0)
+    return [[k, rounds[k], 1000.0 * secs[k] / rounds[k]] for k in sorted(rounds)]
+
+
 def summarize_runs(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Per-decoding summary of measured runs (warm-up excluded): median TPOT, tokens/s = 1000 / median
     TPOT, and the optional metrics (ratios of summed counts where the system gives counts, else medians)."""
@@ -137,5 +152,7 @@ def summarize_runs(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         for metric, key in STAT_RATES.items():
             if metric not in s and any(key in e for e in extra):
                 s[metric] = median(e.get(key) for e in extra)
+        if any(e.get("depth_rounds") for e in extra):
+            s["depths"] = _depths(extra)
         out[dec] = s
     return out

@@ -43,9 +43,11 @@ def merge_docs(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "results": list(results.values())}
 
 
-def _fmt(v: float | None, spec: str = ".2f", pct: bool = False, size: bool = False) -> str:
+def _fmt(v: Any, spec: str = ".2f", pct: bool = False, size: bool = False, depths: bool = False) -> str:
     if v is None:
         return "—"
+    if depths:  # [[depth, verifications, mean verification ms], ...]
+        return " ".join(f"{k}:{n} ({ms:.1f})" for k, n, ms in v)
     if size:  # three significant digits in the largest unit under the value (per-token sizes are small)
         return _format_size(v, ".3g")
     return f"{100 * v:.1f}%" if pct else format(v, spec)
@@ -68,6 +70,8 @@ def best_llama_setting(results: Sequence[dict[str, Any]], budget: str, decoding:
 # The second table's columns: (header, summary key, _fmt options); `ITER_KEYS` make up the iteration breakdown.
 SPEC_COLUMNS = (
     ("Tokens/iter", "mean_accepted_len", {}),
+    ("Drafted/iter", "drafted_per_iter", {}),
+    ("Depth:iterations (verify ms)", "depths", {"depths": True}),
     ("Draft step ms", "draft_step_ms", {}),
     ("Prefetch precision", "prefetch_precision", {"pct": True}),
     ("Prefetch recall", "prefetch_recall", {"pct": True}),
@@ -79,7 +83,8 @@ SPEC_COLUMNS = (
     ("Copy wait ms/iter", "iter_copy_exposed_ms", {}),
     ("Other ms/iter", "iter_other_ms", {}),
 )
-SPEC_KEYS = tuple(key for _, key, _ in SPEC_COLUMNS if key != "mean_accepted_len")
+SPEC_KEYS = tuple(key for _, key, _ in SPEC_COLUMNS
+                  if key not in ("mean_accepted_len", "drafted_per_iter", "depths"))
 
 
 def _speculation_table(res: Sequence[dict[str, Any]], decs: Sequence[str]) -> list[str]:
@@ -92,7 +97,9 @@ def _speculation_table(res: Sequence[dict[str, Any]], decs: Sequence[str]) -> li
     lines = [
         (f"Speculation and data movement (values `{' / '.join(decs)}`; our engine's counts summed over prompts, "
          "then divided; llama.cpp reports none of these). Tokens/iter: tokens committed per verification pass, the "
-         "target's own included. Draft step: one drafted token's forward. Prefetch precision: prefetched experts "
+         "target's own included; Drafted/iter: tokens drafted for it. Depth: the verifications of each draft depth "
+         "and their mean time in ms (where depth auto settles). Draft step: one drafted token's forward. Prefetch "
+         "precision: prefetched experts "
          "the verification used / experts prefetched; recall: the same / experts the verifications used that were "
          "prefetched or read in place (what they would have missed without the lookahead). Late prefetches: "
          "prefetched experts whose copy had not landed when the verification began (read in place). Refused/iter: "

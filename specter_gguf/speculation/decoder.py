@@ -139,6 +139,7 @@ class SpeculativeDecoder:
     def tokens(self, model: Model, logits: torch.Tensor, cache: KVCache, sampler: Sampler, history: list[int],
                stats: GenerationStats, n_wanted: int) -> Iterator[int]:
         stats.draft_tokens = stats.draft_accepted = stats.draft_rounds = 0
+        stats.depth_rounds, stats.depth_verify_s = {}, {}
         if self.agreement is None or self.agreement.depth < self.n_draft:  # its buffers hold n_draft rows
             self.agreement = RoutingAgreement.of(model.transformer, model.device, self.n_draft)
             self._observers.clear()
@@ -204,11 +205,11 @@ class SpeculativeDecoder:
                 cache.truncate(pos + 1 + len(accepted))
                 # the verdict was read: the phases' events have completed; an iteration that captured a CUDA graph
                 # (a one-time cost of tens of ms) would make drafting look as if it never paid
+                draft_s, verify_s = clock.last("draft"), clock.last("verify")
                 if self.depth is not None and self._captures() == captures:
-                    draft_s, verify_s = clock.last("draft"), clock.last("verify")
                     wall = time.perf_counter() - began
                     self.depth.record(k, len(accepted), draft_s, verify_s, max(0.0, wall - draft_s - verify_s))
-                self._account(model, stats, k, len(accepted))
+                self._account(model, stats, k, len(accepted), verify_s)
                 for t in accepted:
                     yield t
                     n_yielded += 1
@@ -291,10 +292,12 @@ class SpeculativeDecoder:
         per_token = model.config.n_expert_used * len(model.offload.layers) * model.offload.plan.slot_bytes
         return chunk_ends(k, self._step_s, 0.25 * per_token / rate)  # about a quarter of them new per token
 
-    def _account(self, model: Model, stats: GenerationStats, k: int, n_accepted: int) -> None:
+    def _account(self, model: Model, stats: GenerationStats, k: int, n_accepted: int, verify_s: float) -> None:
         stats.draft_tokens += k
         stats.draft_accepted += n_accepted
         stats.draft_rounds += 1
+        stats.depth_rounds[k] = stats.depth_rounds.get(k, 0) + 1
+        stats.depth_verify_s[k] = stats.depth_verify_s.get(k, 0.0) + verify_s
         if self.lookahead is None:
             return
         model.offload.settle(wait=True)  # the verification is done (its verdict was read): nothing waits
