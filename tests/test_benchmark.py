@@ -498,11 +498,12 @@ def test_append_report_and_merge(tmp_path):
     assert text.startswith("# Benchmarks") and text.index("### one") < text.index("### two")
     a, b = _fake_doc(), _fake_doc()
     b["meta"]["command"] = "python3 scripts/bench.py --part 2/2"
+    a["meta"]["budgets"], b["meta"]["budgets"] = {"16GiB": 16 * 2**30}, {"20GiB": 20 * 2**30}  # one run per budget
     first, second = a["results"][0], dict(a["results"][0], budget="20GiB")  # one measured, one left for part 2
     a["results"] = [first, dict(second, status="skipped", summary={})]
     b["results"] = [second, dict(first, family="ours-lru")]
     m = merge_docs([a, b])
-    assert "--part 2/2" in m["meta"]["command"]
+    assert "--part 2/2" in m["meta"]["command"] and list(m["meta"]["budgets"]) == ["16GiB", "20GiB"]
     assert [(r["family"], r["budget"], r["status"]) for r in m["results"]] == [
         (first["family"], first["budget"], "ok"), (first["family"], "20GiB", "ok"), ("ours-lru", first["budget"], "ok")]
 

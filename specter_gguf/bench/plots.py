@@ -34,7 +34,7 @@ def write_plots(doc: dict[str, Any], out_dir: str | Path, stem: str = "bench") -
         return out_dir / name
 
     groups = ["no limit"] + list((doc["meta"].get("budgets") or {}).keys())
-    rows = [r for r in res if r["family"] != "llama-spec-synth" and not r["family"].endswith("spec-synth")]
+    rows = [r for r in res if "spec-synth" not in r["family"]]
     if rows:
         labels = list(dict.fromkeys(f"{r['family']} {r['setting']}" for r in rows))
         fig, axes = plt.subplots(1, len(decs), figsize=(max(7, 1.2 * len(labels) + 4) * len(decs) / 1.5, 5),
@@ -70,19 +70,22 @@ def write_plots(doc: dict[str, Any], out_dir: str | Path, stem: str = "bench") -
                 t = (r["summary"].get(dec) or {}).get("tpot_ms")
                 if t:
                     series.setdefault(f"{r['family']} @ {r['budget']}", []).append((r["params"]["synth_len"], t))
+            # a colour per system, a line style per budget
             budgets = list(doc["meta"].get("budgets") or {})
+            families = sorted({r["family"] for r in synth})
+            styles = ["-", "--", ":", "-."]
             cmap = plt.get_cmap("tab10")
-            for k, (lab, pts) in enumerate(sorted(series.items())):
+            for lab, pts in sorted(series.items()):
                 pts.sort()
-                b = lab.rsplit(" @ ", 1)[-1]
-                ci = budgets.index(b) if b in budgets else k
+                family, b = lab.rsplit(" @ ", 1)
+                style = styles[budgets.index(b) % len(styles)] if b in budgets else "-"
                 ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o" if lab.startswith("llama") else "s",
-                        linestyle="-" if lab.startswith("llama") else ":", label=lab, color=cmap(ci % 10))
-            for ci, b in enumerate(budgets):
+                        linestyle=style, label=lab, color=cmap(families.index(family) % 10))
+            for bi, b in enumerate(budgets):
                 best = best_llama_setting(res, b, dec)
                 if best:
-                    ax.axhline(best["summary"][dec]["tpot_ms"], linestyle="--", linewidth=1, color=cmap(ci % 10),
-                               label=f"best llama.cpp, no synthetic acceptance @ {b}")
+                    ax.axhline(best["summary"][dec]["tpot_ms"], linestyle=styles[bi % len(styles)], linewidth=1,
+                               color="gray", label=f"best llama.cpp, no synthetic acceptance @ {b}")
             ax.set_xlabel("synthetic mean accepted length L")
             ax.set_ylabel("TPOT (ms)")
             ax.set_title(f"{dec} decoding")

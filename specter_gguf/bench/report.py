@@ -32,6 +32,7 @@ def merge_docs(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     if not docs:
         raise SpecterError("nothing to merge")
     meta = dict(docs[0]["meta"])
+    meta["budgets"] = {k: v for d in docs for k, v in (d["meta"].get("budgets") or {}).items()}
     cmds = [d["meta"].get("command") for d in docs if d["meta"].get("command")]
     meta["command"] = " ; ".join(dict.fromkeys(cmds))
     results: dict[tuple[str, str, str | None], dict[str, Any]] = {}
