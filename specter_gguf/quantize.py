@@ -57,14 +57,24 @@ def quantized_path(src: str | Path, qtype: str) -> Path:
     return src.with_name(f"{stem}-{qtype.strip().lower()}.gguf")
 
 
+def quantized_types(src: str | Path) -> list[str]:
+    """The block-quantized tensor types of GGUF `src` (e.g. ["Q8_0"]): llama.cpp's quantizer converts such tensors
+    only when allowed to requantize."""
+    from gguf import GGML_QUANT_SIZES
+
+    from .gguf_file import GGUFFile
+
+    return sorted({t.type.name for t in GGUFFile(src).tensors.values() if GGML_QUANT_SIZES[t.type][0] > 1})
+
+
 def quantize_gguf(src: str | Path, dst: str | Path, qtype: str, n_threads: int = 0,
                   allow_requantize: bool = False) -> None:
     """Quantize GGUF `src` to `dst` as `qtype` (e.g. 'q8_0', 'q4_k_m', 'q2_k') with llama.cpp.
 
     `n_threads` <= 0 lets llama.cpp use all hardware threads. `allow_requantize` (llama-quantize's
-    --allow-requantize) lets the source be already quantized (e.g. a Q8_0 target made into a Q2_K draft).
-    Raises SpecterError for an unknown type, a missing source, or a failed quantization (llama.cpp's reason
-    is on stderr).
+    --allow-requantize) lets the source be already quantized (e.g. a Q8_0 target made into a Q2_K draft); without
+    it a quantized source is refused before llama.cpp starts. Raises SpecterError for an unknown type, a missing
+    source, or a failed quantization (llama.cpp's reason is on stderr).
     """
     ftype = ftype_for(qtype)
     src, dst = Path(src), Path(dst)
@@ -73,6 +83,9 @@ def quantize_gguf(src: str | Path, dst: str | Path, qtype: str, n_threads: int =
     if src.resolve() == dst.resolve():
         raise SpecterError(f"cannot quantize {src} onto itself; choose another output path")
     check_output_file(dst, f"cannot quantize: the output {dst}", create_folder=True)  # its folder is made
+    if not allow_requantize and (types := quantized_types(src)):
+        raise SpecterError(f"cannot quantize {src}: it is quantized already ({', '.join(types)} tensors); start from "
+                           "its F32/F16/BF16 file, or allow requantizing (--allow-requantize; quality suffers)")
     try:
         import llama_cpp
     except ImportError as e:  # pragma: no cover - depends on the environment
@@ -90,9 +103,7 @@ def quantize_gguf(src: str | Path, dst: str | Path, qtype: str, n_threads: int =
             dst.unlink()
         except FileNotFoundError:
             pass
-        raise SpecterError(
-            f"llama.cpp failed to quantize {src} to {qtype} (code {rc}); see its message above "
-            "(an already-quantized source needs allow_requantize; or start from an F32/F16/BF16 file)")
+        raise SpecterError(f"llama.cpp failed to quantize {src} to {qtype} (code {rc}); see its message above")
 
 
 def quantize_with_progress(src: str | Path, dst: str | Path, qtype: str, *, show: bool = True, desc: str | None = None,
@@ -109,7 +120,5 @@ def quantize_with_progress(src: str | Path, dst: str | Path, qtype: str, *, show
         reasons = [r.split("failed to quantize: ", 1)[-1] for r in (progress.errors if progress else [])]
         if not reasons:
             raise
-        hint = (" (start from an F32/F16/BF16 file, or allow requantizing: `specter-gguf quantize --allow-requantize`)"
-                if any("requantiz" in r for r in reasons) else "")
-        raise SpecterError(f"llama.cpp failed to quantize {src} to {qtype}: {'; '.join(reasons)}{hint}") from None
+        raise SpecterError(f"llama.cpp failed to quantize {src} to {qtype}: {'; '.join(reasons)}") from None
     return progress.summary

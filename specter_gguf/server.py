@@ -18,7 +18,8 @@ Sampling fields default to llama.cpp's values (temperature 0.8, top_p 0.95, and 
 min_p 0.05, repeat_penalty 1.0), as llama.cpp's server does; a field that is null takes its default, as one left
 out. OpenAI's fields keep OpenAI's ranges (temperature 0 to 2, the penalties -2 to 2); top_k <= 0 disables it and
 seed -1 draws a random seed, as in llama.cpp. ``max_tokens`` defaults to 16 for completions (OpenAI's default) and
-to "until the reply ends or the context is full" for chat completions (at most ``--max-completion-tokens``).
+to "until the reply ends or the context is full" for chat completions (at most ``--max-completion-tokens``);
+-1 asks for that bound, as llama.cpp's server reads it.
 """
 
 from __future__ import annotations
@@ -315,13 +316,17 @@ def _stop(body: dict[str, Any], limits: ServerLimits) -> list[str]:
 
 
 def _max_tokens(body: dict[str, Any], default: int, most: int) -> int:
-    """`max_completion_tokens` (OpenAI's newer name) or else `max_tokens`; null is the same as left out."""
+    """`max_completion_tokens` (OpenAI's newer name) or else `max_tokens`; null is the same as left out, -1 is `most`
+    (llama.cpp's "no limit" within the context)."""
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     v = body.get(name)
     if v is None:
         return default
+    if v == -1 and not isinstance(v, bool):
+        return most
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise RequestError(f"'{name}' must be a positive integer or null, got {json.dumps(v)}", param=name)
+        raise RequestError(f"'{name}' must be a positive integer, -1 (as many as this server allows) or null, got "
+                           f"{json.dumps(v)}", param=name)
     if v > most:
         raise RequestError(f"'{name}' is {v} but this server generates at most {most} tokens per request "
                            f"(the context size or --max-completion-tokens); ask for fewer", param=name)

@@ -56,11 +56,12 @@ def test_quantize_errors(shipped_model: Path, tmp_path: Path) -> None:
     assert r.exit_code == 1 and "onto itself" in r.output
     q = tmp_path / "q8.gguf"
     assert invoke("quantize", str(shipped_model), "-t", "q8_0", "-o", str(q), "-q").exit_code == 0
-    r = invoke("quantize", str(q), "-t", "q2_k", "-q")
-    assert r.exit_code == 1 and "Error: llama.cpp failed to quantize" in r.output
-    assert "requantizing from type q8_0 is disabled (start from an F32/F16/BF16 file, or allow requantizing: " \
-           "`specter-gguf quantize --allow-requantize`)" in r.output
-    assert not (tmp_path / "q8-q2_k.gguf").exists()  # no half-written output left behind
+    r = invoke("quantize", str(q), "-t", "q2_k")  # refused before llama.cpp starts: no progress bar, no output
+    assert r.exit_code == 1 and r.output.startswith(f"Error: cannot quantize {q}: it is quantized already (Q8_0 "
+                                                    "tensors); start from its F32/F16/BF16 file, or allow "
+                                                    "requantizing (--allow-requantize; quality suffers)")
+    assert len(r.output.splitlines()) == 1
+    assert not (tmp_path / "q8-q2_k.gguf").exists()
     assert invoke("quantize", str(q), "-t", "q2_k", "-q", "--allow-requantize").exit_code == 0
     assert (tmp_path / "q8-q2_k.gguf").is_file()
     not_gguf = tmp_path / "notes.gguf"

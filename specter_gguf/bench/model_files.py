@@ -17,8 +17,8 @@ from specter_gguf.bench import REPO_ROOT
 from specter_gguf.bench.process import check_call
 from specter_gguf.bench.report import format_size
 from specter_gguf.errors import SpecterError
-from specter_gguf.gguf_file import FLOAT_TYPES, GGUFFile
-from specter_gguf.quantize import FTYPES, quantize_gguf, quantized_path
+from specter_gguf.gguf_file import GGUFFile
+from specter_gguf.quantize import FTYPES, quantize_gguf, quantized_path, quantized_types
 from specter_gguf.synthetic.shapes import get_preset
 from specter_gguf.synthetic.writer import DTYPES, data_bytes
 
@@ -174,8 +174,7 @@ _SOURCE_SHARE = {"f32": 2.0, "f16": 1.0, "bf16": 1.0, **QTYPE_SHARE}
 def gguf_weight_type(path: Path) -> tuple[str, bool]:
     """(the llama ftype name of `path`'s general.file_type, e.g. "f16" or "q8_0", "" when absent or unknown;
     whether any tensor is stored in a quantized type, i.e. llama.cpp's quantizer needs --allow-requantize)."""
-    f = GGUFFile(path)
-    file_type = f.get("general.file_type")
+    file_type = GGUFFile(path).get("general.file_type")
     names = {v: k for k, v in FTYPES.items()}
     name = names.get(int(file_type), "") if file_type is not None else ""
-    return name, any(t.type not in FLOAT_TYPES for t in f.tensors.values())
+    return name, bool(quantized_types(path))
