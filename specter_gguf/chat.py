@@ -460,7 +460,8 @@ class ChatSession:
             print(piece, end="")
         chat.history  # [{'role': 'system', ...}, {'role': 'user', ...}, {'role': 'assistant', ...}]
 
-    The reply joins the history once it is complete (or stopped); ``reset()`` forgets all but the system
+    The reply joins the history once it is complete (or stopped); a reply not read to its end when the next
+    message is sent is finished first, so that the next reply follows it. ``reset()`` forgets all but the system
     message.
     """
 
@@ -468,15 +469,19 @@ class ChatSession:
                  sampling: SamplingParams | None = None) -> None:
         self.model, self.system, self.n_predict, self.sampling = model, system, n_predict, sampling
         self.history: list[dict[str, str]] = []
+        self._pending: Generation | None = None  # the latest reply
         self.reset()
 
     def reset(self) -> None:
         self.history = [{"role": "system", "content": self.system}] if self.system else []
+        self._pending = None
 
     def send(self, text: str) -> Generation:
         """Add a user message and start the reply; iterate the result to stream it."""
         if not isinstance(text, str):
             raise SpecterError(f"send takes the user's message as text, not {type(text).__name__}")
+        if self._pending is not None:
+            self._pending.wait()
         messages = [*self.history, {"role": "user", "content": text}]
         gen = start_chat(self.model, messages, n_predict=self.n_predict, sampling=self.sampling)
         self.history.append({"role": "user", "content": text})
@@ -491,4 +496,5 @@ class ChatSession:
             reply["content"] = gen.text
 
         gen._pieces = stream()
+        self._pending = gen
         return gen

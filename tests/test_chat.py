@@ -256,6 +256,12 @@ def test_chat_session_keeps_history(model: Model) -> None:
     assert gen.prompt_tokens == chat_template(model).tokens(model, want)
     chat.reset()
     assert chat.history == [{"role": "system", "content": "Be brief."}]
+    # a reply not read when the next message is sent is finished first: the next reply follows it, as read
+    unread = chat.send("Hi!")
+    gen = chat.send("And again?")
+    gen.wait()
+    assert unread.text == first and chat.history[2] == {"role": "assistant", "content": first}
+    assert gen.prompt_tokens == chat_template(model).tokens(model, want)
 
 
 def test_model_chat_equals_generate_on_template_tokens(model: Model) -> None:
