@@ -73,8 +73,8 @@ def quantize_gguf(src: str | Path, dst: str | Path, qtype: str, n_threads: int =
 
     `n_threads` <= 0 lets llama.cpp use all hardware threads. `allow_requantize` (llama-quantize's
     --allow-requantize) lets the source be already quantized (e.g. a Q8_0 target made into a Q2_K draft); without
-    it a quantized source is refused before llama.cpp starts. Raises SpecterError for an unknown type, a missing
-    source, or a failed quantization (llama.cpp's reason is on stderr).
+    it a quantized source is refused before llama.cpp starts. Raises SpecterError for an unknown type, a missing or
+    unreadable source (our reader's reason), or a failed quantization (llama.cpp's reason is on stderr).
     """
     ftype = ftype_for(qtype)
     src, dst = Path(src), Path(dst)

@@ -358,8 +358,17 @@ def test_quantize_errors(tmp_path, tiny_models):
     _llama_cpp()
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)
-    with pytest.raises(SpecterError, match="failed to quantize"):
+    with pytest.raises(SpecterError, match="bad.gguf: GGUF version 0 is not supported"):  # our reader, first
         quantize_gguf(bad, tmp_path / "y.gguf", "q8_0")
+    foreign = tmp_path / "foreign.gguf"  # a file we read that llama.cpp refuses: its failure, and no output left
+    w = gguf.GGUFWriter(foreign, "no-such-arch")
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((256, 256), dtype=np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(SpecterError, match="llama.cpp failed to quantize .*foreign.gguf to q8_0"):
+        quantize_gguf(foreign, tmp_path / "y.gguf", "q8_0")
     assert not (tmp_path / "y.gguf").exists()
 
 
