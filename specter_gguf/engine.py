@@ -137,9 +137,10 @@ class GenerationStats:
     copy_exposed_s: float | None = None  # time compute waited for copies
     copy_hidden_s: float | None = None   # copy_s - copy_exposed_s: overlapped with compute
     peak_gpu_bytes: int | None = None   # torch.cuda.max_memory_allocated since the model was loaded
-    # speculative decoding (None without a draft; see specter_gguf.speculative)
+    # speculative decoding (None without a draft; see specter_gguf.speculation)
     draft_tokens: int | None = None     # tokens drafted
-    draft_accepted: int | None = None   # drafted tokens the target accepted
+    draft_accepted: int | None = None   # drafted tokens the target accepted and the generation handed out (a stop
+                                        # string may end it among an iteration's accepted ones)
     draft_rounds: int | None = None     # verification passes
     draft_s: float | None = None        # time spent drafting (GPU time on CUDA)
     verify_s: float | None = None       # time spent verifying, the lookahead's prefetch planning included
@@ -239,9 +240,12 @@ class GenerationStats:
                      f"moved per token ({format_size(self.bytes_copied_per_token or 0)} copied), "
                      f"{100 * (self.hidden_copy_share or 0):.0f}% of copy time hidden")
         if self.draft_rounds:
-            text += (f"; speculative: {self.draft_accepted} of {self.draft_tokens} drafted tokens accepted "
-                     f"({100 * (self.acceptance_rate or 0):.1f}%, {self.draft_tokens / self.draft_rounds:.1f} "
-                     f"drafted per verification), {self.mean_accepted_len:.2f} tokens per verification, per "
+            plain = (self.depth_rounds or {}).get(0, 0)
+            accepted = (f"{self.draft_accepted} of {self.draft_tokens} drafted tokens accepted "
+                        f"({100 * (self.acceptance_rate or 0):.1f}%, " if self.draft_tokens else "no token drafted (")
+            text += (f"; speculative: {accepted}{self.draft_tokens / self.draft_rounds:.1f} drafted per "
+                     f"verification{f', {plain} of {self.draft_rounds} of them plain steps (depth 0)' if plain else ''}"
+                     f"), {self.mean_accepted_len:.2f} tokens per verification, per "
                      f"iteration {1000 * (self.draft_s or 0) / self.draft_rounds:.2f} ms drafting, "
                      f"{1000 * (self.verify_s or 0) / self.draft_rounds:.2f} ms verifying and "
                      f"{1000 * (self.other_s or 0) / self.draft_rounds:.2f} ms other")

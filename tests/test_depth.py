@@ -6,6 +6,7 @@ can be compared with the true optimum; the command runs on the CPU on a tiny mod
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from collections import Counter
@@ -116,6 +117,12 @@ def test_auto_is_the_default_and_lossless(tiny_models) -> None:
     assert sum(k * n for k, n in got.stats.depth_rounds.items()) == got.stats.draft_tokens
     assert set(got.stats.depth_verify_s) == set(got.stats.depth_rounds) and sum(got.stats.depth_verify_s.values()) > 0
     assert Model.load(target, draft=draft, device="cpu", progress=False, n_draft=3).decoder.depth is None
+    # the summary says how many of the verifications were plain steps, and "no token drafted" rather than 0 of 0
+    s = got.stats
+    plain = s.depth_rounds.get(0, 0)
+    assert (f"{plain} of {s.draft_rounds} of them plain steps (depth 0)" in s.summary()) == (plain > 0)
+    s = dataclasses.replace(s, draft_tokens=0, draft_accepted=0, depth_rounds={0: s.draft_rounds})
+    assert "speculative: no token drafted (0.0 drafted per verification" in s.summary()
 
 
 def test_cli_n_draft_errors_are_one_line(tiny_models) -> None:

@@ -119,6 +119,21 @@ def test_full_context_ends_the_generation(tiny_models) -> None:
     assert gen.tokens == _target_tokens(target, n=-1, ctx_size=ctx)
 
 
+def test_stats_count_the_drafts_a_stop_string_hands_out(shipped_model) -> None:
+    """The model as its own draft keeps all 8 drafts of an iteration; a stop string that ends the text among them
+    leaves the statistics with the tokens handed out (the prefill's first one, then accepted drafts and the target's
+    own), not the drafts the verification accepted past it."""
+    draft = Model.load(shipped_model, draft=shipped_model, device="cpu", progress=False, n_draft=8)
+    gen = draft.generate("def main():", 24, GREEDY, stop=['"""']).wait()
+    want = Model.load(shipped_model, device="cpu", progress=False).generate("def main():", 24, GREEDY).wait()
+    assert gen.text == want.text[:want.text.index('"""')] and gen.finish_reason == "stop"
+    s = gen.stats
+    assert s.draft_tokens == 8 * s.draft_rounds and s.draft_rounds == 2  # the stop comes in the second iteration
+    # handed out: the prefill's token, the first iteration's 8 drafts and its target token, then 3 drafts
+    assert s.draft_accepted == s.generated_tokens - 2 == 11
+    assert s.mean_accepted_len <= s.generated_tokens / s.draft_rounds
+
+
 def test_synthetic_acceptance_is_llama_cpps() -> None:
     """llama.cpp's --spec-synth-len L at --spec-draft-n-max n: each drafted token kept with probability p once the
     one before it was, p + ... + p^n = L - 1, so a depth of n keeps a mean of L - 1 drafts."""

@@ -209,8 +209,9 @@ class SpeculativeDecoder:
                 if self.depth is not None and self._captures() == captures:
                     wall = time.perf_counter() - began
                     self.depth.record(k, len(accepted), draft_s, verify_s, max(0.0, wall - draft_s - verify_s))
-                self._account(model, stats, k, len(accepted), verify_s)
-                for t in accepted:
+                self._account(model, stats, k, verify_s)
+                for t in accepted:  # counted as handed out: a stop string may end the generation among them
+                    stats.draft_accepted += 1
                     yield t
                     n_yielded += 1
         finally:
@@ -292,9 +293,8 @@ class SpeculativeDecoder:
         per_token = model.config.n_expert_used * len(model.offload.layers) * model.offload.plan.slot_bytes
         return chunk_ends(k, self._step_s, 0.25 * per_token / rate)  # about a quarter of them new per token
 
-    def _account(self, model: Model, stats: GenerationStats, k: int, n_accepted: int, verify_s: float) -> None:
+    def _account(self, model: Model, stats: GenerationStats, k: int, verify_s: float) -> None:
         stats.draft_tokens += k
-        stats.draft_accepted += n_accepted
         stats.draft_rounds += 1
         stats.depth_rounds[k] = stats.depth_rounds.get(k, 0) + 1
         stats.depth_verify_s[k] = stats.depth_verify_s.get(k, 0.0) + verify_s
