@@ -34,7 +34,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
@@ -462,7 +462,8 @@ class ChatSession:
 
     The reply joins the history once it is complete (or stopped); a reply not read to its end when the next
     message is sent is finished first, so that the next reply follows it. ``reset()`` forgets all but the system
-    message.
+    message. With a seed, the n-th reply of the session draws with seed + n: a session repeats, its replies do not
+    share one random stream.
     """
 
     def __init__(self, model: Model, system: str | None = None, n_predict: int = -1,
@@ -470,6 +471,7 @@ class ChatSession:
         self.model, self.system, self.n_predict, self.sampling = model, system, n_predict, sampling
         self.history: list[dict[str, str]] = []
         self._pending: Generation | None = None  # the latest reply
+        self._replies = 0  # replies started in this session (reset keeps counting: seeds are not reused)
         self.reset()
 
     def reset(self) -> None:
@@ -483,7 +485,11 @@ class ChatSession:
         if self._pending is not None:
             self._pending.wait()
         messages = [*self.history, {"role": "user", "content": text}]
-        gen = start_chat(self.model, messages, n_predict=self.n_predict, sampling=self.sampling)
+        sampling = self.sampling
+        if sampling is not None and sampling.seed is not None:
+            sampling = replace(sampling, seed=(sampling.seed + self._replies) % 2**64)
+        self._replies += 1
+        gen = start_chat(self.model, messages, n_predict=self.n_predict, sampling=sampling)
         self.history.append({"role": "user", "content": text})
         reply = {"role": "assistant", "content": ""}
         self.history.append(reply)

@@ -264,6 +264,19 @@ def test_chat_session_keeps_history(model: Model) -> None:
     assert gen.prompt_tokens == chat_template(model).tokens(model, want)
 
 
+def test_chat_session_seeds_each_reply(model: Model) -> None:
+    """With a seed the n-th reply draws with seed + n (llama-cli seeds a session once; a new seed per reply made
+    every turn repeat the first one's random stream): a session repeats, its turns differ."""
+    sampled = SamplingParams(temperature=1.0, seed=3)
+    chat = ChatSession(model, n_predict=6, sampling=sampled)
+    first, second = chat.send("Hi!").wait().text, chat.send("Hi!").wait().text
+    history = [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": first},
+               {"role": "user", "content": "Hi!"}]
+    assert model.chat(history, n_predict=6, sampling=SamplingParams(temperature=1.0, seed=4)).wait().text == second
+    again = ChatSession(model, n_predict=6, sampling=sampled)
+    assert [again.send("Hi!").wait().text, again.send("Hi!").wait().text] == [first, second]
+
+
 def test_model_chat_equals_generate_on_template_tokens(model: Model) -> None:
     a = model.chat(MESSAGES, n_predict=5, sampling=GREEDY).wait()
     b = model.generate(chat_template(model).tokens(model, MESSAGES), n_predict=5, sampling=GREEDY).wait()
