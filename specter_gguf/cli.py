@@ -13,8 +13,8 @@ from typing import Any
 import click
 import numpy as np
 
-from specter_gguf.engine import (DRAFT_TYPES, MAX_DEPTH, OFFLOAD_CHOICES, POLICIES, SHIPPED_DRAFT,
-                                 draft_file_or_type, parse_depth)
+from specter_gguf.engine import (DRAFT_TYPES, MAX_DEPTH, MAX_FIXED_DEPTH, OFFLOAD_CHOICES, POLICIES,
+                                 SHIPPED_DRAFT, draft_file_or_type, parse_depth)
 from specter_gguf.errors import ContextFullError, SpecterError
 from specter_gguf.outputs import check_output_file, check_output_folder
 from specter_gguf.quantize import FTYPES
@@ -92,8 +92,8 @@ def _check_output_folder(path: Path, option: str) -> None:
 
 
 ctx_size_option = click.option("-c", "--ctx-size", type=int, default=None, show_default=False,
-                               help="Context size in tokens (default: the model's own, at most 4096, as llama.cpp; "
-                               "0: the model's own).")
+                               help="Context size in tokens (default: the model's own, at most 4096; 0: the "
+                               "model's own, llama.cpp's default).")
 device_option = click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
                              help="Where to run (default: cuda when a GPU is present, else cpu).")
 
@@ -138,7 +138,11 @@ SAMPLING_FLAGS = {"temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p
                   "repeat_penalty": "--repeat-penalty", "repeat_last_n": "--repeat-last-n", "seed": "--seed"}
 
 
-def sampling_options(f: Any) -> Any:
+SEED_HELP = ("Random seed (default or -1: random). With --draft, sampled output repeats for a seed at a fixed "
+             "--n-draft; auto chooses its depths from measured timings, which move the draws.")
+
+
+def sampling_options(f: Any, seed_help: str = SEED_HELP) -> Any:
     """llama.cpp's sampling options; the command receives them as one `sampling: SamplingParams`."""
 
     @functools.wraps(f)
@@ -151,7 +155,8 @@ def sampling_options(f: Any) -> Any:
                                       repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                                       seed=None if seed == -1 else seed)  # -1: random, as llama.cpp
         except SamplingOptionError as e:  # named by the flag the user gave
-            raise SpecterError(f"invalid {SAMPLING_FLAGS.get(e.option, e.option)} {e.value!r}: {e.fix}") from None
+            fix = "use -1 (random) or an integer from 0 to 2**64-1" if e.option == "seed" else e.fix
+            raise SpecterError(f"invalid {SAMPLING_FLAGS.get(e.option, e.option)} {e.value!r}: {fix}") from None
         return f(*args, sampling=sampling, **kwargs)
 
     return _with_options(command, [
@@ -161,9 +166,7 @@ def sampling_options(f: Any) -> Any:
         click.option("--min-p", default=0.05, help="Drop tokens below min-p times the top probability (0 = off)."),
         click.option("--repeat-penalty", default=1.0, help="Penalty for repeated tokens (1.0 = off)."),
         click.option("--repeat-last-n", default=64, help="Tokens the repeat penalty looks back over (-1 = context)."),
-        click.option("--seed", type=int, default=None,
-                     help="Random seed (default or -1: random). With --draft, sampled output repeats for a seed at a "
-                     "fixed --n-draft; auto chooses its depths from measured timings, which move the draws."),
+        click.option("--seed", type=int, default=None, help=seed_help),
     ])
 
 
@@ -203,9 +206,9 @@ def load_options(f: Any) -> Any:
                      "--offload gate-prefetch)."),
         click.option("--draft", type=DraftFile(), default=None, help=DRAFT_HELP),
         click.option("--n-draft", type=DraftDepth(), default=None, show_default=False,
-                     help="Tokens drafted per verification (with --draft). Default auto: chosen each iteration, from "
-                     f"0 (a plain step, when drafting does not pay) to {MAX_DEPTH}, from the measured acceptance "
-                     "and costs of drafting and verifying."),
+                     help=f"Tokens drafted per verification (with --draft), 1 to {MAX_FIXED_DEPTH}. Default auto: "
+                     f"chosen each iteration, from 0 (a plain step, when drafting does not pay) to {MAX_DEPTH}, from "
+                     "the measured acceptance and costs of drafting and verifying."),
     ])
 
 
@@ -338,7 +341,7 @@ def profile_depth(model: Path, prompt: str, prompt_file: Path | None, n_predict:
               help="Tokens drafted per verification (one depth for every draft, so that they compare).")
 @click.option("-o", "--out", type=click.Path(file_okay=False, path_type=Path), default=Path("fidelity"),
               help="Folder for fidelity.md, fidelity.json and fidelity.png.")
-@sampling_options
+@functools.partial(sampling_options, seed_help="Random seed (default 0, so that tables repeat; -1: random).")
 @device_option
 @ctx_size_option
 def fidelity(model: Path | None, drafts: str, prompts_file: Path | None, n_predict: int, n_draft: int | str,

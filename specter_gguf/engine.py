@@ -27,14 +27,15 @@ from specter_gguf.runtime.offload import OFFLOAD_CHOICES, load_offloaded  # ... 
 from specter_gguf.runtime.routing import DeviceRoutingCounts, RoutingProfile
 from specter_gguf.sampling import Sampler, SamplingParams
 from specter_gguf.sizes import format_size, parse_size
-from specter_gguf.speculation.depth import MAX_DEPTH, parse_depth  # ... and of its n_draft: 1 to MAX_DEPTH or "auto"
+from specter_gguf.speculation.depth import (  # ... and of its n_draft: 1 to MAX_FIXED_DEPTH or "auto"
+    MAX_DEPTH, MAX_FIXED_DEPTH, parse_depth)
 from specter_gguf.speculation.draft_files import DRAFT_TYPES, draft_file_or_type, resolve_draft  # its draft: file or type
 from specter_gguf.tokenizer import IdsOnlyTokenizer, Tokenizer
 
 __all__ = ["Model", "Generation", "GenerationStats", "SHIPPED_MODEL", "SHIPPED_DRAFT", "resolve_device", "tpot_ms",
            "read_config", "FileSummary", "summarize_file", "plan_budget", "MemoryPlan", "ModelConfig",
-           "RoutingProfile", "OFFLOAD_CHOICES", "POLICIES", "MAX_DEPTH", "parse_depth", "DRAFT_TYPES",
-           "draft_file_or_type", "resolve_draft"]
+           "RoutingProfile", "OFFLOAD_CHOICES", "POLICIES", "MAX_DEPTH", "MAX_FIXED_DEPTH", "parse_depth",
+           "DRAFT_TYPES", "draft_file_or_type", "resolve_draft"]
 
 log = logging.getLogger(__name__)
 

@@ -320,7 +320,8 @@ def test_model_missing_or_a_folder(shipped_model: Path, tmp_path: Path, command:
 
 @pytest.mark.parametrize("args,expected", [
     (["--top-p", "2"], "invalid --top-p 2.0"), (["--temp", "nan"], "invalid --temp nan"),
-    (["--seed", "-2"], "invalid --seed -2"), (["--ctx-size", "-1"], "context size"),
+    (["--seed", "-2"], "invalid --seed -2: use -1 (random) or an integer from 0 to 2**64-1"),
+    (["--ctx-size", "-1"], "context size"),
     (["--repeat-last-n", "-2"], "invalid --repeat-last-n -2"), (["--min-p", "-1"], "invalid --min-p -1.0"),
     (["--repeat-penalty", "0"], "invalid --repeat-penalty 0.0"),
 ])

@@ -93,14 +93,14 @@ def test_untried_depths_are_predicted_optimistically() -> None:
     assert chooser.choose() > 4  # everything kept so far: a deeper depth could win, so it is tried
 
 
-@pytest.mark.parametrize("text, value", [("auto", "auto"), ("AUTO", "auto"), ("3", 3), (5, 5)])
+@pytest.mark.parametrize("text, value", [("auto", "auto"), ("AUTO", "auto"), ("3", 3), (5, 5), ("16", 16)])
 def test_parse_depth(text, value) -> None:
     assert parse_depth(text) == value
 
 
-@pytest.mark.parametrize("text", ["0", "-1", "two", "", 2.5, True])
+@pytest.mark.parametrize("text", ["0", "-1", "17", "two", "", 2.5, True])
 def test_bad_depths_are_refused(text) -> None:
-    with pytest.raises(SpecterError, match="--n-draft must be a whole number of at least 1 or auto"):
+    with pytest.raises(SpecterError, match="--n-draft must be a whole number from 1 to 16 or auto"):
         parse_depth(text)
 
 
@@ -130,7 +130,7 @@ def test_cli_n_draft_errors_are_one_line(tiny_models) -> None:
     runner = CliRunner()
     r = runner.invoke(cli, ["run", str(target), "-p", "hi", "--draft", str(draft), "--n-draft", "zero",
                             "--device", "cpu"])
-    assert r.exit_code == 2 and "--n-draft must be a whole number of at least 1 or auto" in r.output
+    assert r.exit_code == 2 and "--n-draft must be a whole number from 1 to 16 or auto" in r.output
     r = runner.invoke(cli, ["run", str(target), "-p", "hi", "--n-draft", "3", "--device", "cpu"])
     assert r.exit_code == 1 and "--n-draft needs a draft" in r.output and "Traceback" not in r.output
 
@@ -155,6 +155,8 @@ def test_profile_depth_writes_the_table_and_the_plot(tiny_models, tmp_path) -> N
 
 @pytest.mark.parametrize("args, message", [(["--depths", "0-3"], "each depth must be from 1 to 8"),
                                            (["--depths", "a"], "write whole numbers and ranges"),
+                                           (["--depths", "4-2"], "the range 4-2 runs backwards; write it low-high"),
+                                           (["--depths", " , "], "--depths is empty"),
                                            ([], "profile-depth needs a draft")])
 def test_profile_depth_errors(tiny_models, tmp_path, args, message) -> None:
     target, draft = tiny_models[("qwen2moe", "f16")], tiny_models[("qwen2moe", "q2_k")]

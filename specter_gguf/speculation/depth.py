@@ -20,6 +20,9 @@ from typing import Literal
 from specter_gguf.errors import SpecterError
 
 MAX_DEPTH = 8
+# the deepest fixed --n-draft: llama.cpp's default --draft-max (a fixed depth captures the graphs of one verification
+# depth, where the memory plan reserves for auto's eight; depths above 8 are not yet measured on a GPU)
+MAX_FIXED_DEPTH = 16
 MEAN = 0.2  # weight of the newest measurement in the running means
 DECAY = 0.95  # per iteration, of the acceptance counts
 PRIOR = (1.6, 2.0)  # (kept, tested) before any iteration: an acceptance of 0.8 worth two tokens
@@ -27,15 +30,15 @@ PROBE_AFTER = 16  # plain steps (depth 0) in a row before one iteration drafts a
 
 
 def parse_depth(value: int | str) -> int | Literal["auto"]:
-    """A draft depth as `--n-draft` takes it: a whole number of at least 1, or "auto"."""
+    """A draft depth as `--n-draft` takes it: a whole number from 1 to MAX_FIXED_DEPTH, or "auto"."""
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
     try:
         depth = int(value) if not isinstance(value, (bool, float)) else None
     except ValueError:
         depth = None
-    if depth is None or depth < 1:
-        raise SpecterError(f"--n-draft must be a whole number of at least 1 or auto, got {value!r}")
+    if depth is None or not 1 <= depth <= MAX_FIXED_DEPTH:
+        raise SpecterError(f"--n-draft must be a whole number from 1 to {MAX_FIXED_DEPTH} or auto, got {value!r}")
     return depth
 
 

@@ -40,10 +40,15 @@ def parse_depths(text: str, max_depth: int) -> list[int]:
     try:
         for part in (p.strip() for p in text.split(",") if p.strip()):
             lo, _, hi = part.partition("-")
+            if int(hi or lo) < int(lo):
+                raise SpecterError(f"--depths: the range {part} runs backwards; write it low-high, e.g. "
+                                   f"{hi}-{lo}")
             depths.update(range(int(lo), int(hi or lo) + 1))
     except ValueError:
         raise SpecterError(f"--depths: write whole numbers and ranges such as 1-8 or 1,2,4,8, got {text!r}") from None
-    if not depths or min(depths) < 1 or max(depths) > max_depth:
+    if not depths:
+        raise SpecterError("--depths is empty: give depths such as 1-8 or 1,2,4,8")
+    if min(depths) < 1 or max(depths) > max_depth:
         raise SpecterError(f"--depths: each depth must be from 1 to {max_depth}, got {text!r}")
     return sorted(depths)
 
