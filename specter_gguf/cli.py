@@ -621,7 +621,7 @@ def quantize(model: Path, qtype: str, output: Path | None, threads: int, allow_r
         raise SpecterError(f"--threads must be 0 (every core) or more, got {threads}")
     GGUFFile(model)  # a missing, truncated or non-GGUF file: our error line naming it and the fix, not llama.cpp's
     out = output if output is not None else quantized_path(model, qtype)
-    _check_output_file(out, "-o/--output", create_folder=True)  # quantize_gguf creates missing folders
+    _check_output_file(out, "-o/--output")  # a missing folder is refused, as every output file's (a typo makes none)
     summary = quantize_with_progress(model, out, qtype, show=not quiet, n_threads=threads,
                                      allow_requantize=allow_requantize)
     sizes = f" ({', '.join(summary)})" if summary else ""

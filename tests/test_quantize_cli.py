@@ -28,6 +28,7 @@ def tensor_types(path: Path) -> set[str]:
 
 def test_quantize_to_output(shipped_model: Path, tmp_path: Path) -> None:
     out = tmp_path / "sub" / "q8.gguf"
+    out.parent.mkdir()
     result = invoke("quantize", str(shipped_model), "--type", "Q8_0", "-o", str(out), "--threads", "2")
     assert result.exit_code == 0, result.output
     assert tensor_types(out) == {"F32", "Q8_0"}
@@ -54,6 +55,8 @@ def test_quantize_errors(shipped_model: Path, tmp_path: Path) -> None:
     assert r.exit_code == 1 and "missing.gguf: no such file" in r.output
     r = invoke("quantize", str(shipped_model), "-t", "q8_0", "-o", str(shipped_model))
     assert r.exit_code == 1 and "onto itself" in r.output
+    r = invoke("quantize", str(shipped_model), "-t", "q8_0", "-o", str(tmp_path / "no" / "such" / "x.gguf"))
+    assert r.exit_code == 1 and "does not exist; create it (mkdir -p" in r.output and not (tmp_path / "no").exists()
     q = tmp_path / "q8.gguf"
     assert invoke("quantize", str(shipped_model), "-t", "q8_0", "-o", str(q), "-q").exit_code == 0
     r = invoke("quantize", str(q), "-t", "q2_k")  # refused before llama.cpp starts: no progress bar, no output
