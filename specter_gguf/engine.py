@@ -468,7 +468,10 @@ class Model:
             raise ContextFullError(f"the prompt has {len(prompt_ids)} tokens but the context holds {self.ctx_size}; "
                                    f"shorten it or raise -c/--ctx-size")
         gen = Generation(prompt_tokens=prompt_ids)
-        gen._pieces = self._run(gen, int(n_predict), Sampler(sampling or SamplingParams()), list(stop), ignore_eos)
+        sampler = Sampler(sampling or SamplingParams())
+        if not sampler.params.greedy and sampler.params.seed is None:  # as llama.cpp prints its sampler's seed
+            log.info("sampling seed %d (drawn at random: give it as the seed to repeat this generation)", sampler.seed)
+        gen._pieces = self._run(gen, int(n_predict), sampler, list(stop), ignore_eos)
         return gen
 
     # -- chat and llama-cpp-python–shaped results (specter_gguf/chat.py, specter_gguf/api.py) ------------

@@ -79,6 +79,21 @@ def test_a_context_past_the_training_one_is_warned_about(shipped_model: Path, ca
     assert not [r for r in caplog.records if "exceeds" in r.getMessage()]
 
 
+def test_a_drawn_seed_is_logged_and_repeats_the_generation(shipped_model: Path, caplog) -> None:
+    """As llama.cpp prints its sampler's seed: a sampled generation without a seed logs the one drawn (-v), and
+    that seed repeats it; greedy and seeded generations log none."""
+    import logging
+    import re
+
+    m = Model.load(shipped_model, device="cpu", progress=False)
+    with caplog.at_level(logging.INFO, logger="specter_gguf"):
+        drawn = m.generate("Once", 12, SamplingParams(temperature=1.0)).wait()
+        m.generate("Once", 2, SamplingParams(temperature=0)).wait()
+        m.generate("Once", 2, SamplingParams(temperature=1.0, seed=5)).wait()
+    (seed,) = [int(x) for x in re.findall(r"sampling seed (\d+) \(drawn at random", caplog.text)]
+    assert m.generate("Once", 12, SamplingParams(temperature=1.0, seed=seed)).wait().tokens == drawn.tokens
+
+
 def test_api_arguments_of_the_wrong_type_are_one_error_line(shipped_model: Path) -> None:
     """A wrong type at the Python API is a SpecterError naming the argument, not a TypeError from deep inside."""
     from specter_gguf.chat import ChatSession
