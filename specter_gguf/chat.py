@@ -91,7 +91,8 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separ
 
 def normalize_messages(messages: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Check OpenAI-style messages and make each ``content`` a string (text parts of a list are joined;
-    ``None`` becomes ""). Other keys (``name``, ``tool_calls``...) are kept for templates that use them."""
+    ``None`` becomes ""; as OpenAI's API, only an assistant message may leave it out). Other keys (``name``,
+    ``tool_calls``...) are kept for templates that use them."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Iterable):
         raise SpecterError("messages must be a list of {'role': ..., 'content': ...} objects")
     out = []
@@ -101,6 +102,8 @@ def normalize_messages(messages: Iterable[Mapping[str, Any]]) -> list[dict[str, 
         role = m.get("role")
         if not isinstance(role, str) or role not in ROLES:
             raise SpecterError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
+        if "content" not in m and role != "assistant":
+            raise SpecterError(f"messages[{i}] ({role}) has no 'content': give its text")
         content = m.get("content")
         if content is None:
             content = ""

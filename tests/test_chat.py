@@ -237,7 +237,9 @@ def test_normalize_messages() -> None:
     out = normalize_messages([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
                               {"role": "assistant", "content": None, "name": "bot"}])
     assert out == [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "", "name": "bot"}]
+    assert normalize_messages([{"role": "assistant", "tool_calls": []}])[0]["content"] == ""  # only it may leave it out
     for bad, match in [([], "empty"), ("hi", "list"), ([{"content": "x"}], "role"),
+                       ([{"role": "user"}], r"messages\[0\] \(user\) has no 'content': give its text"),
                        ([{"role": "user", "content": [{"type": "image_url"}]}], "image_url"),
                        ([{"role": "user", "content": 3}], "string")]:
         with pytest.raises(SpecterError, match=match):
