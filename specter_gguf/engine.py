@@ -538,6 +538,9 @@ class Model:
         cut = None
         while gen.finish_reason is None:
             if len(gen.tokens) >= limit:
+                if first_token_at is None:  # -n 0: the prompt evaluated, nothing generated (llama.cpp's reading)
+                    float(logits[0])  # waits for the prefill
+                    stats.prefill_s = time.perf_counter() - start
                 gen.finish_reason = "length"
                 break
             token = next(tokens, None)

@@ -79,6 +79,12 @@ def test_a_context_past_the_training_one_is_warned_about(shipped_model: Path, ca
     assert not [r for r in caplog.records if "exceeds" in r.getMessage()]
 
 
+def test_zero_tokens_still_evaluates_the_prompt(shipped_model: Path) -> None:
+    """-n 0 as llama.cpp reads it: the prompt is evaluated (its time reported), nothing is generated."""
+    gen = Model.load(shipped_model, device="cpu", progress=False).generate("Once upon a time", 0).wait()
+    assert gen.tokens == [] and gen.text == "" and gen.finish_reason == "length" and gen.stats.prefill_s > 0
+
+
 def test_a_drawn_seed_is_logged_and_repeats_the_generation(shipped_model: Path, caplog) -> None:
     """As llama.cpp prints its sampler's seed: a sampled generation without a seed logs the one drawn (-v), and
     that seed repeats it; greedy and seeded generations log none."""
