@@ -264,6 +264,8 @@ def run(model: Path | None, prompt: str | None, prompt_file: Path | None, n_pred
         for key, value in gen.stats.to_dict().items():
             if isinstance(value, list):  # per layer
                 value = " ".join("-" if v is None else f"{v:.4g}" for v in value)
+            elif isinstance(value, dict):  # per draft depth
+                value = " ".join(f"{k}:{v:.4g}" for k, v in value.items()) or None
             if value is not None:
                 click.echo(f"  {key:<24} {value:.6g}" if isinstance(value, float) else f"  {key:<24} {value}", err=True)
 

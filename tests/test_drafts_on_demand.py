@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 from pathlib import Path
@@ -102,6 +103,8 @@ def test_run_with_a_draft_type_reports_the_agreement(target: Path) -> None:
     assert "expert-id agreement" in r.output
     per_layer = next(line for line in r.output.splitlines() if "expert_agreement_layers" in line).split()[1:]
     assert len(per_layer) == 2 and all(0 < float(v) <= 1 for v in per_layer)
+    rounds = next(line for line in r.output.splitlines() if "depth_rounds" in line).split()[1:]  # depth:count
+    assert rounds and all(re.fullmatch(r"\d+:\d+", pair) for pair in rounds)
 
 
 def test_agreement_counts_shared_experts_per_layer_and_position() -> None:
