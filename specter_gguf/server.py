@@ -322,7 +322,7 @@ def _max_tokens(body: dict[str, Any], default: int, most: int) -> int:
     v = body.get(name)
     if v is None:
         return default
-    if v == -1 and not isinstance(v, bool):
+    if type(v) is int and v == -1:
         return most
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise RequestError(f"'{name}' must be a positive integer, -1 (as many as this server allows) or null, got "

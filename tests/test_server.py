@@ -354,7 +354,7 @@ def test_chat_without_max_tokens_stops_at_max_completion_tokens(shipped_model: P
         # max_tokens -1: as many as the server allows (llama.cpp's reading); 0 and other negatives are refused
         status, body = _post(base, "/v1/completions", {"prompt": "Hello", "temperature": 0, "max_tokens": -1})
         assert status == 200 and body["usage"]["completion_tokens"] == 4, body
-        for bad in (0, -2, 2.5, True):
+        for bad in (0, -2, 2.5, -1.0, True):
             status, body = _post(base, "/v1/completions", {"prompt": "Hello", "max_tokens": bad})
             assert status == 400 and "'max_tokens' must be a positive integer, -1 (as many as this server allows) " \
                 "or null" in _openai_error(body)["message"], body
