@@ -252,9 +252,15 @@ def run(model: Path | None, prompt: str | None, prompt_file: Path | None, n_pred
         click.echo(json.dumps({"text": gen.text, "tokens": gen.tokens, "prompt_tokens": gen.prompt_tokens,
                                "finish_reason": gen.finish_reason, "stats": gen.stats.to_dict()}))
         return
-    for piece in gen:
-        click.echo(piece, nl=False)
-        sys.stdout.flush()
+    try:
+        for piece in gen:
+            click.echo(piece, nl=False)
+            sys.stdout.flush()
+    except KeyboardInterrupt:  # what was generated until then, as llama.cpp prints its timings; then "interrupted"
+        gen.close()
+        if not quiet:
+            click.echo(f"\n{gen.stats.summary()}", err=True)
+        raise
     click.echo()
     if save_routing_profile is not None:
         m.routing_profile().save(save_routing_profile)
@@ -587,6 +593,7 @@ def chat(model: Path | None, system: str | None, n_predict: int, sampling: Any, 
                 click.echo(piece, nl=False)
                 sys.stdout.flush()
         except KeyboardInterrupt:
+            gen.close()  # its stats: what it generated
             click.echo(" [stopped]", nl=False)
         click.echo()
         logging.getLogger("specter_gguf.chat").info("%s", gen.stats.summary())  # shown with -v

@@ -283,6 +283,11 @@ class Generation:
             pass
         return self
 
+    def close(self) -> None:
+        """Stop the generation where it is (e.g. after Ctrl-C); `stats` then describe what it generated."""
+        assert self._pieces is not None, "a Generation is made by Model.generate"
+        self._pieces.close()
+
 
 class Model:
     """A GGUF Mixture-of-Experts model on one device. `Model.load(path)` then `generate` / `logits`."""
@@ -535,46 +540,49 @@ class Model:
                                   observe=self.routing_observer)[-1]
         tokens = self.decoder.tokens(self, logits, cache, sampler, history, stats, limit)
         first_token_at = None
-        cut = None
-        while gen.finish_reason is None:
-            if len(gen.tokens) >= limit:
-                if first_token_at is None:  # -n 0: the prompt evaluated, nothing generated (llama.cpp's reading)
-                    float(logits[0])  # waits for the prefill
-                    stats.prefill_s = time.perf_counter() - start
-                gen.finish_reason = "length"
-                break
-            token = next(tokens, None)
-            if first_token_at is None:
-                first_token_at = time.perf_counter()
-                stats.prefill_s = first_token_at - start
-            if token is None:  # the context is full
-                gen.finish_reason = "length"
-                break
-            if not ignore_eos and self.tokenizer.is_eog(token):
-                gen.finish_reason = "stop"
-                break
-            gen.tokens.append(token)
-            history.append(token)
-            gen.text += decoder.push(token)
-            cut = _find_stop(gen.text, stops)
-            if cut is not None:
-                gen.text, gen.finish_reason = gen.text[:cut], "stop"
-            safe = len(gen.text) if gen.finish_reason else len(gen.text) - _stop_prefix_len(stops)
-            if safe > emitted:
-                yield gen.text[emitted:safe]
-                emitted = safe
-        if cut is None:  # a stop string ends the text; otherwise complete a dangling UTF-8 sequence
-            tail = decoder.flush()
-            gen.text += tail
-            if len(gen.text) > emitted:
-                yield gen.text[emitted:]
-        stats.generated_tokens = len(gen.tokens)
-        if first_token_at is not None:
-            stats.decode_s = time.perf_counter() - first_token_at
-        if counters is not None:
-            self._offload_stats(stats, counters)
-        if self.device.type == "cuda":
-            stats.peak_gpu_bytes = int(torch.cuda.max_memory_allocated(self.device))
+        try:
+            cut = None
+            while gen.finish_reason is None:
+                if len(gen.tokens) >= limit:
+                    if first_token_at is None:  # -n 0 (llama.cpp's reading): the prompt evaluated, nothing made
+                        float(logits[0])  # waits for the prefill
+                        stats.prefill_s = time.perf_counter() - start
+                    gen.finish_reason = "length"
+                    break
+                token = next(tokens, None)
+                if first_token_at is None:
+                    first_token_at = time.perf_counter()
+                    stats.prefill_s = first_token_at - start
+                if token is None:  # the context is full
+                    gen.finish_reason = "length"
+                    break
+                if not ignore_eos and self.tokenizer.is_eog(token):
+                    gen.finish_reason = "stop"
+                    break
+                gen.tokens.append(token)
+                history.append(token)
+                gen.text += decoder.push(token)
+                cut = _find_stop(gen.text, stops)
+                if cut is not None:
+                    gen.text, gen.finish_reason = gen.text[:cut], "stop"
+                safe = len(gen.text) if gen.finish_reason else len(gen.text) - _stop_prefix_len(stops)
+                if safe > emitted:
+                    yield gen.text[emitted:safe]
+                    emitted = safe
+            if cut is None:  # a stop string ends the text; otherwise complete a dangling UTF-8 sequence
+                tail = decoder.flush()
+                gen.text += tail
+                if len(gen.text) > emitted:
+                    yield gen.text[emitted:]
+        finally:  # also when the generation is closed or interrupted: the stats describe what it made
+            tokens.close()  # the decoder's own figures (drafting, verification) are final
+            stats.generated_tokens = len(gen.tokens)
+            if first_token_at is not None:
+                stats.decode_s = time.perf_counter() - first_token_at
+            if counters is not None:
+                self._offload_stats(stats, counters)
+            if self.device.type == "cuda":
+                stats.peak_gpu_bytes = int(torch.cuda.max_memory_allocated(self.device))
 
     def _offload_stats(self, stats: GenerationStats, start: Any) -> None:
         c = self.offload.stats(start)  # waits for the device once, after the last token, to read copy timings

@@ -79,6 +79,22 @@ def test_a_context_past_the_training_one_is_warned_about(shipped_model: Path, ca
     assert not [r for r in caplog.records if "exceeds" in r.getMessage()]
 
 
+@pytest.mark.parametrize("draft", [False, True], ids=["plain", "speculative"])
+def test_a_closed_generation_reports_what_it_made(shipped_model: Path, draft: bool) -> None:
+    """Ctrl-C in `run` or `chat` closes the generation: its stats then describe the tokens it made, not zeros."""
+    m = Model.load(shipped_model, device="cpu", progress=False, **({"draft": "q8_0", "n_draft": 3} if draft else {}))
+    gen = m.generate("Once upon a time", 64, SamplingParams(temperature=0))
+    pieces = iter(gen)
+    for _ in range(5):
+        next(pieces)
+    gen.close()
+    s = gen.stats
+    assert 5 <= s.generated_tokens == len(gen.tokens) < 64 and s.decode_s > 0 and gen.finish_reason is None
+    if draft:  # the decoder's figures are final too
+        assert s.draft_rounds > 0 and s.draft_s > 0 and s.verify_s > 0
+        assert s.draft_accepted + s.draft_rounds >= s.generated_tokens - 1
+
+
 def test_zero_tokens_still_evaluates_the_prompt(shipped_model: Path) -> None:
     """-n 0 as llama.cpp reads it: the prompt is evaluated (its time reported), nothing is generated."""
     gen = Model.load(shipped_model, device="cpu", progress=False).generate("Once upon a time", 0).wait()
