@@ -515,7 +515,8 @@ def serve(model: Path | None, host: str, port: int, api_key: str | None, insecur
     m = load(model, progress=True)
 
     def listening(url: str) -> None:
-        click.echo(f"serving {m.path.stem} on {url}/v1 (device {m.device}, context {m.ctx_size}, chat template: "
+        click.echo(f"serving {m.path.stem} on {url}/v1 (device {m.device}, context {m.ctx_size}, "
+                   f"{f'draft {m.draft}, ' if m.draft else ''}chat template: "
                    f"{chat_template(m).source}{', API key required' if api_key else ''}); requests are served "
                    f"one at a time; Ctrl-C stops", err=True)
 
@@ -546,7 +547,8 @@ def chat(model: Path | None, system: str | None, n_predict: int, sampling: Any, 
     interactive = sys.stdin.isatty()
     m = load(model, progress=interactive)
     session = ChatSession(m, system=system, n_predict=n_predict, sampling=sampling)
-    click.echo(f"chatting with {m.path.stem} (context {m.ctx_size}, chat template: {chat_template(m).source}); "
+    click.echo(f"chatting with {m.path.stem} (context {m.ctx_size}, {f'draft {m.draft}, ' if m.draft else ''}"
+               f"chat template: {chat_template(m).source}); "
                "/reset clears the history, /exit or Ctrl-D quits", err=True)
     if interactive:
         try:

@@ -380,6 +380,17 @@ class Model:
         """The offloading mode the routed experts run in ("lru", ...); None when they all sit on the device."""
         return self.offload.mode if self.offload is not None else None
 
+    @property
+    def draft(self) -> str | None:
+        """The file name of the draft speculative decoding takes its experts from, and its depth ("q2_k.gguf, depth
+        auto"); None without a draft."""
+        from specter_gguf.speculation import SpeculativeDecoder  # not at the top: it imports this module
+
+        d = self.decoder
+        if not isinstance(d, SpeculativeDecoder):
+            return None
+        return f"{d.name}, depth {'auto' if d.depth is not None else d.n_draft}"
+
     def record_routing(self) -> None:
         """Count the experts each layer routes to in the generations from now on (`routing_profile` gives them)."""
         self.routing_observer = DeviceRoutingCounts(self.config.n_layer, self.config.n_expert, self.device)

@@ -575,6 +575,8 @@ def create_app(model: Model, model_name: str | None = None, api_key: str | None 
         d = {"model": name, "device": str(model.device), "ctx_size": model.ctx_size, "chat_template": template.source}
         if model.offload_mode is not None:
             d["offload"] = model.offload_mode
+        if model.draft is not None:
+            d["draft"] = model.draft
         return d
 
     async def health(request: Request) -> Any:

@@ -342,6 +342,18 @@ def test_sampling_ranges(server: str) -> None:
     assert text(top_k=-3, seed=5) == text(top_k=0, seed=5)
 
 
+def test_health_names_the_draft(shipped_model: Path) -> None:
+    """/health and the metrics' info say which draft speculative decoding uses, and at which depth."""
+    from specter_gguf.server import create_app
+
+    m = Model.load(shipped_model, device="cpu", progress=False, draft="q8_0", n_draft=3)
+    with _in_process(create_app(m)) as base:
+        health = json.loads(_get(base + "/health"))
+        assert health["draft"] == "tiny-qwen2moe-q8_0.gguf, depth 3" == m.draft
+        assert 'draft="tiny-qwen2moe-q8_0.gguf, depth 3"' in _get(base + "/metrics")
+    assert Model.load(shipped_model, device="cpu", progress=False).draft is None
+
+
 def test_chat_without_max_tokens_stops_at_max_completion_tokens(shipped_model: Path) -> None:
     """A chat reply runs until it ends, but never past the server's --max-completion-tokens."""
     from specter_gguf.server import ServerLimits, create_app
