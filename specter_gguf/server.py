@@ -400,7 +400,7 @@ def _check_prompt_size(prompt: Any, limits: ServerLimits, model: Model, param: s
     if chars > most * PROMPT_CHARS_PER_TOKEN:
         raise RequestError(f"'{param}' has {chars} characters, more than the {most * PROMPT_CHARS_PER_TOKEN} "
                            f"this server reads ({PROMPT_CHARS_PER_TOKEN} per token of its {most}-token prompt "
-                           f"limit); shorten them", param=param)
+                           f"limit); shorten {'them' if param == 'messages' else 'it'}", param=param)
 
 
 def _error(message: str, status: int = 400, param: str | None = None, code: str | None = None,
