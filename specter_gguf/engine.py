@@ -232,9 +232,10 @@ class GenerationStats:
         """One line: tokens, context, prefill, TPOT, tokens/s; with offloading the cache's hit rate, bytes copied per
         token and hidden copy share; with a draft its acceptance; on CUDA the peak memory (`to_dict` has every
         figure)."""
+        decode = (f"TPOT {self.tpot_ms:.2f} ms, {self.tokens_per_s:.1f} tokens/s" if self.generated_tokens > 1
+                  else "no decode step to time")  # the first token comes with the prefill
         text = (f"prompt {self.prompt_tokens} tokens, generated {self.generated_tokens} tokens, context "
-                f"{self.ctx_size}, prefill {self.prefill_s * 1000:.1f} ms, TPOT {self.tpot_ms:.2f} ms, "
-                f"{self.tokens_per_s:.1f} tokens/s")
+                f"{self.ctx_size}, prefill {self.prefill_s * 1000:.1f} ms, {decode}")
         if self.offload is not None:
             text += (f"; offload {self.offload} ({self.cache_policy}, {self.cache_slots} slots): cache hit rate "
                      f"{100 * (self.cache_hit_rate or 0):.1f}%, {format_size(self.bytes_moved_per_token or 0)} "

@@ -89,6 +89,7 @@ def test_run_n_predict_zero(shipped_model: Path) -> None:
     assert out["stats"]["generated_tokens"] == 0 and out["stats"]["prompt_tokens"] == len(out["prompt_tokens"])
     result = invoke("run", str(shipped_model), "-p", PROMPT, "--device", "cpu", "-n", "0")
     assert result.exit_code == 0 and result.stdout == "\n", result.output
+    assert out["stats"]["prefill_s"] > 0 and "no decode step to time" in result.stderr  # the prompt was evaluated
 
 
 def test_run_stop_truncates(shipped_model: Path) -> None:
