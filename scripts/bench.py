@@ -42,7 +42,7 @@ from specter_gguf.bench.plots import write_plots  # noqa: E402
 from specter_gguf.bench.process import kill_group  # noqa: E402
 from specter_gguf.bench.prompts import (PROMPTS_FILE, load_prompts, server_tokenizer,  # noqa: E402
                                         store_token_ids, tokenize_prompts)
-from specter_gguf.bench.report import (append_report, format_size, merge_docs, now_utc,  # noqa: E402
+from specter_gguf.bench.report import (append_report, format_size, merge_docs, now_utc, read_results,  # noqa: E402
                                        render_markdown, write_json)
 from specter_gguf.bench.runner import BenchContext, RunSettings, run_matrix  # noqa: E402
 from specter_gguf.errors import SpecterError  # noqa: E402
@@ -110,7 +110,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--img-dir", type=Path, help="also copy the plots here (referenced from --report)")
     g.add_argument("--from-results", help="comma list of results.json to render (and merge) instead of running")
     g.add_argument("--prepare-only", action="store_true", help="build tools and make models, then stop")
-    g.add_argument("--dry-run", action="store_true", help="print the matrix with memory estimates, run nothing")
+    g.add_argument("--dry-run", action="store_true",
+                   help="make what is missing (tools, models), then print the matrix (llama.cpp's rows with memory "
+                        "estimates) instead of running it")
     g.add_argument("--store-token-ids", type=Path, metavar="VOCAB.gguf",
                    help="maintenance: store the prompts' ids for this vocab in the prompts file, then stop")
     return ap.parse_args(argv)
@@ -152,8 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SpecterError("--out is required")
         args.out.mkdir(parents=True, exist_ok=True)
         if args.from_results:
-            docs = [json.loads(Path(p).read_text()) for p in args.from_results.split(",") if p.strip()]
-            doc = merge_docs(docs)
+            doc = merge_docs([read_results(Path(p.strip())) for p in args.from_results.split(",") if p.strip()])
             write_json(args.out / "results.json", doc)
             render(doc, args.out, args.report, args.img_dir)
             return 0
@@ -171,6 +172,7 @@ def run(args: argparse.Namespace, t_start: float, deadline: float | None) -> int
     if args.model is None and not args.model_preset:
         raise SpecterError("give --model-preset (or --model)")
 
+    parse_budgets(args.budgets, model_bytes=1)  # their spelling, before anything is built or written
     # -- tools (built in the background while the target is written)
     bin_dir = args.llama_bin or llama_build_bin(args.llama_dir)
     llama_bin = find_llama_bin(bin_dir)
@@ -198,7 +200,7 @@ def run(args: argparse.Namespace, t_start: float, deadline: float | None) -> int
                                    vocab, log, target_type=args.target_type)
         if build is not None:
             log("waiting for the llama.cpp build")
-            llama_bin = wait_llama_build(build, args.llama_dir, timeout=1200)
+            llama_bin = wait_llama_build(build, args.llama_dir, timeout=1200, log=args.out / "build-llama.log")
             build = None
             log(f"llama.cpp tools in {llama_bin}")
     finally:

@@ -543,6 +543,22 @@ def test_bench_end_to_end_ours_on_cpu(tmp_path, preset):
     assert (tmp_path / "again" / "section.md").read_text().count("| ours |") == 1
 
 
+def test_bench_user_mistakes_are_one_error_line(tmp_path):
+    """A results file that is missing, not JSON or not a run's, and a budget misspelt, are one line naming the file or
+    the value (the budget before any tool is built or model written)."""
+    (tmp_path / "notes.json").write_text("x")
+    (tmp_path / "other.json").write_text("{}")
+    for args, want in [(["--from-results", str(tmp_path / "nosuch.json")], "cannot read"),
+                       (["--from-results", str(tmp_path / "notes.json")], "is not JSON"),
+                       (["--from-results", str(tmp_path / "other.json")], "is not a benchmark's results"),
+                       (["--model-preset", "tiny-qwen2moe", "--budgets", "abc", "--work-dir", str(tmp_path / "w")],
+                        "cannot read the size 'abc'")]:
+        p = _bench(*args, "--out", str(tmp_path / "out"))
+        assert p.returncode == 2 and p.stdout.startswith("error: ") and want in p.stdout, p.stdout + p.stderr
+        assert "Traceback" not in p.stdout + p.stderr
+    assert not (tmp_path / "w").exists()
+
+
 def test_bench_end_to_end_ours_speculative_on_cpu(tmp_path):
     """Our speculative modes in the harness: a Q4_K_M draft made from the target, real acceptance (depth auto,
     which may choose plain steps on the CPU) and synthetic acceptance at depth auto and at llama.cpp's depth, with

@@ -231,8 +231,9 @@ def start_llama_build(gpu_dir: Path, targets: Sequence[str] = ("llama-server", "
                             start_new_session=True)
 
 
-def wait_llama_build(proc: subprocess.Popen, llama_dir: Path, timeout: float) -> Path:
-    """The folder of the tools `proc` (`start_llama_build`) built in `llama_dir`; a failure shows its logs."""
+def wait_llama_build(proc: subprocess.Popen, llama_dir: Path, timeout: float, log: Path | None = None) -> Path:
+    """The folder of the tools `proc` (`start_llama_build`, writing to `log`) built in `llama_dir`; a failure shows
+    the end of each log it left."""
     try:
         rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -240,6 +241,8 @@ def wait_llama_build(proc: subprocess.Popen, llama_dir: Path, timeout: float) ->
         raise SpecterError(f"building llama.cpp took more than {timeout:.0f} s") from None
     bin_dir = llama_build_bin(llama_dir)
     if rc != 0 or not (bin_dir / "llama-server").exists():
-        raise SpecterError(f"building llama.cpp failed (code {rc}):\n{tail(llama_dir / 'build.log', 25)}\n"
-                           f"{tail(llama_dir / 'cmake.log', 10)}")
+        logs = [p for p in (log, llama_dir / "cmake.log", llama_dir / "build.log") if p is not None and tail(p)]
+        shown = "\n".join(f"--- {p}:\n{tail(p, 15)}" for p in logs) or "(it left no log)"
+        raise SpecterError(f"building llama.cpp failed (code {rc}); give --llama-bin with built tools, or run only "
+                           f"our systems (--systems 'ours*'):\n{shown}")
     return bin_dir

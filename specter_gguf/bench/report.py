@@ -26,6 +26,20 @@ def write_json(path: str | Path, doc: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
+def read_results(path: Path) -> dict[str, Any]:
+    """A results.json of `scripts/bench.py`; a missing or foreign file is one error naming it."""
+    try:
+        doc = json.loads(path.read_text())
+    except OSError as e:
+        raise SpecterError(f"cannot read {path}: {e.strerror or e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SpecterError(f"{path} is not JSON ({e}); give the results.json a run wrote") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("meta"), dict) or not isinstance(doc.get("results"), list):
+        raise SpecterError(f"{path} is not a benchmark's results (no 'meta' and 'results'); give the results.json a "
+                           "run wrote")
+    return doc
+
+
 def merge_docs(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Several results documents (e.g. the parts of a split run) as one. A system skipped in one part (its
     deadline) and measured in a later one (a rerun of what was left) appears once, measured."""
@@ -99,7 +113,7 @@ def _speculation_table(res: Sequence[dict[str, Any]], decs: Sequence[str]) -> li
         (f"Speculation and data movement (values `{' / '.join(decs)}`; our engine's counts summed over prompts, "
          "then divided; llama.cpp reports none of these). Tokens/iter: tokens committed per verification pass, the "
          "target's own included; Drafted/iter: tokens drafted for it. Depth: the verifications of each draft depth "
-         "and their mean time in ms (where depth auto settles). Draft step: one drafted token's forward. Prefetch "
+         "and their mean time in ms (where depth auto settles; depth 0 is a plain step of the target). Draft step: one drafted token's forward. Prefetch "
          "precision: prefetched experts "
          "the verification used / experts prefetched; recall: the same / experts the verifications used that were "
          "prefetched or read in place (what they would have missed without the lookahead). Late prefetches: "
@@ -137,7 +151,7 @@ def render_markdown(doc: dict[str, Any], images: Sequence[str] = ()) -> str:
         f"- Prompts: {m.get('n_prompts')} (ids via {m.get('tokenized_by', '?')}), {m.get('n_predict')} generated "
         f"tokens each, after one warm-up per decoding; decodings: {' / '.join(decs)} (sampled: temperature 1, top-k 40, "
         f"top-p 0.95, min-p 0.05, seed {m.get('seed')} + prompt index)",
-        f"- llama.cpp: {m.get('llama_version', '—')}; context {m.get('ctx_size')} tokens",
+        f"- llama.cpp: {m.get('llama_version') or 'not run'}; context {m.get('ctx_size')} tokens",
         f"- Command: `{m.get('command', '?')}`",
         "",
         f"Values are `{' / '.join(decs)}`. TPOT: median over prompts of decode time per generated token after the "
@@ -184,8 +198,9 @@ def render_markdown(doc: dict[str, Any], images: Sequence[str] = ()) -> str:
                      "is kept at random with probability p once the one before it was, p such that a depth of "
                      f"`--spec-draft-n-max` {n_max} keeps a mean of L tokens per verification, the target's included; "
                      "the output is invalid, the compute and data movement are real). llama.cpp and "
-                     f"ours-spec-synth-fixed draft {n_max} tokens an iteration, ours-spec-synth chooses its depth "
-                     "(auto, as a draft of per-token acceptance p would be run). Real acceptance of "
+                     f"ours-spec-synth-fixed draft {n_max} tokens an iteration (fewer where no more tokens are "
+                     "wanted), ours-spec-synth chooses its depth (auto, as a draft of per-token acceptance p would be "
+                     "run). Real acceptance of "
                      f"the same draft on this model ({' / '.join(decs)}): {acc}.")
         lines.append("")
     for b in m.get("budgets") or {}:
