@@ -378,6 +378,26 @@ def test_run_stats_and_routing_profile_cli(shipped_model, tmp_path) -> None:
     assert stats["offload"] == "lru" and stats["cache_policy"] == "static-hot"
 
 
+def test_a_routing_profile_of_another_model_is_refused(shipped_model, tmp_path, caplog) -> None:
+    """A profile counting an expert or layer the model does not have (or a negative count) is one error naming the
+    file and the fix; one recorded with another file loads with a warning."""
+    import logging
+
+    budget = _budget_for(shipped_model)
+    n_layer, n_expert = 4, 8
+    for counts in ({(0, n_expert): 5}, {(n_layer, 0): 5}, {(1, 1): -3}):
+        RoutingProfile(counts, str(shipped_model)).save(tmp_path / "odd.json")
+        with pytest.raises(SpecterError, match=r"odd.json: .* which tiny-qwen2moe.gguf \(4 layers of 8 experts\) "
+                                               "cannot have: the profile is of another model"):
+            Model.load(shipped_model, device="cpu", ctx_size=CTX, progress=False, gpu_budget=budget,
+                       routing_profile=tmp_path / "odd.json")
+    RoutingProfile({(1, 2): 4}, "/elsewhere/other-model.gguf").save(tmp_path / "other.json")
+    with caplog.at_level(logging.WARNING, logger="specter_gguf"):
+        Model.load(shipped_model, device="cpu", ctx_size=CTX, progress=False, gpu_budget=budget,
+                   routing_profile=tmp_path / "other.json")
+    assert "was recorded with other-model.gguf, not tiny-qwen2moe.gguf" in caplog.text
+
+
 def test_counters_since() -> None:
     c = OffloadCounters(cache_lookups=5, copy_s=1.0)
     s = c.snapshot()

@@ -349,10 +349,14 @@ def load_offloaded(f: GGUFFile, device: torch.device, ctx_size: int, progress: b
                                f"{format_size(plan.budget)} whole: give --offload lru (or a smaller budget)")
         return load_transformer(f, device, progress), None, plan
     plan.check()
+    where = "the routing profile"
     if isinstance(routing_profile, (str, bytes)) or hasattr(routing_profile, "__fspath__"):
+        where = str(routing_profile)
         routing_profile = RoutingProfile.load(routing_profile)  # type: ignore[arg-type]
     policy = cache_policy or ("static-hot" if routing_profile is not None else "lru")
     cfg = ModelConfig.from_gguf(f)
+    if routing_profile is not None:
+        routing_profile.check(str(f.path), cfg.n_layer, cfg.n_expert, where)
     options = OffloadOptions(offload, policy, routing_profile, pin, lookahead=draft is not None)
     runtime = OffloadRuntime(f, cfg, plan, device, options, progress)
     try:

@@ -11,12 +11,15 @@ JSON, used by the static-hot cache policy.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
 import torch
 
 from specter_gguf.errors import SpecterError
+
+log = logging.getLogger(__name__)
 
 PROFILE_FORMAT = "specter-gguf routing profile v1"
 
@@ -44,6 +47,19 @@ class RoutingProfile:
 
     def __init__(self, counts: dict[tuple[int, int], int], model: str = "") -> None:
         self.counts, self.model = dict(counts), model
+
+    def check(self, path: str, n_layer: int, n_expert: int, where: str) -> None:
+        """Fails unless every (layer, expert) counted exists in the model of file `path` (`n_layer` layers of
+        `n_expert` experts) and every count is positive; warns when the profile names another file."""
+        for (layer, expert), c in sorted(self.counts.items()):
+            if not (0 <= layer < n_layer and 0 <= expert < n_expert) or c < 0:
+                raise SpecterError(f"{where}: {c} uses of expert {expert} of layer {layer}, which {Path(path).name} "
+                                   f"({n_layer} layers of {n_expert} experts) cannot have: the profile is of another "
+                                   f"model; record one with `specter-gguf run {Path(path).name} "
+                                   "--save-routing-profile FILE`")
+        if self.model and Path(self.model).name != Path(path).name:
+            log.warning("%s was recorded with %s, not %s: its hot experts may not be this model's", where,
+                        Path(self.model).name, Path(path).name)
 
     def count(self, key: tuple[int, int] | None) -> int:
         return self.counts.get(key, 0) if key is not None else 0
