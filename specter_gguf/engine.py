@@ -102,8 +102,19 @@ def plan_budget(path: str | os.PathLike[str], gpu_budget: int | str, ctx_size: i
     (`runtime.budget`). A budget below the minimum is planned too: `MemoryPlan.check()` refuses it."""
     parse_size(gpu_budget)  # a size the user got wrong fails before the file is read
     f = _open_model(path)
+    ctx = _context(ModelConfig.from_gguf(f), ctx_size)
     draft_file = GGUFFile(resolve_draft(path, draft)) if draft is not None else None
-    return plan_memory(f, gpu_budget, ctx_size, device, draft_file)
+    return plan_memory(f, gpu_budget, ctx, device, draft_file)
+
+
+def _context(cfg: ModelConfig, ctx_size: int | None) -> int:
+    """The context a run uses for `ctx_size` (`ModelConfig.context_size`), with llama.cpp's warning past the
+    context the model was trained on (RoPE positions past it are untried)."""
+    ctx = cfg.context_size(ctx_size)
+    if ctx > cfg.n_ctx_train:
+        log.warning("the context of %d tokens exceeds the %d the model was trained on; text past %d tokens may "
+                    "degrade", ctx, cfg.n_ctx_train, cfg.n_ctx_train)
+    return ctx
 
 
 def tpot_ms(decode_s: float, generated: int) -> float | None:
@@ -265,7 +276,7 @@ class GenerationStats:
 class Generation:
     """A generation in progress: iterate to stream text pieces; afterwards `text`, `tokens`,
     `finish_reason` ("stop" at an end-of-generation token or a stop string, "length" at the token limit
-    or a full context) and `stats` hold the result."""
+    or a full context, None when it was closed before its end) and `stats` hold the result."""
 
     prompt_tokens: list[int]
     text: str = ""
@@ -340,10 +351,7 @@ class Model:
         dev = resolve_device(device)
         f = _open_model(path)
         cfg = ModelConfig.from_gguf(f)
-        ctx = cfg.context_size(ctx_size)
-        if ctx > cfg.n_ctx_train:  # llama.cpp warns the same: RoPE positions past training are untried
-            log.warning("the context of %d tokens exceeds the %d the model was trained on; text past %d tokens "
-                        "may degrade", ctx, cfg.n_ctx_train, cfg.n_ctx_train)
+        ctx = _context(cfg, ctx_size)
         if draft is None and n_draft is not None:
             raise SpecterError("--n-draft needs a draft (--draft DRAFT.gguf)")
         if n_draft is not None:
@@ -485,6 +493,7 @@ class Model:
             raise ContextFullError(f"the prompt has {len(prompt_ids)} tokens but the context holds {self.ctx_size}; "
                                    f"shorten it or raise -c/--ctx-size")
         gen = Generation(prompt_tokens=prompt_ids)
+        gen.stats.prompt_tokens, gen.stats.ctx_size = len(prompt_ids), self.ctx_size
         sampler = Sampler(sampling or SamplingParams())
         if not sampler.params.greedy and sampler.params.seed is None:  # as llama.cpp prints its sampler's seed
             log.info("sampling seed %d (drawn at random: give it as the seed to repeat this generation)", sampler.seed)
@@ -538,7 +547,6 @@ class Model:
                 cache: KVCache) -> Iterator[str]:
         limit = n_predict if n_predict >= 0 else self.ctx_size
         stats = gen.stats
-        stats.prompt_tokens, stats.ctx_size = len(gen.prompt_tokens), self.ctx_size
         decoder = self.tokenizer.stream(continuation=True)  # generated text continues the prompt
         history = list(gen.prompt_tokens)
         emitted = 0  # characters of gen.text already yielded

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from specter_gguf.engine import Model
+from specter_gguf.engine import Model, plan_budget
 from specter_gguf.errors import SpecterError
 from specter_gguf.sampling import SamplingParams
 from specter_gguf.tokenizer import IdsOnlyTokenizer
@@ -77,6 +77,9 @@ def test_a_context_past_the_training_one_is_warned_about(shipped_model: Path, ca
     with caplog.at_level(logging.WARNING, logger="specter_gguf"):
         Model.load(shipped_model, device="cpu", progress=False, ctx_size=512)
     assert not [r for r in caplog.records if "exceeds" in r.getMessage()]
+    with caplog.at_level(logging.WARNING, logger="specter_gguf"):  # the plan of such a run warns the same
+        plan_budget(shipped_model, "1GiB", ctx_size=2048, device="cpu")
+    assert any("2048 tokens exceeds the 512" in r.getMessage() for r in caplog.records), caplog.text
 
 
 @pytest.mark.parametrize("draft", [False, True], ids=["plain", "speculative"])
@@ -90,6 +93,9 @@ def test_a_closed_generation_reports_what_it_made(shipped_model: Path, draft: bo
     gen.close()
     s = gen.stats
     assert 5 <= s.generated_tokens == len(gen.tokens) < 64 and s.decode_s > 0 and gen.finish_reason is None
+    unread = m.generate("Once upon a time", 8)
+    unread.close()  # before its first piece: the prompt and the context are known all the same
+    assert unread.stats.prompt_tokens == len(unread.prompt_tokens) > 0 and unread.stats.ctx_size == m.ctx_size
     if draft:  # the decoder's figures are final too
         assert s.draft_rounds > 0 and s.draft_s > 0 and s.verify_s > 0
         assert s.draft_accepted + s.draft_rounds >= s.generated_tokens - 1
