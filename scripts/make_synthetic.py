@@ -24,7 +24,8 @@ except ImportError:  # running from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from specter_gguf.errors import SpecterError  # noqa: E402
-from specter_gguf.quantize import FTYPES, quantize_gguf, quantized_path  # noqa: E402
+from specter_gguf.outputs import check_output_file  # noqa: E402
+from specter_gguf.quantize import FTYPES, quantize_with_progress, quantized_path  # noqa: E402
 from specter_gguf.sizes import format_size  # noqa: E402
 from specter_gguf.synthetic.shapes import PRESETS, get_preset  # noqa: E402
 from specter_gguf.synthetic.writer import DTYPES, write_synthetic  # noqa: E402
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         if bad:
             raise SpecterError(f"unknown --quantize type(s) {bad}; valid: {', '.join(FTYPES)}")
 
+        check_output_file(args.output, f"-o {args.output}")  # a missing folder is refused, as everywhere
         r = write_synthetic(args.output, shape, args.dtype, seed=args.seed, device=args.device,
                             vocab_from=args.vocab_from, progress=not args.no_progress)
         print(f"wrote {r.path}: {shape.arch} {args.preset} ({shape.n_layer} layers, {r.n_vocab} vocab), "
@@ -66,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         for q in qtypes:
             dst = quantized_path(args.output, q)
             t0 = time.perf_counter()
-            quantize_gguf(args.output, dst, q, n_threads=args.threads, allow_requantize=args.dtype == "q8_0")
+            quantize_with_progress(args.output, dst, q, show=not args.no_progress, n_threads=args.threads,
+                                   allow_requantize=args.dtype == "q8_0")  # llama.cpp's own log: a bar instead
             print(f"wrote {dst}: {q}, {format_size(dst.stat().st_size, '.1f')} in {time.perf_counter() - t0:.1f} s")
     except SpecterError as e:
         print(f"error: {e}", file=sys.stderr)
