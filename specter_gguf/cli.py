@@ -111,11 +111,17 @@ class DraftDepth(click.ParamType):
 
 
 class DraftFile(click.ParamType):
-    """`--draft`: a draft GGUF, or a type (q4_k_m, ...) whose draft the engine makes from the model on first use."""
+    """`--draft`: a draft GGUF, or a type (q4_k_m, ...) whose draft the engine makes from the model on first use;
+    with `allow_none`, "none" too (no draft, where one is used by default)."""
 
     name = "FILE|TYPE"
 
+    def __init__(self, allow_none: bool = False) -> None:
+        self.allow_none = allow_none
+
     def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        if self.allow_none and isinstance(value, str) and value.strip().lower() == "none":
+            return "none"
         try:
             return draft_file_or_type(value)
         except SpecterError as e:
@@ -125,7 +131,7 @@ class DraftFile(click.ParamType):
 DRAFT_HELP = (f"Decode speculatively with the experts of a quantized copy of the model: a file, or a type "
               f"({', '.join(DRAFT_TYPES)}) made from the model with llama.cpp's quantizer on first use and kept beside "
               f"it in .specter-drafts/ (or the user cache); the output is the model's own. Where MODEL may be left out "
-              f"(run, chat, serve), the shipped model runs with a {SHIPPED_DRAFT} draft.")
+              f"(run, chat, serve), the shipped model runs with a {SHIPPED_DRAFT} draft; none: no draft.")
 
 
 def _with_options(f: Any, options: list[Any]) -> Any:
@@ -183,6 +189,7 @@ def load_options(f: Any) -> Any:
 
             budget = parse_size(gpu_budget) if gpu_budget is not None else None  # a wrong size: before any work
             chosen = SHIPPED_DRAFT if model is None and draft is None else draft  # the shipped model speculates
+            chosen = None if chosen == "none" else chosen
             return Model.load(model, device=device, ctx_size=ctx_size, progress=progress, gpu_budget=budget,
                               offload=offload, cache_policy=cache_policy, routing_profile=routing_profile,
                               cuda_graphs=cuda_graphs, draft=chosen, n_draft=n_draft)
@@ -204,7 +211,7 @@ def load_options(f: Any) -> Any:
         click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
                      help="Replay each decode step, draft step and verification as a CUDA graph (CUDA; not with "
                      "--offload gate-prefetch)."),
-        click.option("--draft", type=DraftFile(), default=None, help=DRAFT_HELP),
+        click.option("--draft", type=DraftFile(allow_none=True), default=None, help=DRAFT_HELP),
         click.option("--n-draft", type=DraftDepth(), default=None, show_default=False,
                      help=f"Tokens drafted per verification (with --draft), 1 to {MAX_FIXED_DEPTH}. Default auto: "
                      f"chosen each iteration, from 0 (a plain step, when drafting does not pay) to {MAX_DEPTH}, from "

@@ -83,6 +83,17 @@ def test_run_streaming_prints_text_then_summary(shipped_model: Path, greedy8: di
     assert f"generated {len(greedy8['tokens'])} tokens" in last
 
 
+def test_draft_none_turns_the_shipped_draft_off(shipped_model: Path) -> None:
+    """Without MODEL the shipped model speculates with its Q4_K_M draft; --draft none runs it alone (same tokens);
+    `plan`, where no draft is the default, does not take none."""
+    with_draft = invoke("run", "-p", PROMPT, "--device", "cpu", "-n", "8", "--temp", "0", "--json")
+    alone = invoke("run", "-p", PROMPT, "--device", "cpu", "-n", "8", "--temp", "0", "--json", "--draft", "none")
+    a, b = (json.loads(r.stdout.strip().splitlines()[-1]) for r in (with_draft, alone))
+    assert a["stats"]["draft_rounds"] and b["stats"].get("draft_rounds") is None and a["tokens"] == b["tokens"]
+    r = invoke("plan", str(shipped_model), "--gpu-budget", "1GiB", "--draft", "none")
+    assert r.exit_code == 2 and "no such file, and not a draft type" in r.output
+
+
 def test_run_n_predict_zero(shipped_model: Path) -> None:
     out = run_json(shipped_model, "-n", "0", "--temp", "0")
     assert out["tokens"] == [] and out["text"] == ""
