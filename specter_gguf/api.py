@@ -10,6 +10,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
+from .engine import stop_list
 from .errors import SpecterError
 from .sampling import SamplingParams
 
@@ -18,17 +19,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["create_completion", "create_chat_completion", "start_completion", "start_chat_completion",
            "completion_result", "completion_chunks", "chat_result", "chat_chunks", "usage"]
-
-
-def stop_list(stop: str | Sequence[str] | None) -> list[str]:
-    """The stop strings of an OpenAI-style `stop` field: none, one string or a list of strings."""
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        return [stop]
-    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-        raise SpecterError("'stop' must be a string or a list of strings")
-    return list(stop)
 
 
 def _max_tokens(max_tokens: int | None) -> int:
@@ -53,7 +43,7 @@ def start_completion(model: Model, prompt: str | Sequence[int], max_tokens: int 
                      sampling: SamplingParams | None = None, stop: str | Sequence[str] | None = None) -> Generation:
     """A Generation for a completion request (nothing is computed until it is iterated)."""
     return model.generate(_prompt_ids(model, prompt), n_predict=_max_tokens(max_tokens), sampling=sampling,
-                          stop=stop_list(stop))
+                          stop=stop)
 
 
 def start_chat_completion(model: Model, messages: Sequence[Mapping[str, Any]], max_tokens: int | None = None,

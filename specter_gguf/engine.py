@@ -107,6 +107,17 @@ def plan_budget(path: str | os.PathLike[str], gpu_budget: int | str, ctx_size: i
     return plan_memory(f, gpu_budget, ctx, device, draft_file)
 
 
+def stop_list(stop: str | Sequence[str] | None) -> list[str]:
+    """The stop strings of a `stop` argument or OpenAI-style field: none, one text or a list of texts."""
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        raise SpecterError("'stop' must be a text or a list of texts")
+    return list(stop)
+
+
 def _context(cfg: ModelConfig, ctx_size: int | None) -> int:
     """The context a run uses for `ctx_size` (`ModelConfig.context_size`), with llama.cpp's warning past the
     context the model was trained on (RoPE positions past it are untried)."""
@@ -379,9 +390,8 @@ class Model:
                      "the whole model fits" if runtime is None else
                      f"experts offloaded ({runtime.mode}, {runtime.options.policy} cache of {plan.n_slots} of "
                      f"{plan.n_experts_total} experts)")
-        if draft_file is not None:
-            log.info("speculative decoding with the experts of %s, depth %s", draft_file.path,
-                     "auto" if n_draft is None else n_draft)
+        if model.draft is not None:
+            log.info("speculative decoding with the experts of %s", model.draft)
         return model
 
     @property
@@ -485,9 +495,7 @@ class Model:
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise SpecterError(f"sampling must be a SamplingParams (e.g. SamplingParams(temperature=0)), not "
                                f"{type(sampling).__name__}")
-        stop = [stop] if isinstance(stop, str) else [] if stop is None else stop
-        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-            raise SpecterError("stop must be a text or a list of texts")
+        stop = stop_list(stop)
         prompt_ids = self._prompt_ids(prompt)
         if len(prompt_ids) >= self.ctx_size:
             raise ContextFullError(f"the prompt has {len(prompt_ids)} tokens but the context holds {self.ctx_size}; "
@@ -497,7 +505,7 @@ class Model:
         sampler = Sampler(sampling or SamplingParams())
         if not sampler.params.greedy and sampler.params.seed is None:  # as llama.cpp prints its sampler's seed
             log.info("sampling seed %d (drawn at random: give it as the seed to repeat this generation)", sampler.seed)
-        gen._pieces = self._run(gen, int(n_predict), sampler, list(stop), ignore_eos)
+        gen._pieces = self._run(gen, int(n_predict), sampler, stop, ignore_eos)
         return gen
 
     # -- chat and llama-cpp-python–shaped results (specter_gguf/chat.py, specter_gguf/api.py) ------------

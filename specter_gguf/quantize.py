@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from .errors import SpecterError
+from .gguf_file import GGUFFile
 from .outputs import check_output_file
 
 # llama_ftype values, checked against llama.h of llama-cpp-python 0.3.36 (vendor/llama.cpp/include).
@@ -57,14 +58,12 @@ def quantized_path(src: str | Path, qtype: str) -> Path:
     return src.with_name(f"{stem}-{qtype.strip().lower()}.gguf")
 
 
-def quantized_types(src: str | Path) -> list[str]:
-    """The block-quantized tensor types of GGUF `src` (e.g. ["Q8_0"]): llama.cpp's quantizer converts such tensors
-    only when allowed to requantize."""
+def quantized_types(f: GGUFFile) -> list[str]:
+    """The block-quantized tensor types of the GGUF file `f` (e.g. ["Q8_0"]): llama.cpp's quantizer converts such
+    tensors only when allowed to requantize."""
     from gguf import GGML_QUANT_SIZES
 
-    from .gguf_file import GGUFFile
-
-    return sorted({t.type.name for t in GGUFFile(src).tensors.values() if GGML_QUANT_SIZES[t.type][0] > 1})
+    return sorted({t.type.name for t in f.tensors.values() if GGML_QUANT_SIZES[t.type][0] > 1})
 
 
 def quantize_gguf(src: str | Path, dst: str | Path, qtype: str, n_threads: int = 0,
@@ -83,7 +82,7 @@ def quantize_gguf(src: str | Path, dst: str | Path, qtype: str, n_threads: int =
     if src.resolve() == dst.resolve():
         raise SpecterError(f"cannot quantize {src} onto itself; choose another output path")
     check_output_file(dst, f"cannot quantize: the output {dst}", create_folder=True)  # its folder is made
-    if not allow_requantize and (types := quantized_types(src)):
+    if not allow_requantize and (types := quantized_types(GGUFFile(src))):
         raise SpecterError(f"cannot quantize {src}: it is quantized already ({', '.join(types)} tensors); start from "
                            "its F32/F16/BF16 file, or allow requantizing (--allow-requantize; quality suffers)")
     try:

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator
 
 from . import api
+from .engine import stop_list
 from .errors import ContextFullError, SpecterError, TemplateError
 from .sampling import SamplingOptionError, SamplingParams
 
@@ -302,7 +303,7 @@ def _unsupported(body: dict[str, Any]) -> None:
 
 def _stop(body: dict[str, Any], limits: ServerLimits) -> list[str]:
     try:
-        stop = api.stop_list(body.get("stop"))
+        stop = stop_list(body.get("stop"))
     except SpecterError as e:
         raise RequestError(str(e), param="stop") from None
     if len(stop) > limits.max_stop:
@@ -400,7 +401,7 @@ def _check_prompt_size(prompt: Any, limits: ServerLimits, model: Model, param: s
     if chars > most * PROMPT_CHARS_PER_TOKEN:
         raise RequestError(f"'{param}' has {chars} characters, more than the {most * PROMPT_CHARS_PER_TOKEN} "
                            f"this server reads ({PROMPT_CHARS_PER_TOKEN} per token of its {most}-token prompt "
-                           f"limit); shorten {'them' if param == 'messages' else 'it'}", param=param)
+                           f"limit); shorten the {param}", param=param)
 
 
 def _error(message: str, status: int = 400, param: str | None = None, code: str | None = None,

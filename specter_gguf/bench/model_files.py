@@ -174,7 +174,8 @@ _SOURCE_SHARE = {"f32": 2.0, "f16": 1.0, "bf16": 1.0, **QTYPE_SHARE}
 def gguf_weight_type(path: Path) -> tuple[str, bool]:
     """(the llama ftype name of `path`'s general.file_type, e.g. "f16" or "q8_0", "" when absent or unknown;
     whether any tensor is stored in a quantized type, i.e. llama.cpp's quantizer needs --allow-requantize)."""
-    file_type = GGUFFile(path).get("general.file_type")
+    f = GGUFFile(path)
+    file_type = f.get("general.file_type")
     names = {v: k for k, v in FTYPES.items()}
     name = names.get(int(file_type), "") if file_type is not None else ""
-    return name, bool(quantized_types(path))
+    return name, bool(quantized_types(f))
