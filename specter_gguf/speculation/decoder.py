@@ -206,8 +206,8 @@ class SpeculativeDecoder:
                 cache.truncate(pos + 1 + len(accepted))
                 # the verdict was read: the phases' events have completed. Not measured for the depth: an iteration
                 # that captured a CUDA graph (tens of ms, once), and a generation's first, whose verification turns
-                # the expert cache over from the prompt's experts to the decoding's (35-55 ms at any depth on the
-                # benchmark shape, 4-6x the next: it kept the depth it was run at from being chosen again)
+                # the expert cache over from the prompt's experts to the decoding's (38-54 ms at any depth on the
+                # benchmark shape, 4-6x a later one: it kept the depth it was run at from being chosen again)
                 draft_s, verify_s = clock.last("draft"), clock.last("verify")
                 if self.depth is not None and self._captures() == captures and not first_iteration:
                     wall = time.perf_counter() - began
