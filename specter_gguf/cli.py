@@ -72,9 +72,11 @@ def _check_n_predict(ctx: click.Context, param: click.Parameter, value: int) -> 
 
 
 def _read_prompt_file(path: Path) -> str:
-    """The text of a -f/--file prompt (`-`: standard input), or one error line naming the file."""
+    """The text of a -f/--file prompt (`-`: standard input) without one trailing newline (as llama.cpp's -f reads
+    it: an editor's or echo's last newline is not part of the prompt), or one error line naming the file."""
     try:
-        return sys.stdin.read() if str(path) == "-" else path.read_text(encoding="utf-8")
+        text = sys.stdin.read() if str(path) == "-" else path.read_text(encoding="utf-8")
+        return text[:-1] if text.endswith("\n") else text
     except UnicodeDecodeError as e:
         raise SpecterError(f"cannot read the prompt file {path}: it is not UTF-8 text (byte {e.start}); "
                            "save it as UTF-8 (e.g. iconv -t UTF-8) or give the prompt with -p") from None
@@ -128,10 +130,10 @@ class DraftFile(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
-DRAFT_HELP = (f"Decode speculatively with the experts of a quantized copy of the model: a file, or a type "
-              f"({', '.join(DRAFT_TYPES)}) made from the model with llama.cpp's quantizer on first use and kept beside "
-              f"it in .specter-drafts/ (or the user cache); the output is the model's own. Where MODEL may be left out "
-              f"(run, chat, serve), the shipped model runs with a {SHIPPED_DRAFT} draft; none: no draft.")
+DRAFT_HELP = (f"Decode speculatively with the experts of a quantized copy of the model: a file, or a type (such as "
+              f"{', '.join(DRAFT_TYPES)}: any of `specter-gguf quantize --type`) made from the model with llama.cpp's "
+              f"quantizer on first use and kept beside it in .specter-drafts/ (or the user cache); the output is the "
+              f"model's own.")
 
 
 def _with_options(f: Any, options: list[Any]) -> Any:
@@ -176,14 +178,17 @@ def sampling_options(f: Any, seed_help: str = SEED_HELP) -> Any:
     ])
 
 
-def load_options(f: Any) -> Any:
-    """Where and how the model is loaded (device, context, GPU budget, offloading); the command receives a
-    `load(model, progress)` that loads it with them."""
+def load_options(f: Any = None, *, depth: bool = True) -> Any:
+    """Where and how the model is loaded (device, context, GPU budget, offloading, draft); the command receives a
+    `load(model, progress)` that loads it with them. `depth=False` (profile-depth, which runs every depth itself):
+    no --n-draft, and no --draft none."""
+    if f is None:
+        return functools.partial(load_options, depth=depth)
 
     @functools.wraps(f)
     def command(*args: Any, device: str | None, ctx_size: int | None, gpu_budget: str | None, offload: str | None,
                 cache_policy: str | None, routing_profile: Path | None, cuda_graphs: bool, draft: Path | str | None,
-                n_draft: int | str | None, **kwargs: Any) -> Any:
+                n_draft: int | str | None = None, **kwargs: Any) -> Any:
         def load(model: Path | None, progress: bool) -> Any:
             from specter_gguf.engine import Model
 
@@ -211,11 +216,13 @@ def load_options(f: Any) -> Any:
         click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
                      help="Replay each decode step, draft step and verification as a CUDA graph (CUDA; not with "
                      "--offload gate-prefetch)."),
-        click.option("--draft", type=DraftFile(allow_none=True), default=None, help=DRAFT_HELP),
-        click.option("--n-draft", type=DraftDepth(), default=None, show_default=False,
-                     help=f"Tokens drafted per verification (with --draft), 1 to {MAX_FIXED_DEPTH}. Default auto: "
-                     f"chosen each iteration, from 0 (a plain step, when drafting does not pay) to {MAX_DEPTH}, from "
-                     "the measured acceptance and costs of drafting and verifying."),
+        click.option("--draft", type=DraftFile(allow_none=depth), default=None,
+                     help=DRAFT_HELP + (f" Where MODEL may be left out, the shipped model runs with a {SHIPPED_DRAFT} "
+                                        "draft; none: no draft." if depth else " Required.")),
+        *([click.option("--n-draft", type=DraftDepth(), default=None, show_default=False,
+                        help=f"Tokens drafted per verification (with --draft), 1 to {MAX_FIXED_DEPTH}. Default auto: "
+                        f"chosen each iteration, from 0 (a plain step, when drafting does not pay) to {MAX_DEPTH}, "
+                        "from the measured acceptance and costs of drafting and verifying.")] if depth else []),
     ])
 
 
@@ -224,7 +231,8 @@ def load_options(f: Any) -> Any:
 @click.option("-p", "--prompt", help="Prompt text.")
 @click.option("-f", "--file", "prompt_file", type=click.Path(exists=True, dir_okay=False, allow_dash=True,
                                                              path_type=Path),
-              help="Read the prompt from a file (-: standard input).")
+              help="Read the prompt from a file (-: standard input); one trailing newline is dropped, as llama.cpp "
+              "does.")
 @click.option("-n", "--n-predict", default=128, callback=_check_n_predict,
               help="Tokens to generate (-1: until end of text or full context).")
 @sampling_options
@@ -293,15 +301,16 @@ DEPTH_PROMPT = ("The history of the printing press begins long before Gutenberg:
               help="Prompt text (default: a sentence about the printing press).")
 @click.option("-f", "--file", "prompt_file", type=click.Path(exists=True, dir_okay=False, allow_dash=True,
                                                              path_type=Path),
-              help="Read the prompt from a file instead (-: standard input).")
+              help="Read the prompt from a file instead (-: standard input; one trailing newline dropped).")
 @click.option("-n", "--n-predict", default=64, help="Tokens generated per run.")
-@click.option("--depths", default=f"1-{MAX_DEPTH}", help="Fixed depths to measure, e.g. 1-8 or 1,2,4,8 (auto is "
-              "always measured too).")
+@click.option("--depths", default=f"1-{MAX_DEPTH}", help=f"Fixed depths to measure, from 1 to {MAX_DEPTH} (auto's "
+              "range), e.g. 1-8 or 1,2,4,8 (auto is always measured too).")
 @click.option("--repeats", default=2, help="Measured runs per depth (after one run that is not counted).")
 @click.option("-o", "--out", type=click.Path(file_okay=False, path_type=Path), default=Path("profile-depth"),
               help="Folder for depth.md, depth.json and depth.png.")
-@sampling_options
-@load_options
+@functools.partial(sampling_options, seed_help="Random seed (default or -1: random), the same for every run: sampled "
+                   "runs at a fixed depth repeat, auto's depths follow measured timings and move the draws.")
+@load_options(depth=False)
 def profile_depth(model: Path, prompt: str, prompt_file: Path | None, n_predict: int, depths: str, repeats: int,
                   out: Path, sampling: Any, load: Any) -> None:
     """Measure speculative decoding of MODEL with --draft at each draft depth k and at auto: time per token,
@@ -317,9 +326,6 @@ def profile_depth(model: Path, prompt: str, prompt_file: Path | None, n_predict:
         if ctx.get_parameter_source("prompt") is not click.core.ParameterSource.DEFAULT:
             raise SpecterError("give the prompt with -p/--prompt or -f/--file, not both")
         prompt = _read_prompt_file(prompt_file)
-    if ctx.params.get("n_draft") is not None:
-        raise SpecterError("profile-depth measures each depth of --depths and auto: give the depths with --depths, "
-                           "not --n-draft")
     if n_predict < 2:
         raise SpecterError(f"-n/--n-predict must be at least 2 to measure decoding, got {n_predict}")
     if repeats < 1:
@@ -405,9 +411,9 @@ def fidelity(model: Path | None, drafts: str, prompts_file: Path | None, n_predi
 @cli.command()
 @model_argument(required=True)
 @click.option("--gpu-budget", required=True, help="Device memory budget, e.g. 16GiB, 12000MiB, 1.5GB.")
-@click.option("--draft", type=DraftFile(), default=None,
+@click.option("--draft", type=DraftFile(allow_none=True), default=None,
               help="Draft GGUF (the target with quantized experts), or a type made on first use as for `run`: its "
-              "routed experts stay on the device.")
+              "routed experts stay on the device; none: no draft.")
 @ctx_size_option
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cuda", help="Device the plan is for.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as one JSON object.")
@@ -418,7 +424,7 @@ def plan(model: Path, gpu_budget: str, draft: Path | str | None, ctx_size: int |
     the budget is below it."""
     from specter_gguf.engine import plan_budget
 
-    p = plan_budget(model, gpu_budget, ctx_size, device, draft)
+    p = plan_budget(model, gpu_budget, ctx_size, device, None if draft == "none" else draft)
     click.echo(json.dumps(p.to_dict()) if as_json else p.describe())
     p.check()  # a budget below the minimum: the split is shown, then the error (exit 1) says what is missing
 

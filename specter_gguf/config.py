@@ -169,6 +169,22 @@ class ModelConfig:
 
 
 
+DRAFT_MATCH = (("arch", "architecture"), ("n_layer", "layers"), ("n_expert", "experts"),
+               ("n_expert_used", "experts per token"), ("n_embd", "hidden size"), ("n_ff_exp", "expert width"),
+               ("n_vocab", "vocabulary"))
+
+
+def check_draft(target: GGUFFile, draft: GGUFFile) -> None:
+    """`draft` can lend its experts to `target`: the same hyperparameters where they meet (DRAFT_MATCH); else one
+    error naming each difference and the fix. Checked from the headers, before either file's weights load."""
+    cfg, dcfg = ModelConfig.from_gguf(target), ModelConfig.from_gguf(draft)
+    diff = [f"{label} {getattr(dcfg, key)} against {getattr(cfg, key)}" for key, label in DRAFT_MATCH
+            if getattr(dcfg, key) != getattr(cfg, key)]
+    if diff:
+        raise SpecterError(f"{draft.path} is not a draft of {target.path} ({', '.join(diff)}); make one from the "
+                           f"model with `specter-gguf quantize MODEL --type q4_k_m` or give --draft a type")
+
+
 def _default_expert_width(arch: str, n_ff: int, n_expert_used: int) -> int:
     """llama.cpp's fallback when `expert_feed_forward_length` is absent: Qwen files split the FFN width over
     the used experts; Mixtral and OLMoE store the expert width as `feed_forward_length`."""

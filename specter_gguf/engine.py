@@ -15,7 +15,7 @@ from typing import Any, Iterator, Literal, Sequence
 import numpy as np
 import torch
 
-from specter_gguf.config import ModelConfig
+from specter_gguf.config import ModelConfig, check_draft
 from specter_gguf.errors import ContextFullError, SpecterError
 from specter_gguf.decoding import Decoder, GraphDecoder, PlainDecoder
 from specter_gguf.gguf_file import GGUFFile, is_routed_expert
@@ -233,13 +233,14 @@ class GenerationStats:
         return max(0.0, self.decode_s - self.draft_s - self.verify_s)
 
     @property
-    def tpot_ms(self) -> float:
-        return tpot_ms(self.decode_s, self.generated_tokens) or 0.0
+    def tpot_ms(self) -> float | None:
+        """None without a decode step to time (-n 0 or 1: the first token comes with the prefill)."""
+        return tpot_ms(self.decode_s, self.generated_tokens)
 
     @property
-    def tokens_per_s(self) -> float:
-        steps = self.generated_tokens - 1
-        return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
+    def tokens_per_s(self) -> float | None:
+        t = self.tpot_ms
+        return 1000.0 / t if t else None
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "tpot_ms": self.tpot_ms, "tokens_per_s": self.tokens_per_s,
@@ -254,9 +255,10 @@ class GenerationStats:
         """One line: tokens, context, prefill, TPOT, tokens/s; with offloading the cache's hit rate, bytes copied per
         token and hidden copy share; with a draft its acceptance; on CUDA the peak memory (`to_dict` has every
         figure)."""
-        decode = (f"TPOT {self.tpot_ms:.2f} ms, {self.tokens_per_s:.1f} tokens/s" if self.generated_tokens > 1
+        decode = (f"TPOT {self.tpot_ms:.2f} ms, {self.tokens_per_s:.1f} tokens/s" if self.tpot_ms is not None
                   else "no decode step to time")  # the first token comes with the prefill
-        text = (f"prompt {self.prompt_tokens} tokens, generated {self.generated_tokens} tokens, context "
+        text = (f"prompt {self.prompt_tokens} tokens, generated {self.generated_tokens} "
+                f"token{'' if self.generated_tokens == 1 else 's'}, context "
                 f"{self.ctx_size}, prefill {self.prefill_s * 1000:.1f} ms, {decode}")
         if self.offload is not None:
             text += (f"; offload {self.offload} ({self.cache_policy}, {self.cache_slots} slots): cache hit rate "
@@ -368,6 +370,8 @@ class Model:
         if n_draft is not None:
             n_draft = parse_depth(n_draft)
         draft_file = GGUFFile(resolve_draft(path, draft, progress)) if draft is not None else None
+        if draft_file is not None:
+            check_draft(f, draft_file)  # before the target's weights load (minutes for a big file)
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         transformer, runtime, plan = load_offloaded(f, dev, ctx, progress, gpu_budget, offload, cache_policy,

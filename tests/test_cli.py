@@ -84,14 +84,12 @@ def test_run_streaming_prints_text_then_summary(shipped_model: Path, greedy8: di
 
 
 def test_draft_none_turns_the_shipped_draft_off(shipped_model: Path) -> None:
-    """Without MODEL the shipped model speculates with its Q4_K_M draft; --draft none runs it alone (same tokens);
-    `plan`, where no draft is the default, does not take none."""
+    """Without MODEL the shipped model speculates with its Q4_K_M draft; --draft none runs it alone (same tokens).
+    `plan` takes none too (tests/test_speculative.py)."""
     with_draft = invoke("run", "-p", PROMPT, "--device", "cpu", "-n", "8", "--temp", "0", "--json")
     alone = invoke("run", "-p", PROMPT, "--device", "cpu", "-n", "8", "--temp", "0", "--json", "--draft", "none")
     a, b = (json.loads(r.stdout.strip().splitlines()[-1]) for r in (with_draft, alone))
     assert a["stats"]["draft_rounds"] and b["stats"].get("draft_rounds") is None and a["tokens"] == b["tokens"]
-    r = invoke("plan", str(shipped_model), "--gpu-budget", "1GiB", "--draft", "none")
-    assert r.exit_code == 2 and "no such file, and not a draft type" in r.output
 
 
 def test_run_n_predict_zero(shipped_model: Path) -> None:
@@ -204,14 +202,33 @@ def test_prompt_file_dash_reads_standard_input(shipped_model: Path, greedy8: dic
     assert json.loads(result.stdout)["tokens"] == greedy8["tokens"]
 
 
+def test_prompt_file_drops_one_trailing_newline(shipped_model: Path, greedy8: dict, tmp_path: Path) -> None:
+    """As llama.cpp's -f: an editor's (or echo's) last newline is not part of the prompt; a second one is."""
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(PROMPT + "\n", encoding="utf-8")
+    for source, text in ((str(prompt), None), ("-", PROMPT + "\n")):
+        result = CliRunner().invoke(cli, ["run", str(shipped_model), "-f", source, "--device", "cpu", "--json", "-n",
+                                          "8", "--temp", "0"], input=text)
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["tokens"] == greedy8["tokens"]
+    prompt.write_text(PROMPT + "\n\n", encoding="utf-8")
+    result = CliRunner().invoke(cli, ["run", str(shipped_model), "-f", str(prompt), "--device", "cpu", "--json", "-n",
+                                      "8", "--temp", "0"])
+    assert json.loads(result.stdout)["prompt_tokens"] > greedy8["prompt_tokens"]
+
+
 def test_fidelity_on_a_missing_file_is_one_error_line(tmp_path: Path, no_work: None) -> None:
     result = invoke("fidelity", str(tmp_path / "missing.gguf"))
     assert "missing.gguf: no such file" in user_error(result) and "generations" not in result.output  # no bar
 
 
-def test_profile_depth_refuses_n_draft(shipped_model: Path, no_work: None) -> None:
-    line = user_error(invoke("profile-depth", str(shipped_model), "--draft", "q4_k_m", "--n-draft", "3"))
-    assert "--depths" in line and "--n-draft" in line, line
+def test_profile_depth_has_no_n_draft_and_no_draft_none(shipped_model: Path, no_work: None) -> None:
+    """It runs each depth of --depths and auto itself, and needs a draft: its help lists neither."""
+    line = user_error(invoke("profile-depth", str(shipped_model), "--draft", "q4_k_m", "--n-draft", "3"), code=2)
+    assert "No such option '--n-draft'" in line, line
+    helptext = invoke("profile-depth", "--help").output
+    assert "--n-draft" not in helptext and "none: no draft" not in helptext and "Required." in helptext
+    assert "--n-draft" in invoke("run", "--help").output and "none: no draft" in invoke("run", "--help").output
 
 
 def test_cache_options_without_offloading_are_refused(shipped_model: Path) -> None:

@@ -161,10 +161,26 @@ def test_profile_depth_writes_the_table_and_the_plot(tiny_models, tmp_path) -> N
     assert [row["depth"] for row in rows] == ["1", "3", "auto"]
     assert rows[0]["mean_depth"] == 1.0 and rows[1]["mean_depth"] <= 3.0  # depth 3 less near the context end
     for row in rows:
-        assert row["tpot_ms"] > 0 and 0 <= row["acceptance"] <= 1
+        assert row["tpot_ms"] > 0
+        if row["mean_depth"] == 0:  # auto ran plain steps only: no acceptance or draft step to show
+            assert row["acceptance"] is None and row["draft_step_ms"] is None and row["mean_accepted_len"] == 1
+            continue
+        assert 0 <= row["acceptance"] <= 1 and row["draft_step_ms"] > 0
         assert row["mean_accepted_len"] == pytest.approx(1 + row["acceptance"] * row["mean_depth"])
     assert (out / "depth.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "depth.md").read_text().count("\n| ") == 4
+
+
+def test_a_profile_row_without_drafts_shows_no_acceptance_or_draft_step() -> None:
+    """auto may run plain steps only: its row has no acceptance or draft step (not 0% and the plain steps' time)."""
+    from specter_gguf.engine import GenerationStats
+    from specter_gguf.speculation.profile import _row, markdown_table
+
+    stats = GenerationStats(prompt_tokens=4, generated_tokens=9, prefill_s=0.01, decode_s=0.08, draft_tokens=0,
+                            draft_accepted=0, draft_rounds=8, draft_s=0.004, verify_s=0.07)
+    row = _row("auto", [stats])
+    assert row.acceptance is None and row.draft_step_ms is None and row.mean_accepted_len == 1
+    assert markdown_table([row]).splitlines()[-1].startswith("| auto | 10.00 | 100.00 | 0.00 | — | 1.00 | — |")
 
 
 @pytest.mark.parametrize("args, message", [(["--depths", "0-3"], "each depth must be from 1 to 8"),

@@ -86,6 +86,14 @@ def test_a_file_named_like_a_type_is_the_file(target: Path, tmp_path: Path, monk
     assert draft_files.resolve_draft(target, "q2_k") == Path("q2_k")
 
 
+def test_a_folder_named_like_a_type_is_the_type(target: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "q2_k").mkdir()
+    assert draft_files.draft_file_or_type("q2_k") == "q2_k"
+    with pytest.raises(SpecterError, match="draft q2_k/: a folder, not a file; give the path of a draft .gguf"):
+        draft_files.draft_file_or_type("q2_k/")
+
+
 def test_draft_mistakes_are_one_error_line(target: Path) -> None:
     with pytest.raises(SpecterError, match="no such file, and not a draft type; give a draft GGUF or a llama.cpp "
                                            "type such as q2_k, q3_k_m, q4_k_m or q8_0"):

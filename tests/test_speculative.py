@@ -298,8 +298,32 @@ def test_a_draft_with_another_vocabulary_is_refused(shipped_model, tmp_path) -> 
 
     shape = dataclasses.replace(get_preset("tiny-qwen2moe").with_layers(4), n_expert_used=2)
     other = write_synthetic(tmp_path / "other.gguf", shape, "f16").path
-    with pytest.raises(SpecterError, match=r"not a draft of .*vocabulary\) \(.*949\) against \(.*3072\)"):
+    with pytest.raises(SpecterError, match=r"is not a draft of .* \(vocabulary 949 against 3072\); make one from "
+                                           r"the model with `specter-gguf quantize"):
         Model.load(shipped_model, draft=other, device="cpu", progress=False)
+
+
+def test_a_draft_is_checked_before_the_target_loads_and_by_plan(shipped_model, tmp_path, monkeypatch) -> None:
+    """A draft of another model is refused from the headers: before the target's weights load (minutes for a big
+    file), and by `plan` with the same check (it once compared layers, experts and hidden size only)."""
+    import dataclasses
+
+    from specter_gguf import engine
+    from specter_gguf.synthetic.shapes import get_preset
+    from specter_gguf.synthetic.writer import write_synthetic
+
+    cfg = ModelConfig.from_gguf(GGUFFile(shipped_model))
+    shape = dataclasses.replace(get_preset("tiny-qwen2moe").with_layers(cfg.n_layer),
+                                n_expert_used=cfg.n_expert_used + 1)
+    other = write_synthetic(tmp_path / "other.gguf", shape, "f16").path  # same layers, experts and hidden size
+    monkeypatch.setattr(engine, "load_offloaded", lambda *a, **k: pytest.fail("the target was loaded"))
+    with pytest.raises(SpecterError, match=f"experts per token {cfg.n_expert_used + 1} against {cfg.n_expert_used}"):
+        Model.load(shipped_model, draft=other, device="cpu", progress=False)
+    r = CliRunner().invoke(cli, ["plan", str(shipped_model), "--gpu-budget", "2GiB", "--draft", str(other)])
+    assert r.exit_code == 1 and "is not a draft of" in r.output and "Traceback" not in r.output
+    plain = CliRunner().invoke(cli, ["plan", str(shipped_model), "--gpu-budget", "2GiB"])
+    r = CliRunner().invoke(cli, ["plan", str(shipped_model), "--gpu-budget", "2GiB", "--draft", "none"])
+    assert r.exit_code == plain.exit_code == 0 and r.output == plain.output  # as run's --draft none
 
 
 def test_cli_run_with_draft(tiny_models) -> None:

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from specter_gguf.config import ModelConfig
+from specter_gguf.config import ModelConfig, check_draft
 from specter_gguf.errors import SpecterError
 from specter_gguf.gguf_file import (EXPERT_PARTS, FLOAT_TYPES, GGUFFile, GGUFTensor, expert_tensor_name,
                                     is_routed_expert)
@@ -331,11 +331,7 @@ def plan_memory(f: GGUFFile, budget: int | str, ctx_size: int | None = None, dev
     resident = sum(device_bytes(t) for t in f.tensors.values() if is_routed_expert(t.name))
     draft_bytes = 0
     if draft is not None:
-        dcfg = ModelConfig.from_gguf(draft)
-        if (dcfg.n_layer, dcfg.n_expert, dcfg.n_embd) != (cfg.n_layer, cfg.n_expert, cfg.n_embd):
-            raise SpecterError(f"{draft.path}: the draft is not a copy of {f.path} ({dcfg.n_layer} layers, "
-                               f"{dcfg.n_expert} experts, hidden {dcfg.n_embd} against {cfg.n_layer}, "
-                               f"{cfg.n_expert}, {cfg.n_embd})")
+        check_draft(f, draft)
         draft_bytes = sum(t.n_bytes for t in draft.tensors.values() if is_routed_expert(t.name))
     kv = kv_bytes(cfg, ctx, device_type)
     quantized = any(T[t] not in FLOAT_TYPES for t in types)

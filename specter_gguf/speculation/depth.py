@@ -1,15 +1,16 @@
 """The draft depth of each iteration (`--n-draft auto`): the k that minimizes the expected time per token.
 
-With a per-token acceptance a (drafted tokens kept / drafted tokens tested: those up to and including the
-first rejected one), an iteration of depth k commits E(k) = (1 - a^(k+1)) / (1 - a) tokens on average (the
-accepted drafts and the target's own) and costs T(k) = k * draft step + verification(k) + other, so the chooser
-takes the k in 0 .. `max_depth` with the least T(k) / E(k); k = 0 is a plain step of the target (nothing
-drafted: the draft does not pay), and after `PROBE_AFTER` of those in a row one iteration drafts again at the
-best k ≥ 1, so the acceptance is measured anew (the text changes). Every figure is measured on the iterations so
-far (the decoder leaves out a generation's first): the draft step and the host's time around the steps (`other`)
-as running means, the verification per depth (it grows with k: more tokens, more distinct experts, more misses),
-the acceptance as decayed counts (the text changes). A depth not tried yet is predicted from the nearest tried one, optimistically (the same verification
-time for a deeper one, time in proportion to tokens for a shallower one), so each depth that could win is tried.
+With a per-token acceptance a (drafted tokens kept / drafted tokens tested: those up to and including the first
+rejected one), an iteration of depth k commits E(k) = (1 - a^(k+1)) / (1 - a) tokens on average (the accepted drafts
+and the target's own) and costs T(k) = k * draft step + verification(k) + other, so the chooser takes the k in 0 ..
+`max_depth` with the least T(k) / E(k); k = 0 is a plain step of the target (nothing drafted: the draft does not
+pay), and after `PROBE_AFTER` of those in a row one iteration drafts again at the best k ≥ 1, so the acceptance is
+measured anew (the text changes). Every figure is measured on the iterations so far (the decoder leaves out a
+generation's first): the draft step and the host's time around the steps (`other`) as running means, the
+verification per depth (it grows with k: more tokens, more distinct experts, more misses), the acceptance as decayed
+counts (the text changes). A depth not tried yet is predicted from the nearest tried one, optimistically (the same
+verification time for a deeper one, time in proportion to tokens for a shallower one), so each depth that could win
+is tried.
 """
 
 from __future__ import annotations

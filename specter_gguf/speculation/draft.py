@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from specter_gguf.config import ModelConfig
-from specter_gguf.errors import SpecterError
 from specter_gguf.gguf_file import GGUFFile, expert_tensor_name
 from specter_gguf.layers import Experts, MoE, ResidentExperts
 from specter_gguf.weights import load_tensor
@@ -22,13 +20,7 @@ if TYPE_CHECKING:
 def load_draft_experts(draft: GGUFFile, target: Model) -> list[Experts | None]:
     """The routed experts of every MoE layer of `target`, from `draft` (a quantized copy of the target file),
     resident on the target's device; None for layers without routed experts."""
-    cfg, dcfg = target.config, ModelConfig.from_gguf(draft)
-    same = (dcfg.arch, dcfg.n_layer, dcfg.n_expert, dcfg.n_expert_used, dcfg.n_embd, dcfg.n_ff_exp, dcfg.n_vocab)
-    want = (cfg.arch, cfg.n_layer, cfg.n_expert, cfg.n_expert_used, cfg.n_embd, cfg.n_ff_exp, cfg.n_vocab)
-    if same != want:
-        raise SpecterError(f"{draft.path}: not a draft of {target.path}: (architecture, layers, experts, experts "
-                           f"per token, hidden, expert width, vocabulary) {same} against {want}; make one with "
-                           f"`specter-gguf quantize`")
+    cfg = target.config  # the draft's hyperparameters were checked against it (config.check_draft) before loading
     e, f, d = cfg.n_expert, cfg.n_ff_exp, cfg.n_embd
     experts: list[Experts | None] = []
     for i, block in enumerate(target.transformer.blocks):

@@ -62,8 +62,11 @@ def draft_file_or_type(draft: str | os.PathLike[str]) -> Path | str:
     """`draft` as `--draft` takes it: a type name (lower case) or an existing file (a file named like a type
     wins)."""
     path = Path(draft)
-    if not path.exists() and str(draft).strip().lower() in FTYPES:
+    if not path.is_file() and str(draft).strip().lower() in FTYPES:
         return str(draft).strip().lower()
+    if path.is_dir():
+        raise SpecterError(f"draft {draft}: a folder, not a file; give the path of a draft .gguf file or a llama.cpp "
+                           f"type such as {', '.join(DRAFT_TYPES[:-1])} or {DRAFT_TYPES[-1]}")
     if not path.is_file():
         raise SpecterError(f"draft {draft}: no such file, and not a draft type; give a draft GGUF or a llama.cpp "
                            f"type such as {', '.join(DRAFT_TYPES[:-1])} or {DRAFT_TYPES[-1]} (any type of "

@@ -27,9 +27,9 @@ class DepthRow:
     tpot_ms: float
     tokens_per_s: float
     mean_depth: float           # drafted tokens per verification
-    acceptance: float           # drafted tokens accepted / drafted
+    acceptance: float | None    # drafted tokens accepted / drafted; None: nothing drafted (auto's plain steps)
     mean_accepted_len: float    # tokens committed per verification, the target's own included
-    draft_step_ms: float
+    draft_step_ms: float | None  # None: nothing drafted
     verify_ms: float            # one verification
     other_ms: float             # per verification: decode time outside drafting and verification
 
@@ -61,8 +61,9 @@ def _row(depth: str, runs: Sequence[GenerationStats]) -> DepthRow:
     draft_s, verify_s = sum(s.draft_s for s in runs), sum(s.verify_s for s in runs)
     if not steps or not rounds:
         raise SpecterError("the generation was too short to verify drafts: raise --n-predict")
-    return DepthRow(depth, 1000 * decode_s / steps, steps / decode_s, drafted / rounds, accepted / max(drafted, 1),
-                    (accepted + rounds) / rounds, 1000 * draft_s / max(drafted, 1), 1000 * verify_s / rounds,
+    return DepthRow(depth, 1000 * decode_s / steps, steps / decode_s, drafted / rounds,
+                    accepted / drafted if drafted else None, (accepted + rounds) / rounds,
+                    1000 * draft_s / drafted if drafted else None, 1000 * verify_s / rounds,
                     1000 * max(0.0, decode_s - draft_s - verify_s) / rounds)
 
 
@@ -94,6 +95,8 @@ COLUMNS = {"depth": "k", "tpot_ms": "TPOT ms", "tokens_per_s": "tokens/s", "mean
 
 def markdown_table(rows: Sequence[DepthRow]) -> str:
     def cell(key: str, value: object) -> str:
+        if value is None:
+            return "—"
         if key == "acceptance":
             return f"{value:.1%}"
         return value if isinstance(value, str) else f"{value:.2f}"
