@@ -168,7 +168,6 @@ class ModelConfig:
         return requested or self.n_ctx_train
 
 
-
 DRAFT_MATCH = (("arch", "architecture"), ("n_layer", "layers"), ("n_expert", "experts"),
                ("n_expert_used", "experts per token"), ("n_embd", "hidden size"), ("n_ff_exp", "expert width"),
                ("n_vocab", "vocabulary"))
