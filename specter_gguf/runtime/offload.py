@@ -326,8 +326,8 @@ def load_offloaded(f: GGUFFile, device: torch.device, ctx_size: int, progress: b
             if offload not in (None, "none"):
                 raise SpecterError(f"--offload {offload} needs a GPU memory budget: give --gpu-budget SIZE")
             if cache_options:
-                raise SpecterError(f"{cache_options}: only for offloaded experts, and the model fits {device} whole: "
-                                   f"give --gpu-budget SIZE to offload them")
+                raise SpecterError(f"{cache_options}: only for offloaded experts, and without a budget the whole model "
+                                   f"is loaded on {device}: give --gpu-budget SIZE to offload them")
             return load_transformer(f, device, progress), None, None
         need = (f"the model needs {format_size(fit.whole_model)} on {device} at a context of "
                 f"{ctx_size} tokens and {format_size(fit.budget + FIT_MARGIN)} is free")

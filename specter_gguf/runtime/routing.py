@@ -84,5 +84,5 @@ class RoutingProfile:
             counts = {(int(layer), int(e)): int(c) for layer, row in data["counts"].items() for e, c in row.items()}
         except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:
             raise SpecterError(f"{path}: not a routing profile ({e}); write one with "
-                               f"`specter-gguf run ... --save-routing-profile {path}`") from None
+                               f"`specter-gguf run ... --save-routing-profile PROFILE.json`") from None
         return cls(counts, data.get("model", ""))
