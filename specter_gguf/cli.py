@@ -29,6 +29,10 @@ class Cli(click.Group):
             return super().invoke(ctx)
         except SpecterError as e:
             raise click.ClickException(str(e)) from None
+        except click.NoSuchOption as e:  # -v is the group's: `specter-gguf -v run ...`
+            if e.option_name in ("-v", "-vv", "-vvv", "--verbose") and ctx.invoked_subcommand:
+                e.message += f" (-v/--verbose goes before the command: specter-gguf -v {ctx.invoked_subcommand} ...)"
+            raise
         except KeyboardInterrupt:
             click.echo("\ninterrupted", err=True)
             ctx.exit(130)

@@ -389,3 +389,8 @@ def test_output_in_unwritable_folder(shipped_model: Path, tmp_path: Path, no_wor
         assert "not writable" in line, line
     finally:
         locked.chmod(0o700)
+
+
+def test_verbose_after_the_command_says_where_it_goes(shipped_model: Path, no_work: None) -> None:
+    line = user_error(invoke("run", str(shipped_model), "-p", PROMPT, "-v"), code=2)
+    assert "No such option '-v'" in line and "goes before the command: specter-gguf -v run" in line, line
