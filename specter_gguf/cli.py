@@ -112,8 +112,8 @@ class DraftDepth(click.ParamType):
     def convert(self, value: Any, param: Any, ctx: Any) -> Any:
         try:
             return parse_depth(value)
-        except SpecterError as e:
-            self.fail(str(e), param, ctx)
+        except SpecterError as e:  # click names the option itself
+            self.fail(str(e).removeprefix("--n-draft "), param, ctx)
 
 
 class DraftFile(click.ParamType):
@@ -182,6 +182,18 @@ def sampling_options(f: Any, seed_help: str = SEED_HELP) -> Any:
     ])
 
 
+GPU_BUDGET_HELP = ("Device memory budget, e.g. 16GiB, 12000MiB, 1.5GB (GB: 10^9 bytes; G and GiB: 2^30; a bare number: "
+                   "bytes)")
+
+
+def _gpu_budget(text: str) -> int:
+    """--gpu-budget in bytes, or one error line naming the option."""
+    try:
+        return parse_size(text)
+    except SpecterError as e:
+        raise SpecterError(f"--gpu-budget: {e}") from None
+
+
 def load_options(f: Any = None, *, depth: bool = True) -> Any:
     """Where and how the model is loaded (device, context, GPU budget, offloading, draft); the command receives a
     `load(model, progress)` that loads it with them. `depth=False` (profile-depth, which runs every depth itself):
@@ -196,7 +208,7 @@ def load_options(f: Any = None, *, depth: bool = True) -> Any:
         def load(model: Path | None, progress: bool) -> Any:
             from specter_gguf.engine import Model
 
-            budget = parse_size(gpu_budget) if gpu_budget is not None else None  # a wrong size: before any work
+            budget = _gpu_budget(gpu_budget) if gpu_budget is not None else None  # a wrong size: before any work
             chosen = SHIPPED_DRAFT if model is None and draft is None else draft  # the shipped model speculates
             chosen = None if chosen == "none" else chosen
             return Model.load(model, device=device, ctx_size=ctx_size, progress=progress, gpu_budget=budget,
@@ -208,7 +220,7 @@ def load_options(f: Any = None, *, depth: bool = True) -> Any:
     return _with_options(command, [
         device_option,
         ctx_size_option,
-        click.option("--gpu-budget", default=None, help="Device memory budget, e.g. 16GiB, 12000MiB, 1.5GB: weights, "
+        click.option("--gpu-budget", default=None, help=GPU_BUDGET_HELP + ": weights, "
                      "KV cache, workspace and an expert cache are planned within it (see `specter-gguf plan`)."),
         click.option("--offload", type=click.Choice(OFFLOAD_CHOICES), default=None,
                      help="Routed experts in host memory with a device expert cache (needs --gpu-budget). "
@@ -414,7 +426,7 @@ def fidelity(model: Path | None, drafts: str, prompts_file: Path | None, n_predi
 
 @cli.command()
 @model_argument(required=True)
-@click.option("--gpu-budget", required=True, help="Device memory budget, e.g. 16GiB, 12000MiB, 1.5GB.")
+@click.option("--gpu-budget", required=True, help=GPU_BUDGET_HELP + ".")
 @click.option("--draft", type=DraftFile(allow_none=True), default=None,
               help="Draft GGUF (the target with quantized experts), or a type made on first use as for `run`: its "
               "routed experts stay on the device; none: no draft.")
@@ -428,7 +440,7 @@ def plan(model: Path, gpu_budget: str, draft: Path | str | None, ctx_size: int |
     the budget is below it."""
     from specter_gguf.engine import plan_budget
 
-    p = plan_budget(model, gpu_budget, ctx_size, device, None if draft == "none" else draft)
+    p = plan_budget(model, _gpu_budget(gpu_budget), ctx_size, device, None if draft == "none" else draft)
     click.echo(json.dumps(p.to_dict()) if as_json else p.describe())
     p.check()  # a budget below the minimum: the split is shown, then the error (exit 1) says what is missing
 

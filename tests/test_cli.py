@@ -268,9 +268,9 @@ def test_chat_stdin_not_utf8(shipped_model: Path) -> None:
 ])
 def test_gpu_budget_unreadable(shipped_model: Path, no_work: None, budget: str, reason: str) -> None:
     line = user_error(invoke("run", str(shipped_model), "-p", PROMPT, "--gpu-budget", budget))
-    assert "cannot read the size" in line and reason in line, line
+    assert line.startswith("Error: --gpu-budget: cannot read the size") and reason in line, line
     line = user_error(invoke("plan", str(shipped_model), "--gpu-budget", budget))
-    assert reason in line and len(line) < 300, line
+    assert line.startswith("Error: --gpu-budget: cannot read the size") and reason in line and len(line) < 300, line
 
 
 def test_plan_zero_budget(shipped_model: Path) -> None:
