@@ -306,8 +306,6 @@ def test_a_draft_with_another_vocabulary_is_refused(shipped_model, tmp_path) -> 
 def test_a_draft_is_checked_before_the_target_loads_and_by_plan(shipped_model, tmp_path, monkeypatch) -> None:
     """A draft of another model is refused from the headers: before the target's weights load (minutes for a big
     file), and by `plan` with the same check (it once compared layers, experts and hidden size only)."""
-    import dataclasses
-
     from specter_gguf import engine
     from specter_gguf.synthetic.shapes import get_preset
     from specter_gguf.synthetic.writer import write_synthetic
