@@ -5,9 +5,9 @@ A decoder turns the logits after the prompt into generated tokens, one at a time
 it has enough (at most `n_wanted`); a decoder ends when the context is full.
 
 - `PlainDecoder`: one eager forward per token.
-- `GraphDecoder`: each step replays a CUDA graph (`cuda_graphs.StepGraphs`), offloaded models included (their
-  experts come from the residency table inside the graph); greedy decoding chooses on the device and runs one
-  step ahead of the host.
+- `StepDecoder`: each step replays a CUDA graph (`cuda_graphs.StepGraphs`), offloaded models included (their
+  experts come from the residency table inside the graph); decoding without penalties chooses each token on the
+  device (the argmax, or a draw from the sampling chain) and runs one step ahead of the host.
 - `speculation.SpeculativeDecoder`: drafts with the quantized experts and verifies in one pass.
 """
 
@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Callable, Iterator, Protocol
 import torch
 
 from specter_gguf.layers import KVCache
-from specter_gguf.sampling import Sampler
+from specter_gguf.sampling import Sampler, SamplingParams, chain_candidates
+from specter_gguf.steps import Steps, make_steps
 
 if TYPE_CHECKING:
-    from specter_gguf.cuda_graphs import StepGraphs
     from specter_gguf.engine import GenerationStats, Model
 
 
@@ -49,54 +49,71 @@ class PlainDecoder:
             token = sampler.sample(logits, history)
 
 
-class GraphDecoder:
-    """Decode steps as CUDA graphs over the model's reusable KV cache (a generation on a cache of its own, or
-    with a routing observer attached, decodes eagerly)."""
+class StepDecoder:
+    """Decode steps judged on the device (`steps.Steps`) over the model's reusable KV cache: CUDA graphs where the
+    model replays them, eager steps otherwise (the CPU, which tests the same algorithm). A generation on a cache
+    of its own, or with a routing observer attached, decodes as `PlainDecoder`. Without penalties each step also
+    chooses the next token itself (greedy: the argmax; sampled: a draw from the sampling chain) and runs one step
+    ahead of the host; with penalties, which depend on the tokens so far, the host chooses."""
 
     def __init__(self) -> None:
-        self._graphs: StepGraphs | None = None
+        self._steps: dict[int | None, Steps] = {}  # sampled candidates (None: greedy) -> the steps over `_cache`
         self._cache: KVCache | None = None
 
-    def graphs(self, model: Model, cache: KVCache) -> StepGraphs | None:
-        """The one-token step graphs of `cache` when it is the model's reusable cache, else None."""
+    def steps(self, model: Model, cache: KVCache, sampled: SamplingParams | None) -> Steps | None:
+        """The one-token steps of `cache` judged greedily or, with `sampled`, by a draw from its chain; None when
+        `cache` is not the model's reusable cache or a routing observer is attached."""
         if cache is not model.reusable_cache or model.routing_observer is not None:
             return None
         if self._cache is not cache:
-            from specter_gguf.cuda_graphs import StepGraphs
+            self._steps, self._cache = {}, cache
+        n_vocab = model.config.n_vocab
+        key = None if sampled is None else chain_candidates(sampled, n_vocab)
+        steps = self._steps.get(key)
+        if steps is None:
+            from specter_gguf.speculation.accept import SampledVerdict  # a one-token verdict is a plain draw
 
-            self._graphs, self._cache = StepGraphs(model.transformer, cache, offload=model.offload), cache
-        return self._graphs
+            verdict = None if sampled is None else SampledVerdict(sampled, 1, n_vocab, model.device)
+            steps = self._steps[key] = make_steps(model, cache, 1, graphs=model.cuda_graphs, verdict=verdict)
+        elif sampled is not None:
+            steps.verdict.set(sampled)
+        return steps
 
     def tokens(self, model: Model, logits: torch.Tensor, cache: KVCache, sampler: Sampler, history: list[int],
                stats: GenerationStats, n_wanted: int) -> Iterator[int]:
-        graphs = self.graphs(model, cache)
-        if graphs is None:
+        p = sampler.params
+        on_device = not p.penalties_active
+        steps = self.steps(model, cache, None if p.greedy or not on_device else p)
+        if steps is None:
             yield from PlainDecoder().tokens(model, logits, cache, sampler, history, stats, n_wanted)
             return
         token = sampler.sample(logits, history)
-        p = sampler.params
-        if p.greedy and not p.penalties_active:
-            yield from self._lookahead(model, token, cache, graphs)
+        if on_device:
+            yield from self._ahead(model, token, cache, steps, None if p.greedy else sampler)
             return
         while True:
             yield token
             if cache.length + 1 > model.ctx_size:
                 return
-            token = sampler.sample(graphs.step(history[-1:])[0], history)
+            token = sampler.sample(steps.step(history[-1:])[0], history)
 
     @staticmethod
-    def _lookahead(model: Model, token: int, cache: KVCache, graphs: StepGraphs) -> Iterator[int]:
-        """Greedy decoding from its first `token`: each graph also chooses the next token (the argmax, on the
-        device) and feeds it to the next step, and the step of a token is enqueued before the token is read back,
-        so the GPU computes while the host handles a token. The step of the last token yielded is thus computed
-        even when the caller stops there; `cache.length` then leaves it out, as without the lookahead (its keys,
-        past the length, are overwritten before any query may see them)."""
+    def _ahead(model: Model, token: int, cache: KVCache, steps: Steps, sampler: Sampler | None) -> Iterator[int]:
+        """Decoding from its first `token` where each step chooses the next token (its verdict: the argmax, or
+        with `sampler` a draw from the uniform the sampler's generator gives it, as the host's draw would take it)
+        and feeds it to the next step, and the step of a token is enqueued before the token is read back, so the
+        device computes while the host handles a token. The step of the last token yielded is thus computed even
+        when the caller stops there; `cache.length` then leaves it out, as without running ahead (its keys, past
+        the length, are overwritten before any query may see them)."""
         chosen: Callable[[], int] = lambda: token  # the first token is on the host already
         feed: int | None = token  # the token the next step appends; None: the previous step's choice
-        asked = cache.length  # the cache's length without the lookahead
+        asked = cache.length  # the cache's length without the step ahead
         try:
             while cache.length + 1 <= model.ctx_size:
-                ahead = graphs.greedy_step(feed)
+                if sampler is not None:  # one uniform a token, as the host's draws take them
+                    u = sampler.uniforms(1)
+                    steps.verdict.uniforms.copy_(u.pin_memory() if steps.cuda else u, non_blocking=True)
+                ahead = steps.step_ahead(feed)
                 yield chosen()
                 asked, chosen, feed = cache.length, ahead, None  # the caller asked past the step of that token
             yield chosen()

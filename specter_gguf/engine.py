@@ -17,7 +17,7 @@ import torch
 
 from specter_gguf.config import ModelConfig, check_draft
 from specter_gguf.errors import ContextFullError, SpecterError
-from specter_gguf.decoding import Decoder, GraphDecoder, PlainDecoder
+from specter_gguf.decoding import Decoder, PlainDecoder, StepDecoder
 from specter_gguf.gguf_file import GGUFFile, is_routed_expert
 from specter_gguf.layers import ExpertSource, KVCache, RoutingObserver, Transformer
 from specter_gguf.models import check_architecture
@@ -385,7 +385,7 @@ class Model:
 
             model.decoder = SpeculativeDecoder.load(model, draft_file, "auto" if n_draft is None else n_draft)
         elif model.cuda_graphs:
-            model.decoder = GraphDecoder()
+            model.decoder = StepDecoder()
         log.info("loaded %s: %s, %d layers, %d experts (top-%d), on %s, context %d tokens, %s", f.path, cfg.arch,
                  cfg.n_layer, cfg.n_expert, cfg.n_expert_used, dev, ctx,
                  "CUDA graphs" if model.cuda_graphs else "eager steps")

@@ -88,9 +88,10 @@ class Steps:
 
         return read
 
-    def greedy_step(self, token: int | None = None) -> Callable[[], int]:
-        """Enqueue a one-token `step(token)` and the copy of its argmax to the host, waiting for neither. Returns
-        a function that waits for the copy and returns that token (see `read_choice`)."""
+    def step_ahead(self, token: int | None = None) -> Callable[[], int]:
+        """Enqueue a one-token `step(token)` and the copy of the token its verdict chose (the argmax, or a draw) to
+        the host, waiting for neither. Returns a function that waits for the copy and returns that token (see
+        `read_choice`)."""
         self.step(None if token is None else [token])
         read = self.read_choice()
         return lambda: read()[1]

@@ -4,9 +4,9 @@ Same model, same prompt, same tokens fed to both: the graph reads a fixed window
 (masked attention kernel) where the eager step reads exactly the used keys, so logits differ by rounding only:
 per step max|graph - eager| / max|eager| must stay within 1e-3. The prompts end just below a window boundary
 (`StepGraphs.WINDOW`) so decoding captures a second window, and the KV cache grows there (storage moves:
-the graphs must be captured again). Greedy generation, which lets the graphs choose and feed each next token
-themselves one step ahead of the host, must give exactly the tokens of stepping the same graphs with the host's
-argmax, and leave the cache as long. Runs only on a CUDA GPU with the native CUDA build.
+the graphs must be captured again). Generation without penalties, which lets the graphs choose and feed each next
+token themselves one step ahead of the host (the argmax, or a draw from the sampler's next uniform), must give
+exactly the tokens of stepping the same graphs with the host's sampler, and leave the cache as long. Runs only on a CUDA GPU with the native CUDA build.
 """
 
 from __future__ import annotations
@@ -66,10 +66,10 @@ def test_generation_with_graphs_equals_without(tiny_models, arch: str) -> None:
     m = Model.load(path, device="cuda", progress=False)
     assert m.cuda_graphs
     first = m.generate(prompt, 24, greedy).wait()
-    captured = dict(m.decoder._graphs._graphs)
+    captured = dict(m.decoder._steps[None]._graphs)
     second = m.generate(prompt, 24, greedy).wait()
     assert first.tokens == second.tokens == eager.tokens
-    assert m.decoder._graphs._graphs == captured, "the second generation must replay the graphs of the first"
+    assert m.decoder._steps[None]._graphs == captured, "the second generation must replay the graphs of the first"
     outer = iter(m.generate(prompt, 24, greedy))
     next(outer)
     inner = m.generate(prompt, 24, greedy).wait()
@@ -79,33 +79,35 @@ def test_generation_with_graphs_equals_without(tiny_models, arch: str) -> None:
 
 
 @torch.inference_mode()
-def _stepped(model: Model, prompt: list[int], n_predict: int) -> tuple[list[int], int]:
-    """Greedy tokens from `StepGraphs.step` fed with the host's argmax (what generation does without looking
+def _stepped(model: Model, prompt: list[int], n_predict: int, params: SamplingParams) -> tuple[list[int], int]:
+    """Tokens from `StepGraphs.step` fed with the host sampler's choice (what generation does without running
     ahead), up to `n_predict`, an end-of-generation token (included) or a full context; and the cache's length."""
-    t, greedy = model.transformer, Sampler(SamplingParams(temperature=0))
+    t, sampler = model.transformer, Sampler(params)
     cache = t.new_cache(model.ctx_size)
     graphs = StepGraphs(t, cache)
-    tokens = [greedy.sample(t.forward(torch.tensor(prompt, device="cuda"), cache, last_only=True)[-1])]
+    tokens = [sampler.sample(t.forward(torch.tensor(prompt, device="cuda"), cache, last_only=True)[-1])]
     while len(tokens) != n_predict and cache.length < model.ctx_size and not model.tokenizer.is_eog(tokens[-1]):
-        tokens.append(greedy.sample(graphs.step(tokens[-1:])[0]))
+        tokens.append(sampler.sample(graphs.step(tokens[-1:])[0]))
     return tokens, cache.length
 
 
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0), SamplingParams(seed=4),
+                                    SamplingParams(seed=9, top_k=0, temperature=1.3)])
 @pytest.mark.parametrize("n_predict, ctx_extra", [(12, None), (-1, 6)])  # stops at the limit; at a full context
 @pytest.mark.parametrize("arch", ["qwen2moe", "tiny-deepseek2"])
-def test_greedy_lookahead_equals_stepping_the_graphs(tiny_models, arch: str, n_predict: int,
-                                                     ctx_extra: int | None) -> None:
+def test_running_ahead_equals_stepping_the_graphs(tiny_models, arch: str, n_predict: int, ctx_extra: int | None,
+                                                  params: SamplingParams) -> None:
     """The prompt ends just below a window boundary: a chained step captures the next window, after the cache
     has moved. The step computed ahead of the last token is left out of the cache's length, and the next
     generation gives the same tokens."""
     prompt = _prompt(StepGraphs.WINDOW - 5, seed=11)
     ctx = None if ctx_extra is None else len(prompt) + ctx_extra
     m = Model.load(tiny_models[(arch, "f16")], device="cuda", progress=False, ctx_size=ctx)
-    expected, length = _stepped(m, prompt, n_predict)
+    expected, length = _stepped(m, prompt, n_predict, params)
     eog = m.tokenizer.is_eog(expected[-1])
     assert eog or length == (ctx or len(prompt) + n_predict - 1)
     for _ in range(2):
-        gen = m.generate(prompt, n_predict, SamplingParams(temperature=0)).wait()
+        gen = m.generate(prompt, n_predict, params).wait()
         assert gen.tokens == (expected[:-1] if eog else expected)
         assert gen.finish_reason == ("stop" if eog else "length")
         assert m._cache.length == length

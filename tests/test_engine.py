@@ -1,6 +1,7 @@
 """The engine on the CPU: KV cache reuse (generation after generation on one cache, and a generation started while
-another is running, which gets a cache of its own, give the tokens of a fresh model); a model loaded with an ids-only
-tokenizer, and generations that ignore end-of-generation tokens."""
+another is running, which gets a cache of its own, give the tokens of a fresh model); steps judged on the device
+(`StepDecoder`, eager on the CPU) give the plain decoder's tokens; a model loaded with an ids-only tokenizer, and
+generations that ignore end-of-generation tokens."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from specter_gguf.decoding import StepDecoder
 from specter_gguf.engine import Model, plan_budget
 from specter_gguf.errors import SpecterError
 from specter_gguf.sampling import SamplingParams
@@ -38,6 +40,26 @@ def test_interleaved_generations_do_not_share_the_cache(shipped_model: Path) -> 
         pass
     assert inner.tokens == outer.tokens == alone
     assert not m._cache_in_use
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(seed=3), SamplingParams(seed=8, top_k=0, top_p=0.9),
+                                    SamplingParams(seed=5, temperature=1.5, min_p=0.0),
+                                    SamplingParams(seed=2, repeat_penalty=1.3)])
+def test_steps_judged_on_the_device_give_the_plain_tokens(shipped_model: Path, params: SamplingParams) -> None:
+    """Each step chooses the next token (the argmax, or a draw from the sampler's next uniform) and runs one step
+    ahead; with penalties the host chooses. Either way the tokens are the plain decoder's, up to the limit and up
+    to a full context, and the step computed ahead is left out of the next generation's cache."""
+    plain = Model.load(shipped_model, device="cpu", progress=False, ctx_size=48)
+    stepped = Model.load(shipped_model, device="cpu", progress=False, ctx_size=48)
+    stepped.decoder = StepDecoder()
+    prompt = "Once upon a time, in a land far away,"
+    for n_predict in (20, -1, 7):
+        expected = plain.generate(prompt, n_predict, params).wait()
+        got = stepped.generate(prompt, n_predict, params).wait()
+        assert got.tokens == expected.tokens, n_predict
+        assert got.finish_reason == expected.finish_reason
+    assert len(expected.tokens) == 7 and len(got.tokens) == 7
+    assert stepped.decoder._steps, "the steps were expected to run, not the plain decoder"
 
 
 class _EndsAt(IdsOnlyTokenizer):
