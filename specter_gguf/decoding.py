@@ -110,9 +110,8 @@ class StepDecoder:
         asked = cache.length  # the cache's length without the step ahead
         try:
             while cache.length + 1 <= model.ctx_size:
-                if sampler is not None:  # one uniform a token, as the host's draws take them
-                    u = sampler.uniforms(1)
-                    steps.verdict.uniforms.copy_(u.pin_memory() if steps.cuda else u, non_blocking=True)
+                if sampler is not None:
+                    steps.verdict.take_uniforms(sampler)
                 ahead = steps.step_ahead(feed)
                 yield chosen()
                 asked, chosen, feed = cache.length, ahead, None  # the caller asked past the step of that token

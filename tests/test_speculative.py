@@ -32,6 +32,7 @@ from specter_gguf.runtime.budget import plan_memory
 from specter_gguf.sampling import Sampler, SamplingParams, chain_sample
 from specter_gguf.speculation import accept_drafts, synthetic_acceptance
 from specter_gguf.speculation.accept import SampledVerdict, synthetic_count, synthetic_rate
+from specter_gguf.speculation.depth import DepthChooser
 from tests.test_kernels import DEVICES
 
 MODELS = ["qwen2moe", "qwen3moe", "llama", "olmoe", "tiny-deepseek2", "tiny-deepseek2-lite", "tiny-phimoe"]
@@ -471,6 +472,53 @@ def test_drafting_never_waits_for_the_host(tiny_models, monkeypatch, sampling: S
     if sampling.greedy:
         assert gen.tokens == _target_tokens(target)
     assert reads == [], f"host reads while drafting: {sorted(set(reads))}"
+
+
+class _ScriptedDepths(DepthChooser):
+    """Depths from a script, then 0; measurements recorded as by the real chooser."""
+
+    def __init__(self, script: list[int]) -> None:
+        super().__init__(first=4)
+        self.script = list(script)
+
+    def choose(self) -> int:
+        return self.script.pop(0) if self.script else 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=1.0, seed=5)], ids=["greedy", "sampled"])
+def test_plain_runs_step_ahead_between_drafting_iterations(tiny_models, sampling: SamplingParams, device: str) -> None:
+    """Where auto depth chooses 0 the target's steps run one ahead of the host (`_plain_run`), between iterations
+    that draft, offloaded with the lookahead: greedy tokens are the target's alone; a sampled generation of plain
+    steps only is the plain decoder's, token for token (one uniform a token); every token after the prefill's
+    is one iteration at depth 0; a generation closed within a run leaves the step ahead out of the cache. On the
+    GPU (CUDA graphs) against the target alone there."""
+    target, draft = tiny_models[("qwen2moe", "f16")], tiny_models[("qwen2moe", "q4_k_m")]
+    plan = plan_memory(GGUFFile(target), 1 << 40, 256, device, draft=GGUFFile(draft))
+    m = Model.load(target, draft=draft, device=device, progress=False, ctx_size=256,
+                   gpu_budget=plan.minimum + plan.n_moe_layers * plan.slot_bytes, offload="lru")
+    assert m.decoder.lookahead is not None and m.decoder.depth is not None
+    want = Model.load(target, device=device, progress=False, ctx_size=256).generate(PROMPT, N, sampling).wait().tokens
+    m.decoder.depth = _ScriptedDepths([])
+    gen = m.generate(PROMPT, N, sampling).wait()
+    assert gen.tokens == want
+    assert gen.stats.depth_rounds == {0: N - 1} and gen.stats.draft_tokens == 0
+    if not sampling.greedy:
+        return
+    m.decoder.depth = _ScriptedDepths([0, 0, 0, 3, 0, 0, 2, 1, 0, 0, 0, 4, 0, 2, 2, 0])
+    gen = m.generate(PROMPT, N, sampling).wait()
+    assert gen.tokens == want
+    assert gen.stats.depth_rounds[0] > 5 and gen.stats.draft_tokens > 0
+    m.decoder.depth = _ScriptedDepths([])
+    gen = m.generate(PROMPT, N, sampling)
+    pieces = iter(gen)
+    for _ in range(5):
+        next(pieces)
+    gen.close()  # within a run: a step ahead of the last token handed out
+    assert 5 <= len(gen.tokens) < N and gen.tokens == want[:len(gen.tokens)]
+    assert m._cache.length == len(PROMPT) + len(gen.tokens) - 1, "the step ahead must be left out of the cache"
+    m.decoder.depth = _ScriptedDepths([0, 0, 2])
+    assert m.generate(PROMPT, N, sampling).wait().tokens == want
 
 
 PROMPTS = [[int(t) for t in torch.randint(3, 900, (4 + 3 * i,), generator=torch.Generator().manual_seed(i))]

@@ -110,6 +110,11 @@ class SampledVerdict:
             self._knobs = knobs
             self.knobs.copy_(knobs)
 
+    def take_uniforms(self, sampler: Sampler) -> None:
+        """The sampler's next uniforms (one a token, as its own draws take them) into `uniforms`, without waiting."""
+        u = sampler.uniforms(self.uniforms.numel())
+        self.uniforms.copy_(u.pin_memory() if self.uniforms.is_cuda else u, non_blocking=True)
+
     def __call__(self, logits: torch.Tensor, inputs: torch.Tensor, choice: torch.Tensor, next: torch.Tensor,
                  finite: torch.Tensor) -> None:
         T = logits.shape[0]

@@ -5,7 +5,9 @@ Decoding without penalties runs on the device: the draft's one-token steps feed 
 acceptance test), the verification's inputs are assembled from the drafted tokens on the device, it judges them
 itself (`steps.judge`, `accept.SampledVerdict`) and its verdict feeds the next iteration's first draft step; the
 host reads one small tensor per iteration (how many were accepted and the tokens). A sampled iteration's uniforms
-are drawn on the host from the sampler's generator and reach the device without a wait. Decoding with penalties
+are drawn on the host from the sampler's generator and reach the device without a wait. Where `--n-draft auto`
+chooses depth 0 (a plain step of the target) the steps run one ahead of the host until it chooses to draft again
+(`_plain_run`), as `decoding.StepDecoder` runs plain decoding. Decoding with penalties
 chooses each drafted token on the host and accepts with `accept.accept_drafts`. The steps are CUDA graphs on the
 model's reusable cache when the model replays graphs, eager otherwise (the CPU: the same algorithm, which CI
 tests).
@@ -14,7 +16,7 @@ tests).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Iterator, Literal
+from typing import TYPE_CHECKING, Callable, Generator, Iterator, Literal
 
 import torch
 
@@ -169,6 +171,13 @@ class SpeculativeDecoder:
                 # an iteration yields its accepted drafts and one token more: none drafted past what is wanted
                 k = min(self.n_draft if self.depth is None else self.depth.choose(), room,
                         max(0, n_wanted - n_yielded - 1))
+                if on_device and k == 0 and self.depth is not None:
+                    token, start, n = yield from self._plain_run(model, cache, token if start is None else start,
+                                                                 sampler, stats, clock, n_wanted - n_yielded,
+                                                                 measure=not first_iteration)
+                    n_yielded += n
+                    first_iteration = False
+                    continue
                 pos = cache.length
                 captures = self._captures()
                 clock.mark()
@@ -223,6 +232,62 @@ class SpeculativeDecoder:
             stats.expert_agreement, stats.expert_agreement_layers = self.agreement.read()
             if stats.draft_tokens:
                 self._step_s = stats.draft_s / stats.draft_tokens
+
+    def _plain_run(self, model: Model, cache: KVCache, first: int | torch.Tensor, sampler: Sampler,
+                   stats: GenerationStats, clock: PhaseClock, n_left: int,
+                   measure: bool) -> Generator[int, None, tuple[int, torch.Tensor, int]]:
+        """Depth-0 iterations (a plain step of the target each, from `first`: a host token or the last verdict on
+        the device) for as long as the chooser picks depth 0 and `n_left` tokens are wanted, each enqueued before
+        the token of the one before it is read, so the host's work between steps (reading a token, choosing the
+        next depth, the offload runtime's bookkeeping) overlaps the device's. Yields the tokens of all but the
+        last step; returns the last one's token, its verdict on the device (the next iteration's start) and how
+        many tokens were yielded. `measure`: whether the first step counts for the chooser (not a generation's
+        first iteration)."""
+        p = sampler.params
+        steps = self.steps(model, cache, 1, draft=False, sampled=None if p.greedy else p)
+        offload = model.offload if self.lookahead is not None else None
+        if offload is not None:  # one lookahead round for the run, with nothing to copy: the layers' waits pass
+            self.lookahead.start()
+            self.lookahead.plan()
+            if self.prefetch_wait != "none":
+                self.lookahead.wait_for_copies(in_kernels=self.prefetch_wait == "layer")
+            offload.settle(wait=True)
+            misses = offload.counters.cache_misses
+
+        def enqueue(feed: list[int] | torch.Tensor | None) -> tuple[Callable[[], list[int]], bool]:
+            """One step; the read of its choice and whether it captured a CUDA graph (not a typical step)."""
+            if not p.greedy:
+                steps.verdict.take_uniforms(sampler)
+            captures = self._captures()
+            clock.mark()
+            steps.step(feed)
+            clock.mark("verify")
+            return steps.read_choice(), self._captures() != captures
+
+        pending = enqueue([first] if isinstance(first, int) else first)
+        made, read_at = 1, time.perf_counter()
+        asked = cache.length  # the cache's length without a step ahead
+        try:
+            while True:
+                ahead = made < n_left and cache.length < model.ctx_size and self.depth.choose() == 0
+                following = enqueue(None) if ahead else None
+                token = pending[0]()[1]
+                now = time.perf_counter()
+                verify_s = clock.last("verify", back=int(ahead))
+                if measure and not pending[1]:
+                    self.depth.record(0, 0, 0.0, verify_s, max(0.0, now - read_at - verify_s))
+                self._count(stats, 0, verify_s)
+                measure, read_at = True, now
+                if following is None:
+                    break
+                yield token  # the caller may stop here, with the following step enqueued
+                asked, pending, made = cache.length, following, made + 1
+        finally:
+            cache.truncate(asked)
+        if offload is not None:
+            offload.settle(wait=True)
+            stats.verify_missing += offload.counters.cache_misses - misses  # nothing is prefetched at depth 0
+        return token, steps.next, made - 1
 
     def _captures(self) -> int:
         return sum(steps.captures for steps in self._steps.values())
@@ -297,11 +362,15 @@ class SpeculativeDecoder:
         per_token = model.config.n_expert_used * len(model.offload.layers) * model.offload.plan.slot_bytes
         return chunk_ends(k, self._step_s, 0.25 * per_token / rate)  # about a quarter of them new per token
 
-    def _account(self, model: Model, stats: GenerationStats, k: int, verify_s: float) -> None:
+    @staticmethod
+    def _count(stats: GenerationStats, k: int, verify_s: float) -> None:
         stats.draft_tokens += k
         stats.draft_rounds += 1
         stats.depth_rounds[k] = stats.depth_rounds.get(k, 0) + 1
         stats.depth_verify_s[k] = stats.depth_verify_s.get(k, 0.0) + verify_s
+
+    def _account(self, model: Model, stats: GenerationStats, k: int, verify_s: float) -> None:
+        self._count(stats, k, verify_s)
         if self.lookahead is None:
             return
         model.offload.settle(wait=True)  # the verification is done (its verdict was read): nothing waits
@@ -333,11 +402,14 @@ class PhaseClock:
         else:
             self._marks.append((phase, time.perf_counter()))
 
-    def last(self, phase: str) -> float:
-        """Seconds of the latest `phase` (on CUDA its end must have completed: read after the iteration's verdict)."""
+    def last(self, phase: str, back: int = 0) -> float:
+        """Seconds of the latest `phase`, or of the one `back` before it (on CUDA its end must have completed: read
+        after the iteration's verdict)."""
         for (_, begin), (name, end) in zip(reversed(self._marks[:-1]), reversed(self._marks)):
             if name == phase:
-                return begin.elapsed_time(end) / 1000 if self.cuda else end - begin
+                if not back:
+                    return begin.elapsed_time(end) / 1000 if self.cuda else end - begin
+                back -= 1
         raise KeyError(phase)
 
     def total(self, phase: str) -> float:
