@@ -246,6 +246,7 @@ class SpeculativeDecoder:
         p = sampler.params
         steps = self.steps(model, cache, 1, draft=False, sampled=None if p.greedy else p)
         offload = model.offload if self.lookahead is not None else None
+        misses = 0  # the runtime's count before the run
         if offload is not None:  # one lookahead round for the run, with nothing to copy: the layers' waits pass
             self.lookahead.start()
             self.lookahead.plan()
