@@ -12,6 +12,8 @@ import pytest
 from specter_gguf.decoding import StepDecoder
 from specter_gguf.engine import Model, plan_budget
 from specter_gguf.errors import SpecterError
+from specter_gguf.gguf_file import GGUFFile
+from specter_gguf.runtime.budget import plan_memory
 from specter_gguf.sampling import SamplingParams
 from specter_gguf.tokenizer import IdsOnlyTokenizer
 
@@ -45,12 +47,19 @@ def test_interleaved_generations_do_not_share_the_cache(shipped_model: Path) -> 
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(seed=3), SamplingParams(seed=8, top_k=0, top_p=0.9),
                                     SamplingParams(seed=5, temperature=1.5, min_p=0.0),
                                     SamplingParams(seed=2, repeat_penalty=1.3)])
-def test_steps_judged_on_the_device_give_the_plain_tokens(shipped_model: Path, params: SamplingParams) -> None:
+@pytest.mark.parametrize("offloaded", [False, True], ids=["resident", "offloaded"])
+def test_steps_judged_on_the_device_give_the_plain_tokens(shipped_model: Path, params: SamplingParams,
+                                                          offloaded: bool) -> None:
     """Each step chooses the next token (the argmax, or a draw from the sampler's next uniform) and runs one step
     ahead; with penalties the host chooses. Either way the tokens are the plain decoder's, up to the limit and up
-    to a full context, and the step computed ahead is left out of the next generation's cache."""
-    plain = Model.load(shipped_model, device="cpu", progress=False, ctx_size=48)
-    stepped = Model.load(shipped_model, device="cpu", progress=False, ctx_size=48)
+    to a full context, and the step computed ahead is left out of the next generation's cache; offloaded too (a
+    cache of top-k slots a layer, which evicts: the runtime's bookkeeping runs a step behind the device)."""
+    load = {}
+    if offloaded:
+        plan = plan_memory(GGUFFile(shipped_model), 1 << 40, 48, "cpu")
+        load = {"offload": "lru", "gpu_budget": plan.minimum + plan.n_moe_layers * plan.slot_bytes}
+    plain = Model.load(shipped_model, device="cpu", progress=False, ctx_size=48, **load)
+    stepped = Model.load(shipped_model, device="cpu", progress=False, ctx_size=48, **load)
     stepped.decoder = StepDecoder()
     prompt = "Once upon a time, in a land far away,"
     for n_predict in (20, -1, 7):
@@ -60,6 +69,8 @@ def test_steps_judged_on_the_device_give_the_plain_tokens(shipped_model: Path, p
         assert got.finish_reason == expected.finish_reason
     assert len(expected.tokens) == 7 and len(got.tokens) == 7
     assert stepped.decoder._steps, "the steps were expected to run, not the plain decoder"
+    if offloaded:
+        assert stepped.offload_mode == "lru" and got.stats.cache_evictions > 0
 
 
 class _EndsAt(IdsOnlyTokenizer):
