@@ -17,6 +17,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -503,6 +504,9 @@ def test_plain_runs_step_ahead_between_drafting_iterations(tiny_models, sampling
     gen = m.generate(PROMPT, N, sampling).wait()
     assert gen.tokens == want
     assert gen.stats.depth_rounds == {0: N - 1} and gen.stats.draft_tokens == 0
+    # plain steps bring what they missed into the cache, as plain decoding does: the last one's experts are in it
+    used = {(int(layer), int(e)) for layer, e in zip(*np.nonzero(m.offload.last_used))}
+    assert used and gen.stats.cache_misses > 0 and used <= m.offload.cache.where.keys()
     if not sampling.greedy:
         return
     m.decoder.depth = _ScriptedDepths([0, 0, 0, 3, 0, 0, 2, 1, 0, 0, 0, 4, 0, 2, 2, 0])

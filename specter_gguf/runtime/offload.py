@@ -4,7 +4,7 @@ and the baseline decoding modes built on them (no speculation):
 - `on-demand`: no cache for small batches: each expert is read in place from host memory, every time;
 - `lru`: Mixtral-offloading's per-layer LRU cache (a hit reads a slot; a miss reads host memory once and brings
   the expert into a slot for the next steps; with a draft, the lookahead buffer brings in what the draft routes
-  to instead);
+  to instead, and the speculative decoder's plain steps bring in their misses);
 - `gate-prefetch`: the host-managed path: each layer's experts are copied in before it computes, and the *next*
   MoE layer's router is applied to this layer's input to prefetch its predicted experts (Mixtral-offloading's
   speculative loading).
@@ -25,8 +25,9 @@ tensors and dequantizes quantized ones, again as the resident engine does.
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -162,7 +163,8 @@ class OffloadOptions:
     profile: RoutingProfile | None = None
     pin: str = "background"
     # a speculative decoder's lookahead buffer fills the cache: lru does not bring in what a forward read in
-    # place (those copies would compete with the lookahead's; measured slower, docs/BENCHMARKS.md 2026-12-01 14:03)
+    # place (those copies would compete with the lookahead's; measured slower, docs/BENCHMARKS.md 2026-12-01 14:03),
+    # except in the decoder's plain steps, which no lookahead serves (`OffloadRuntime.bringing_in`)
     lookahead: bool = False
 
 
@@ -175,8 +177,8 @@ class OffloadRuntime:
     its routing into `routed`; a forward is bracketed by `begin` (publishes finished copies, zeroes `routed`) and
     `end` (an asynchronous copy of `routed` to the host), and `settle` reads those copies once they have landed:
     it counts lookups, hits and misses against the table the forward saw and, in lru mode without a lookahead
-    buffer, brings the experts it used into the cache (least recently used out), so the next forwards find them
-    in slots. Big batches
+    buffer (with one: for the forwards enqueued `bringing_in`), brings the experts it used into the cache (least
+    recently used out), so the next forwards find them in slots. Big batches
     (prefill) and gate-prefetch take `OffloadedExperts`' host-managed waves instead."""
 
     HOST_BUFFERS = 8  # forwards whose routing may be in flight to the host at once
@@ -208,7 +210,8 @@ class OffloadRuntime:
         self.routed = torch.zeros((self.cfg.n_layer, self.cfg.n_expert), dtype=torch.int32, device=self.device)
         self._free_hosts = [torch.empty_like(self.routed, device="cpu", pin_memory=cuda)
                             for _ in range(self.HOST_BUFFERS)]
-        self._in_flight: list[tuple[torch.cuda.Event | None, torch.Tensor, np.ndarray]] = []
+        self._in_flight: list[tuple[torch.cuda.Event | None, torch.Tensor, np.ndarray, bool]] = []
+        self._bringing_in = False  # inside `bringing_in`
         self._seen = self.cache.published.copy()
         self.last_used = np.zeros_like(self._seen)  # the experts the last settled forward used (residency path)
         self.last_missed = np.zeros_like(self._seen)  # ... of them, those it read in place (not in a slot)
@@ -268,13 +271,24 @@ class OffloadRuntime:
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        self._in_flight.append((event, host, self._seen))
+        bring_in = self.mode == "lru" and (self._bringing_in or not self.options.lookahead)
+        self._in_flight.append((event, host, self._seen, bring_in))
+
+    @contextmanager
+    def bringing_in(self) -> Iterator[None]:
+        """Forwards enqueued inside bring the experts they used into the cache (lru mode), as they do without a
+        lookahead buffer: a speculative decoder's plain steps, whose misses no lookahead prefetches."""
+        self._bringing_in = True
+        try:
+            yield
+        finally:
+            self._bringing_in = False
 
     def settle(self, wait: bool = False, keep: int = 0) -> None:
         """Account for the forwards whose routing has reached the host (with `wait`: all but `keep`)."""
         cache, c = self.cache, self.counters
         while len(self._in_flight) > keep:
-            event, host, seen = self._in_flight[0]
+            event, host, seen, bring_in = self._in_flight[0]
             if event is not None and not wait and not event.query():
                 return
             if event is not None:
@@ -290,7 +304,7 @@ class OffloadRuntime:
             for layer in map(int, np.flatnonzero(used.any(1))):
                 keys = [(layer, int(e)) for e in np.flatnonzero(used[layer])]
                 c.zero_copy_bytes += self.layouts[layer].nbytes * int((used[layer] & ~seen[layer]).sum())
-                if self.mode == "lru" and not self.options.lookahead:
+                if bring_in:
                     cache.request(keys, prefetch=False)  # hits refreshed, misses brought in for next time
 
     def stats(self, start: OffloadCounters) -> OffloadCounters:

@@ -7,7 +7,8 @@ itself (`steps.judge`, `accept.SampledVerdict`) and its verdict feeds the next i
 host reads one small tensor per iteration (how many were accepted and the tokens). A sampled iteration's uniforms
 are drawn on the host from the sampler's generator and reach the device without a wait. Where `--n-draft auto`
 chooses depth 0 (a plain step of the target) the steps run one ahead of the host until it chooses to draft again
-(`_plain_run`), as `decoding.StepDecoder` runs plain decoding. Decoding with penalties
+(`_plain_run`), as `decoding.StepDecoder` runs plain decoding, and an offloaded target's misses come into its
+expert cache as in plain decoding (no lookahead prefetches for them). Decoding with penalties
 chooses each drafted token on the host and accepts with `accept.accept_drafts`. The steps are CUDA graphs on the
 model's reusable cache when the model replays graphs, eager otherwise (the CPU: the same algorithm, which CI
 tests).
@@ -15,6 +16,7 @@ tests).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import TYPE_CHECKING, Callable, Generator, Iterator, Literal
 
@@ -261,7 +263,9 @@ class SpeculativeDecoder:
                 steps.verdict.take_uniforms(sampler)
             captures = self._captures()
             clock.mark()
-            steps.step(feed)
+            # its misses come into the cache as plain decoding's do: no lookahead prefetches for these steps
+            with offload.bringing_in() if offload is not None else contextlib.nullcontext():
+                steps.step(feed)
             clock.mark("verify")
             return steps.read_choice(), self._captures() != captures
 
