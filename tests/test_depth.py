@@ -93,6 +93,19 @@ def test_untried_depths_are_predicted_optimistically() -> None:
     assert chooser.choose() > 4  # everything kept so far: a deeper depth could win, so it is tried
 
 
+def test_plain_steps_do_not_price_drafting_iterations() -> None:
+    """The time outside the steps is kept apart for plain steps (whose host work overlaps the step run ahead) and
+    drafting iterations (the device idles meanwhile): many cheap plain steps do not make drafting look cheap."""
+    chooser = DepthChooser(first=4)
+    chooser.record(4, 4, 0.004, 0.010, 0.003)
+    for _ in range(20):
+        chooser.record(0, 0, 0.0, 0.008, 0.0001)
+    assert chooser.other_s == pytest.approx(0.003) and chooser.plain_other_s == pytest.approx(0.0001)
+    want = (4 * 0.001 + 0.010 + 0.003) / expected_tokens(4, chooser.acceptance)
+    assert chooser.seconds_per_token(4) == pytest.approx(want)
+    assert chooser.seconds_per_token(0) == pytest.approx(0.008 + 0.0001)
+
+
 @pytest.mark.parametrize("text, value", [("auto", "auto"), ("AUTO", "auto"), ("3", 3), (5, 5), ("16", 16)])
 def test_parse_depth(text, value) -> None:
     assert parse_depth(text) == value

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -523,6 +524,19 @@ def test_plain_runs_step_ahead_between_drafting_iterations(tiny_models, sampling
     assert m._cache.length == len(PROMPT) + len(gen.tokens) - 1, "the step ahead must be left out of the cache"
     m.decoder.depth = _ScriptedDepths([0, 0, 2])
     assert m.generate(PROMPT, N, sampling).wait().tokens == want
+
+
+def test_a_drafting_iterations_other_time_holds_the_callers(tiny_models) -> None:
+    """The chooser's price of a drafting iteration runs from the last verdict's read to this one's: the caller's
+    time between the tokens handed out (nothing is queued on the device meanwhile) is part of it."""
+    target, draft = tiny_models[("qwen2moe", "f16")], tiny_models[("qwen2moe", "q4_k_m")]
+    m = Model.load(target, draft=draft, device="cpu", progress=False, ctx_size=256)
+    m.decoder.depth = depths = _ScriptedDepths([2] * 6)
+    caller_s = 0.02
+    for _ in m.generate(PROMPT, 24, GREEDY):
+        time.sleep(caller_s)
+    assert depths.other_s is not None and depths.other_s >= caller_s  # at least one token handed out each
+    assert depths.plain_other_s is not None  # the plain steps after the script, measured apart
 
 
 PROMPTS = [[int(t) for t in torch.randint(3, 900, (4 + 3 * i,), generator=torch.Generator().manual_seed(i))]

@@ -159,6 +159,7 @@ class SpeculativeDecoder:
         start: torch.Tensor | None = None  # the last verification's verdict [token, position], on the device
         n_yielded = 0
         first_iteration = True
+        read_at = time.perf_counter()  # the last read of a verdict: an iteration's wall time runs from there
         try:
             while True:
                 yield token
@@ -179,11 +180,11 @@ class SpeculativeDecoder:
                                                                  measure=not first_iteration)
                     n_yielded += n
                     first_iteration = False
+                    read_at = time.perf_counter()
                     continue
                 pos = cache.length
                 captures = self._captures()
                 clock.mark()
-                began = time.perf_counter()
                 if on_device:
                     verify = self.steps(model, cache, k + 1, draft=False, sampled=None if p.greedy else p)
                     drafted = self._draft_on_device(model, cache, token if start is None else start, k, verify,
@@ -215,14 +216,16 @@ class SpeculativeDecoder:
                     accepted, token = accept_drafts(verified, drafted_ids, draft_probs, sampler, history,
                                                     self.synth_rate)
                 cache.truncate(pos + 1 + len(accepted))
+                now = time.perf_counter()
                 # the verdict was read: the phases' events have completed. Not measured for the depth: an iteration
                 # that captured a CUDA graph (tens of ms, once), and a generation's first, whose verification turns
                 # the expert cache over from the prompt's experts to the decoding's (38-54 ms at any depth on the
                 # benchmark shape, 4-6x a later one: it kept the depth it was run at from being chosen again)
                 draft_s, verify_s = clock.last("draft"), clock.last("verify")
                 if self.depth is not None and self._captures() == captures and not first_iteration:
-                    wall = time.perf_counter() - began
+                    wall = now - read_at  # the caller's time since the last verdict and this iteration's host work
                     self.depth.record(k, len(accepted), draft_s, verify_s, max(0.0, wall - draft_s - verify_s))
+                read_at = now
                 self._account(model, stats, k, verify_s)
                 first_iteration = False
                 for t in accepted:  # counted as handed out: a stop string may end the generation among them

@@ -6,11 +6,13 @@ and the target's own) and costs T(k) = k * draft step + verification(k) + other,
 `max_depth` with the least T(k) / E(k); k = 0 is a plain step of the target (nothing drafted: the draft does not
 pay), and after `PROBE_AFTER` of those in a row one iteration drafts again at the best k ≥ 1, so the acceptance is
 measured anew (the text changes). Every figure is measured on the iterations so far (the decoder leaves out a
-generation's first): the draft step and the host's time around the steps (`other`) as running means, the
-verification per depth (it grows with k: more tokens, more distinct experts, more misses), the acceptance as decayed
-counts (the text changes). A depth not tried yet is predicted from the nearest tried one, optimistically (the same
-verification time for a deeper one, time in proportion to tokens for a shallower one), so each depth that could win
-is tried.
+generation's first): the draft step and the time around the steps (`other`: from one read of a verdict to the next,
+the host's work and the caller's between tokens, less the steps' device time) as running means, one for drafting
+iterations and one for plain steps (whose host work mostly overlaps the step run ahead: in one mean, the plain
+steps, the more numerous, set a drafting iteration's price too); the verification per depth (it grows with k: more
+tokens, more distinct experts, more misses); the acceptance as decayed counts (the text changes). A depth not tried
+yet is predicted from the nearest tried one, optimistically (the same verification time for a deeper one, time in
+proportion to tokens for a shallower one), so each depth that could win is tried.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ class DepthChooser:
     first: int
     max_depth: int = MAX_DEPTH
     step_s: float | None = None                  # one draft step
-    other_s: float = 0.0                         # an iteration's time outside its steps
+    other_s: float | None = None                 # a drafting iteration's time outside its steps
+    plain_other_s: float | None = None           # ... a plain step's (depth 0)
     verify_s: dict[int, float] = field(default_factory=dict)  # depth -> one verification
     kept: float = PRIOR[0]
     tested: float = PRIOR[1]
@@ -75,7 +78,8 @@ class DepthChooser:
 
     def seconds_per_token(self, k: int) -> float:
         assert self.step_s is not None
-        return (k * self.step_s + self.verification_s(k) + self.other_s) / expected_tokens(k, self.acceptance)
+        other = (self.other_s if k else self.plain_other_s) or 0.0  # not measured yet: optimistically nothing
+        return (k * self.step_s + self.verification_s(k) + other) / expected_tokens(k, self.acceptance)
 
     def choose(self) -> int:
         """The depth of the next iteration."""
@@ -91,8 +95,10 @@ class DepthChooser:
             self.kept = DECAY * self.kept + n_accepted
             self.tested = DECAY * self.tested + n_accepted + (n_accepted < k)
             self.step_s = _mean(self.step_s, draft_s / k)
+            self.other_s = _mean(self.other_s, other_s)
+        else:
+            self.plain_other_s = _mean(self.plain_other_s, other_s)
         self.verify_s[k] = _mean(self.verify_s.get(k), verify_s)
-        self.other_s = _mean(self.other_s, other_s)
 
 
 def _mean(old: float | None, new: float) -> float:
