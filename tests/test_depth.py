@@ -125,7 +125,7 @@ def test_auto_is_the_default_and_lossless(tiny_models) -> None:
     want = Model.load(target, device="cpu", progress=False, ctx_size=256).generate([5, 17, 300], 64, greedy).wait()
     got = spec.generate([5, 17, 300], 64, greedy).wait()
     assert got.tokens == want.tokens
-    assert got.stats.draft_rounds > 0 and spec.decoder.depth.verify_s  # it measured what it chose from
+    assert got.stats.draft_rounds > 0 and spec.decoder.depth["greedy"].verify_s  # it measured what it chose from
     assert sum(got.stats.depth_rounds.values()) == got.stats.draft_rounds
     assert sum(k * n for k, n in got.stats.depth_rounds.items()) == got.stats.draft_tokens
     assert set(got.stats.depth_verify_s) == set(got.stats.depth_rounds) and sum(got.stats.depth_verify_s.values()) > 0
@@ -144,8 +144,9 @@ def test_a_generation_s_first_iteration_is_not_measured(tiny_models) -> None:
     target, draft = tiny_models[("qwen2moe", "f16")], tiny_models[("qwen2moe", "q2_k")]
     spec = Model.load(target, draft=draft, device="cpu", progress=False, ctx_size=256)
     recorded = []
-    record = spec.decoder.depth.record
-    spec.decoder.depth.record = lambda k, *a: (recorded.append(k), record(k, *a))
+    chooser = spec.decoder.depth.setdefault("greedy", DepthChooser(first=4))
+    record = chooser.record
+    chooser.record = lambda k, *a: (recorded.append(k), record(k, *a))
     rounds = 0
     for prompt in ([5, 17, 300], [9, 40]):
         rounds += spec.generate(prompt, 24, SamplingParams(temperature=0)).wait().stats.draft_rounds
@@ -218,7 +219,9 @@ def test_depth_zero_iterations_are_plain_steps(tiny_models, sampling: SamplingPa
     want = Model.load(target, device="cpu", progress=False, ctx_size=256).generate([5, 17, 300], 40, sampling).wait()
     spec = Model.load(target, draft=draft, device="cpu", progress=False, ctx_size=256)
     depths = iter([0, 3, 0, 0, 2, 1, 0] * 20)
-    spec.decoder.depth.choose = lambda: next(depths)
+    chooser = DepthChooser(first=4)
+    chooser.choose = lambda: next(depths)
+    spec.decoder.depth = {kind: chooser for kind in ("greedy", "sampled", "penalties")}
     got = spec.generate([5, 17, 300], 40, sampling).wait()
     assert got.tokens == want.tokens
     assert got.stats.draft_rounds > got.stats.draft_tokens / 3  # the plain steps count as verification passes
@@ -236,3 +239,20 @@ def test_a_fixed_depth_beyond_auto_s_range(tiny_models) -> None:
     got = spec.generate([5, 17, 300], 40, greedy).wait()
     assert got.tokens == want.tokens and got.stats.draft_tokens > MAX_DEPTH
     assert got.stats.expert_agreement is not None
+
+
+def test_each_kind_of_generation_has_its_own_chooser(tiny_models) -> None:
+    """Greedy, sampled and penalized generations are measured apart (their verifications cost their own and keep
+    drafts at their own rates), and alternating them keeps what each learnt."""
+    target, draft = tiny_models[("qwen2moe", "f16")], tiny_models[("qwen2moe", "q2_k")]
+    spec = Model.load(target, draft=draft, device="cpu", progress=False, ctx_size=256)
+    kinds = {"greedy": SamplingParams(temperature=0), "sampled": SamplingParams(temperature=1.0, seed=3),
+             "penalties": SamplingParams(temperature=0, repeat_penalty=1.3)}
+    for name, params in kinds.items():
+        spec.generate([5, 17, 300], 24, params).wait()
+        assert set(spec.decoder.depth) == set(list(kinds)[:list(kinds).index(name) + 1])
+    greedy = spec.decoder.depth["greedy"]
+    measured = dict(greedy.verify_s)
+    spec.generate([9, 40], 24, kinds["sampled"]).wait()
+    assert spec.decoder.depth["greedy"] is greedy and greedy.verify_s == measured  # a sampled run leaves it alone
+    assert len({id(c) for c in spec.decoder.depth.values()}) == 3

@@ -487,6 +487,13 @@ class _ScriptedDepths(DepthChooser):
         return self.script.pop(0) if self.script else 0
 
 
+def _script(m: Model, depths: list[int]) -> _ScriptedDepths:
+    """`m`'s generations of every kind take their depths from one script."""
+    chooser = _ScriptedDepths(depths)
+    m.decoder.depth = {kind: chooser for kind in ("greedy", "sampled", "penalties")}
+    return chooser
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=1.0, seed=5)], ids=["greedy", "sampled"])
 def test_plain_runs_step_ahead_between_drafting_iterations(tiny_models, sampling: SamplingParams, device: str) -> None:
@@ -501,7 +508,7 @@ def test_plain_runs_step_ahead_between_drafting_iterations(tiny_models, sampling
                    gpu_budget=plan.minimum + plan.n_moe_layers * plan.slot_bytes, offload="lru")
     assert m.decoder.lookahead is not None and m.decoder.depth is not None
     want = Model.load(target, device=device, progress=False, ctx_size=256).generate(PROMPT, N, sampling).wait().tokens
-    m.decoder.depth = _ScriptedDepths([])
+    _script(m, [])
     gen = m.generate(PROMPT, N, sampling).wait()
     assert gen.tokens == want
     assert gen.stats.depth_rounds == {0: N - 1} and gen.stats.draft_tokens == 0
@@ -510,11 +517,11 @@ def test_plain_runs_step_ahead_between_drafting_iterations(tiny_models, sampling
     assert used and gen.stats.cache_misses > 0 and used <= m.offload.cache.where.keys()
     if not sampling.greedy:
         return
-    m.decoder.depth = _ScriptedDepths([0, 0, 0, 3, 0, 0, 2, 1, 0, 0, 0, 4, 0, 2, 2, 0])
+    _script(m, [0, 0, 0, 3, 0, 0, 2, 1, 0, 0, 0, 4, 0, 2, 2, 0])
     gen = m.generate(PROMPT, N, sampling).wait()
     assert gen.tokens == want
     assert gen.stats.depth_rounds[0] > 5 and gen.stats.draft_tokens > 0
-    m.decoder.depth = _ScriptedDepths([])
+    _script(m, [])
     gen = m.generate(PROMPT, N, sampling)
     pieces = iter(gen)
     for _ in range(5):
@@ -522,7 +529,7 @@ def test_plain_runs_step_ahead_between_drafting_iterations(tiny_models, sampling
     gen.close()  # within a run: a step ahead of the last token handed out
     assert 5 <= len(gen.tokens) < N and gen.tokens == want[:len(gen.tokens)]
     assert m._cache.length == len(PROMPT) + len(gen.tokens) - 1, "the step ahead must be left out of the cache"
-    m.decoder.depth = _ScriptedDepths([0, 0, 2])
+    _script(m, [0, 0, 2])
     assert m.generate(PROMPT, N, sampling).wait().tokens == want
 
 
@@ -531,7 +538,7 @@ def test_a_drafting_iterations_other_time_holds_the_callers(tiny_models) -> None
     time between the tokens handed out (nothing is queued on the device meanwhile) is part of it."""
     target, draft = tiny_models[("qwen2moe", "f16")], tiny_models[("qwen2moe", "q4_k_m")]
     m = Model.load(target, draft=draft, device="cpu", progress=False, ctx_size=256)
-    m.decoder.depth = depths = _ScriptedDepths([2] * 6)
+    depths = _script(m, [2] * 6)
     caller_s = 0.02
     for _ in m.generate(PROMPT, 24, GREEDY):
         time.sleep(caller_s)

@@ -54,7 +54,7 @@ class SpeculativeDecoder:
         """`verify_experts`: the target's experts as verifications run them with `prefetch_wait` "layer" (each
         MoE layer waiting for its copies: `lookahead.after_copies`)."""
         self.experts, self.lookahead, self.verify_experts, self.name = experts, lookahead, verify_experts, name
-        self.depth: DepthChooser | None = None
+        self.depth: dict[str, DepthChooser] | None = None  # "auto": a chooser per kind of generation (`_chooser`)
         self.set_depth(n_draft)
         self.synth_rate: float | None = None  # benchmarks only (`accept.synthetic_acceptance`)
         self.prefetch_wait = "layer"  # one of PREFETCH_WAITS
@@ -69,9 +69,19 @@ class SpeculativeDecoder:
         """Draft `n_draft` tokens per verification from now on, or choose each iteration's depth ("auto")."""
         n_draft = parse_depth(n_draft)
         if n_draft == "auto":
-            self.n_draft, self.depth = MAX_DEPTH, DepthChooser(first=DEFAULT_N_DRAFT)
+            self.n_draft, self.depth = MAX_DEPTH, {}
         else:
             self.n_draft, self.depth = n_draft, None
+
+    def _chooser(self, params: SamplingParams) -> DepthChooser | None:
+        """The depth chooser of generations like `params` (greedy, sampled, or with penalties: drafted on the host),
+        None at a fixed depth. Each kind has its own: their verifications cost their own (sampled ones 1.2 ms more
+        than greedy ones at depths 1 and 8 on Qwen1.5-MoE shapes, 2026-12-04) and their drafts are kept at their
+        own rates, while a caller may alternate them (the benchmark does, generation by generation)."""
+        if self.depth is None:
+            return None
+        kind = "penalties" if params.penalties_active else "greedy" if params.greedy else "sampled"
+        return self.depth.setdefault(kind, DepthChooser(first=DEFAULT_N_DRAFT))
 
     @classmethod
     def load(cls, model: Model, draft: GGUFFile, n_draft: int | Literal["auto"]) -> SpeculativeDecoder:
@@ -155,6 +165,7 @@ class SpeculativeDecoder:
         clock = PhaseClock(model.device)
         p = sampler.params
         on_device = not p.penalties_active
+        depth = self._chooser(p)
         token = sampler.sample(logits, history)
         start: torch.Tensor | None = None  # the last verification's verdict [token, position], on the device
         n_yielded = 0
@@ -172,11 +183,10 @@ class SpeculativeDecoder:
                     token, start = sampler.sample(logits, history), None
                     continue
                 # an iteration yields its accepted drafts and one token more: none drafted past what is wanted
-                k = min(self.n_draft if self.depth is None else self.depth.choose(), room,
-                        max(0, n_wanted - n_yielded - 1))
-                if on_device and k == 0 and self.depth is not None:
+                k = min(self.n_draft if depth is None else depth.choose(), room, max(0, n_wanted - n_yielded - 1))
+                if on_device and k == 0 and depth is not None:
                     token, start, n = yield from self._plain_run(model, cache, token if start is None else start,
-                                                                 sampler, stats, clock, n_wanted - n_yielded,
+                                                                 sampler, depth, stats, clock, n_wanted - n_yielded,
                                                                  measure=not first_iteration)
                     n_yielded += n
                     first_iteration = False
@@ -222,9 +232,9 @@ class SpeculativeDecoder:
                 # the expert cache over from the prompt's experts to the decoding's (38-54 ms at any depth on the
                 # benchmark shape, 4-6x a later one: it kept the depth it was run at from being chosen again)
                 draft_s, verify_s = clock.last("draft"), clock.last("verify")
-                if self.depth is not None and self._captures() == captures and not first_iteration:
+                if depth is not None and self._captures() == captures and not first_iteration:
                     wall = now - read_at  # the caller's time since the last verdict and this iteration's host work
-                    self.depth.record(k, len(accepted), draft_s, verify_s, max(0.0, wall - draft_s - verify_s))
+                    depth.record(k, len(accepted), draft_s, verify_s, max(0.0, wall - draft_s - verify_s))
                 read_at = now
                 self._account(model, stats, k, verify_s)
                 first_iteration = False
@@ -239,10 +249,10 @@ class SpeculativeDecoder:
                 self._step_s = stats.draft_s / stats.draft_tokens
 
     def _plain_run(self, model: Model, cache: KVCache, first: int | torch.Tensor, sampler: Sampler,
-                   stats: GenerationStats, clock: PhaseClock, n_left: int,
+                   depth: DepthChooser, stats: GenerationStats, clock: PhaseClock, n_left: int,
                    measure: bool) -> Generator[int, None, tuple[int, torch.Tensor, int]]:
         """Depth-0 iterations (a plain step of the target each, from `first`: a host token or the last verdict on
-        the device) for as long as the chooser picks depth 0 and `n_left` tokens are wanted, each enqueued before
+        the device) for as long as `depth` picks depth 0 and `n_left` tokens are wanted, each enqueued before
         the token of the one before it is read, so the host's work between steps (reading a token, choosing the
         next depth, the offload runtime's bookkeeping) overlaps the device's. Yields the tokens of all but the
         last step; returns the last one's token, its verdict on the device (the next iteration's start) and how
@@ -277,13 +287,13 @@ class SpeculativeDecoder:
         asked = cache.length  # the cache's length without a step ahead
         try:
             while True:
-                ahead = made < n_left and cache.length < model.ctx_size and self.depth.choose() == 0
+                ahead = made < n_left and cache.length < model.ctx_size and depth.choose() == 0
                 following = enqueue(None) if ahead else None
                 token = pending[0]()[1]
                 now = time.perf_counter()
                 verify_s = clock.last("verify", back=int(ahead))
                 if measure and not pending[1]:
-                    self.depth.record(0, 0, 0.0, verify_s, max(0.0, now - read_at - verify_s))
+                    depth.record(0, 0, 0.0, verify_s, max(0.0, now - read_at - verify_s))
                 self._count(stats, 0, verify_s)
                 measure, read_at = True, now
                 if following is None:
