@@ -19,6 +19,7 @@ from specter_gguf.engine import Model
 from specter_gguf.errors import SpecterError
 from specter_gguf.sampling import SamplingParams
 from specter_gguf.speculation import DepthChooser
+from specter_gguf.speculation.decoder import GENERATION_KINDS
 from specter_gguf.speculation.depth import expected_tokens, parse_depth
 
 
@@ -221,7 +222,7 @@ def test_depth_zero_iterations_are_plain_steps(tiny_models, sampling: SamplingPa
     depths = iter([0, 3, 0, 0, 2, 1, 0] * 20)
     chooser = DepthChooser(first=4)
     chooser.choose = lambda: next(depths)
-    spec.decoder.depth = {kind: chooser for kind in ("greedy", "sampled", "penalties")}
+    spec.decoder.depth = {kind: chooser for kind in GENERATION_KINDS}
     got = spec.generate([5, 17, 300], 40, sampling).wait()
     assert got.tokens == want.tokens
     assert got.stats.draft_rounds > got.stats.draft_tokens / 3  # the plain steps count as verification passes
@@ -248,9 +249,12 @@ def test_each_kind_of_generation_has_its_own_chooser(tiny_models) -> None:
     spec = Model.load(target, draft=draft, device="cpu", progress=False, ctx_size=256)
     kinds = {"greedy": SamplingParams(temperature=0), "sampled": SamplingParams(temperature=1.0, seed=3),
              "penalties": SamplingParams(temperature=0, repeat_penalty=1.3)}
+    assert tuple(kinds) == GENERATION_KINDS
+    seen = set()
     for name, params in kinds.items():
         spec.generate([5, 17, 300], 24, params).wait()
-        assert set(spec.decoder.depth) == set(list(kinds)[:list(kinds).index(name) + 1])
+        seen.add(name)
+        assert set(spec.decoder.depth) == seen  # a chooser for each kind run so far
     greedy = spec.decoder.depth["greedy"]
     measured = dict(greedy.verify_s)
     spec.generate([9, 40], 24, kinds["sampled"]).wait()

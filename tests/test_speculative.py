@@ -34,6 +34,7 @@ from specter_gguf.runtime.budget import plan_memory
 from specter_gguf.sampling import Sampler, SamplingParams, chain_sample
 from specter_gguf.speculation import accept_drafts, synthetic_acceptance
 from specter_gguf.speculation.accept import SampledVerdict, synthetic_count, synthetic_rate
+from specter_gguf.speculation.decoder import GENERATION_KINDS
 from specter_gguf.speculation.depth import DepthChooser
 from tests.test_kernels import DEVICES
 
@@ -490,7 +491,7 @@ class _ScriptedDepths(DepthChooser):
 def _script(m: Model, depths: list[int]) -> _ScriptedDepths:
     """`m`'s generations of every kind take their depths from one script."""
     chooser = _ScriptedDepths(depths)
-    m.decoder.depth = {kind: chooser for kind in ("greedy", "sampled", "penalties")}
+    m.decoder.depth = {kind: chooser for kind in GENERATION_KINDS}
     return chooser
 
 

@@ -41,6 +41,8 @@ PCIE_BYTES_PER_S = 25e9  # the copy rate assumed before one is measured (PCIe 4.
 # layer waits for its own ("layer"), all are waited for before it starts ("all"), or it reads those experts in
 # place while they land ("none"); the other two are there to be measured against (scripts/bench_prefetch.py)
 PREFETCH_WAITS = ("layer", "all", "none")
+# the kinds of generation whose depths `--n-draft auto` chooses apart (`SpeculativeDecoder._chooser`)
+GENERATION_KINDS = ("greedy", "sampled", "penalties")
 
 
 class SpeculativeDecoder:
@@ -81,7 +83,9 @@ class SpeculativeDecoder:
         if self.depth is None:
             return None
         kind = "penalties" if params.penalties_active else "greedy" if params.greedy else "sampled"
-        return self.depth.setdefault(kind, DepthChooser(first=DEFAULT_N_DRAFT))
+        if kind not in self.depth:
+            self.depth[kind] = DepthChooser(first=DEFAULT_N_DRAFT)
+        return self.depth[kind]
 
     @classmethod
     def load(cls, model: Model, draft: GGUFFile, n_draft: int | Literal["auto"]) -> SpeculativeDecoder:
