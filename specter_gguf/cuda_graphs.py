@@ -2,14 +2,22 @@
 
 Eager decoding launches every kernel of every layer from Python (~40 per layer, a few microseconds of host
 time each), which costs far more than the GPU work of a small-batch MoE step. A graph replays the whole forward
-with one launch. Shapes must be static, so attention reads a fixed window of the KV cache (a multiple of
-`WINDOW` keys, masked past each token's position) and one graph is captured per window as the sequence grows;
+with one launch. Shapes must be static, so attention reads a fixed window of the KV cache (`WINDOW` keys, then
+each window twice the last, up to the context; masked past each token's position) and one graph is captured per
+window as the sequence grows: a sequence of n keys captures ~log2(n / WINDOW) + 1 of them (n / WINDOW when the
+windows grew by WINDOW keys). The native attention reads no key past the last position, so a longer window costs
+it only the launch of splits that have nothing to read; where torch's SDPA attends instead (several queries over up
+to `layers._SDPA_MAX_KEYS` keys, head sizes the kernel lacks, deepseek2's latent attention) it computes over the
+whole window, at most twice the keys;
 the tokens and their first position live in the device tensor `inputs`, and the verdict (`steps.judge`, or
 speculative sampling with its uniforms in a device tensor) is part of the graph. An offloaded model's forward
 reads its experts through the residency table inside the graph, between the runtime's `begin` and `end`.
 
-A graph holds raw addresses of what it reads: the KV cache storage and the RoPE tables. When either moves
-(the cache grew for a longer prompt), the graphs are dropped and captured again.
+A graph holds raw addresses of what it reads: the KV cache storage and the RoPE tables. Both are made for the
+whole context (which the memory plan counts) before the first graph over them is captured, so they do not move
+under them as the sequence grows (it doubled on demand, and each growth dropped every graph: the draft
+step's and each verification depth's were captured again, 50-80 ms each for a Qwen1.5-MoE-shaped verification on the
+H200, 2026-12-04); should either move, the graphs are dropped and captured again.
 
 Every graph over one KV cache (plain decoding, draft steps, verifications of each depth, each window) draws its
 transient memory from one pool (`_POOLS`), not a pool of its own (by the caching allocator's rules at least a
@@ -54,14 +62,19 @@ class StepGraphs(Steps):
         self.transformer, self.offload = transformer, offload
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._ropes = list({id(b.attn.rope): b.attn.rope for b in transformer.blocks}.values())
+        # what the graphs will hold the addresses of, whole (module docstring)
+        cache.reserve(cache.max_len)
+        for rope in self._ropes:
+            rope.table(cache.max_len, cache.device, cache.max_len)
         self._storage: tuple[int, ...] = ()
         if offload is not None:
             offload.prepare_graphs()
 
     def _forward(self) -> torch.Tensor:
         cache = self.cache
-        # the window stops at the context size (`step` checked the tokens fit)
-        window = min(cache.max_len, -(-(cache.length + self.n_tokens) // self.WINDOW) * self.WINDOW)
+        # WINDOW, then doubled until the keys fit; it stops at the context size (`step` checked the tokens fit)
+        keys = cache.length + self.n_tokens
+        window = min(cache.max_len, self.WINDOW << max(0, -(-keys // self.WINDOW) - 1).bit_length())
         if self._storage_moved() or window not in self._graphs:
             self._capture(window)
         graph, logits = self._graphs[window]

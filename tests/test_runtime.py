@@ -77,7 +77,7 @@ def test_plan_splits_the_budget(shipped_model) -> None:
     # a draft's routed experts are counted (here the model itself stands in for a draft), and on CUDA what the
     # speculative decoder holds beside them
     with_draft = plan_memory(f, "64GiB", CTX, "cuda", draft=f)
-    reserve = speculation_bytes(cfg.n_layer)  # a quarter GiB, and the graphs of every further depth per layer
+    reserve = speculation_bytes(cfg.n_layer)  # 3/8 GiB, and the graphs of every further depth per layer
     assert with_draft.draft_experts == huge.resident_expert_bytes and with_draft.speculation == reserve
     assert SPECULATION < reserve < speculation_bytes(2 * cfg.n_layer)
     assert with_draft.minimum == huge.minimum + huge.resident_expert_bytes + reserve

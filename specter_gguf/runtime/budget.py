@@ -21,15 +21,18 @@
   2026-12-01).
 - **draft experts**: the routed experts of a `--draft` GGUF (its file bytes: the draft stays quantized on
   the GPU).
-- **speculation** (with a draft, on CUDA): what the speculative decoder holds beyond the plain decoder's: a
-  quarter GiB for its CUDA graphs at one verification depth (draft steps, the verification) and their share of the
+- **speculation** (with a draft, on CUDA): what the speculative decoder holds beyond the plain decoder's: 3/8
+  GiB for its CUDA graphs at one verification depth (draft steps, the verification) and their share of the
   allocator's reserve, the verdict buffers, plus `VERIFY_GRAPHS_PER_LAYER` for every layer and every further depth
   up to `MAX_DEPTH` (`--n-draft auto` verifies at each depth that may win, and each captures its own graphs).
   Without the quarter GiB, Qwen3-30B-A3B shapes went 0.10-0.19 GiB over 16 and 24 GiB budgets (nvidia-smi on the
   H200, 2026-12-01: 1.08-1.10 GiB beyond torch's peak, and torch's peak 0.07-0.09 GiB past what the plan gave it),
   where decoding from the expert cache fitted; with it alone, depth auto after a verification at every depth went
   91 and 89 MiB over 16 and 24 GiB (2026-12-03: 165 MB more than a fixed depth of 8 with the same model, 0.49 MB
-  per layer and further depth; the plan takes 0.625 MiB).
+  per layer and further depth; the plan takes 0.625 MiB). The quarter GiB became 3/8 when the graphs began to
+  reserve the KV cache's whole context before their first capture: Qwen1.5-MoE shapes then went 19 MiB over 16 GiB
+  (2026-12-04, nvidia-smi 1.09 GiB beyond torch's peak with speculation, 0.86 without: the graphs' pool reserve),
+  where the half of the cache not yet grown had hidden it.
 - **slots**: what is left, in whole slots. A slot holds one routed expert's gate|up|down record in the
   target's GGUF type (the largest record over the layers: Q4_K_M files mix types between layers).
 
@@ -61,7 +64,7 @@ from specter_gguf.sizes import GiB, MiB, format_size, parse_size
 SLOT_ALIGN = 256          # bytes: slot and part offsets (vector loads, any element type)
 WORKSPACE_SLACK = 1.1     # small tensors the estimate leaves out (measured on the H200: tests/test_memory_gpu.py)
 CUDA_RUNTIME = 1 * GiB
-SPECULATION = GiB // 4   # with a draft on CUDA, at one verification depth: see the module docstring
+SPECULATION = 3 * GiB // 8  # with a draft on CUDA, at one verification depth: see the module docstring
 VERIFY_GRAPHS_PER_LAYER = 5 * MiB // 8  # and for each layer at every further depth
 VERIFY_ROWS = 17          # logits rows a forward returns at most: a verification of 16 drafted tokens
 FIT_MARGIN = 1 * GiB      # left free when the budget is the device's free memory (llama.cpp's --fit leaves 1 GiB)
