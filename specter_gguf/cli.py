@@ -13,8 +13,8 @@ from typing import Any
 import click
 import numpy as np
 
-from specter_gguf.engine import (DRAFT_TYPES, MAX_DEPTH, MAX_FIXED_DEPTH, OFFLOAD_CHOICES, POLICIES,
-                                 SHIPPED_DRAFT, draft_file_or_type, parse_depth)
+from specter_gguf.engine import (DRAFT_TYPES, HYBRID_CHOICES, MAX_DEPTH, MAX_FIXED_DEPTH, OFFLOAD_CHOICES,
+                                 POLICIES, SHIPPED_DRAFT, draft_file_or_type, parse_depth)
 from specter_gguf.errors import ContextFullError, SpecterError
 from specter_gguf.outputs import check_output_file, check_output_folder
 from specter_gguf.quantize import FTYPES
@@ -203,8 +203,8 @@ def load_options(f: Any = None, *, depth: bool = True) -> Any:
 
     @functools.wraps(f)
     def command(*args: Any, device: str | None, ctx_size: int | None, gpu_budget: str | None, offload: str | None,
-                cache_policy: str | None, routing_profile: Path | None, cuda_graphs: bool, draft: Path | str | None,
-                n_draft: int | str | None = None, **kwargs: Any) -> Any:
+                cache_policy: str | None, routing_profile: Path | None, hybrid: str, cuda_graphs: bool,
+                draft: Path | str | None, n_draft: int | str | None = None, **kwargs: Any) -> Any:
         def load(model: Path | None, progress: bool) -> Any:
             from specter_gguf.engine import Model
 
@@ -213,7 +213,7 @@ def load_options(f: Any = None, *, depth: bool = True) -> Any:
             chosen = None if chosen == "none" else chosen
             return Model.load(model, device=device, ctx_size=ctx_size, progress=progress, gpu_budget=budget,
                               offload=offload, cache_policy=cache_policy, routing_profile=routing_profile,
-                              cuda_graphs=cuda_graphs, draft=chosen, n_draft=n_draft)
+                              cuda_graphs=cuda_graphs, draft=chosen, n_draft=n_draft, hybrid=hybrid)
 
         return f(*args, load=load, **kwargs)
 
@@ -229,6 +229,10 @@ def load_options(f: Any = None, *, depth: bool = True) -> Any:
                      help="Expert-cache eviction policy (default lru; static-hot with --routing-profile)."),
         click.option("--routing-profile", type=click.Path(exists=True, dir_okay=False, path_type=Path),
                      default=None, help="Routing profile (JSON) for the static-hot policy."),
+        click.option("--hybrid", type=click.Choice(HYBRID_CHOICES), default="off", show_default=True,
+                     help="Offloaded experts that a decode step or a verification misses: computed by the CPU (on) "
+                     "or read over PCIe (off); auto measures both at load (one expert for one token against its "
+                     "copy) and takes the CPU where it is faster. Experimental on GPUs: not yet the default."),
         click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
                      help="Replay each decode step, draft step and verification as a CUDA graph (CUDA; not with "
                      "--offload gate-prefetch)."),

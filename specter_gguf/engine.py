@@ -23,6 +23,7 @@ from specter_gguf.layers import ExpertSource, KVCache, RoutingObserver, Transfor
 from specter_gguf.models import check_architecture
 from specter_gguf.runtime.budget import MemoryPlan, plan_memory
 from specter_gguf.runtime.cache import POLICIES  # the values of Model.load's cache_policy
+from specter_gguf.runtime.hybrid import HYBRID_CHOICES  # ... of its hybrid
 from specter_gguf.runtime.offload import OFFLOAD_CHOICES, load_offloaded  # ... and of its offload
 from specter_gguf.runtime.routing import DeviceRoutingCounts, RoutingProfile
 from specter_gguf.sampling import Sampler, SamplingParams
@@ -34,7 +35,7 @@ from specter_gguf.tokenizer import IdsOnlyTokenizer, Tokenizer
 
 __all__ = ["Model", "Generation", "GenerationStats", "SHIPPED_MODEL", "SHIPPED_DRAFT", "resolve_device", "tpot_ms",
            "read_config", "FileSummary", "summarize_file", "plan_budget", "MemoryPlan", "ModelConfig",
-           "RoutingProfile", "OFFLOAD_CHOICES", "POLICIES", "MAX_DEPTH", "MAX_FIXED_DEPTH", "parse_depth",
+           "RoutingProfile", "OFFLOAD_CHOICES", "POLICIES", "HYBRID_CHOICES", "MAX_DEPTH", "MAX_FIXED_DEPTH", "parse_depth",
            "DRAFT_TYPES", "draft_file_or_type", "resolve_draft"]
 
 log = logging.getLogger(__name__)
@@ -156,6 +157,8 @@ class GenerationStats:
     prefetches: int | None = None
     bytes_copied: int | None = None     # host -> device, whole generation (prefill included)
     zero_copy_bytes: int | None = None  # experts read in place from host memory by the kernels
+    hybrid: bool | None = None          # missed experts of small batches computed on the CPU (runtime.hybrid)
+    cpu_expert_pairs: int | None = None  # ... the (token, expert) pairs it computed
     copy_s: float | None = None         # time copies took on the copy stream
     copy_exposed_s: float | None = None  # time compute waited for copies
     copy_hidden_s: float | None = None   # copy_s - copy_exposed_s: overlapped with compute
@@ -265,6 +268,8 @@ class GenerationStats:
                      f"{100 * (self.cache_hit_rate or 0):.1f}%, {format_size(self.bytes_moved_per_token or 0)} "
                      f"moved per token ({format_size(self.bytes_copied_per_token or 0)} copied), "
                      f"{100 * (self.hidden_copy_share or 0):.0f}% of copy time hidden")
+            if self.hybrid:
+                text += f", {self.cpu_expert_pairs} (token, expert) pairs computed on the CPU"
         if self.draft_rounds:
             plain = (self.depth_rounds or {}).get(0, 0)
             accepted = (f"{self.draft_accepted} of {self.draft_tokens} drafted tokens accepted "
@@ -340,7 +345,7 @@ class Model:
              offload: str | None = None, cache_policy: str | None = None,
              routing_profile: str | os.PathLike[str] | Any = None, cuda_graphs: bool = True,
              draft: str | os.PathLike[str] | None = None, n_draft: int | Literal["auto"] | None = None,
-             tokenizer: Tokenizer | IdsOnlyTokenizer | None = None) -> Model:
+             tokenizer: Tokenizer | IdsOnlyTokenizer | None = None, hybrid: str | None = None) -> Model:
         """Load `path` (default: the small model shipped in `models/`) onto `device` ("cpu", "cuda";
         default CUDA when present). `ctx_size`: tokens of context; default min(the model's training context,
         4096) as llama.cpp; 0: the model's training context.
@@ -352,7 +357,9 @@ class Model:
         "none"; default: lru when the model does not fit the budget, none otherwise. `cache_policy`: lru (default),
         lfu, static-hot (needs `routing_profile`, a `RoutingProfile` or its JSON file). `cuda_graphs`: replay each
         decode step as a CUDA graph (on CUDA; not with gate-prefetch, whose planning reads every layer's routing on
-        the host).
+        the host). `hybrid` ("auto", "on", "off"; offloaded experts): the experts a decode step or a verification
+        misses are computed by the CPU instead of read over PCIe (`runtime.hybrid`); auto turns it on where a
+        measurement at load says the CPU is faster than a copy; default off (not yet checked end to end on a GPU).
         `draft`: a quantized copy of the model (e.g. `specter-gguf quantize MODEL --type q4_k_m`), or a type
         ("q2_k", "q3_k_m", "q4_k_m", "q8_0", ...: the draft is made from the model on first use and kept,
         `speculation.draft_files`), whose routed experts share the device and draft `n_draft` tokens per
@@ -375,7 +382,7 @@ class Model:
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         transformer, runtime, plan = load_offloaded(f, dev, ctx, progress, gpu_budget, offload, cache_policy,
-                                                    routing_profile, draft=draft_file)
+                                                    routing_profile, draft=draft_file, hybrid=hybrid)
         model = cls(path, transformer, tokenizer if tokenizer is not None else Tokenizer.from_gguf(path), ctx)
         model.offload, model.memory_plan = runtime, plan
         model.cuda_graphs = cuda_graphs and dev.type == "cuda" and (runtime is None or runtime.mode != "gate-prefetch")
@@ -393,7 +400,7 @@ class Model:
             log.info("%s budget %s: %s", "GPU" if dev.type == "cuda" else "memory", format_size(plan.budget),
                      "the whole model fits" if runtime is None else
                      f"experts offloaded ({runtime.mode}, {runtime.options.policy} cache of {plan.n_slots} of "
-                     f"{plan.n_experts_total} experts)")
+                     f"{plan.n_experts_total} experts; {runtime.hybrid.describe()})")
         if model.draft is not None:
             log.info("speculative decoding with the experts of %s", model.draft)
         return model
@@ -623,6 +630,7 @@ class Model:
         stats.cache_lookups, stats.cache_hits, stats.cache_misses = c.cache_lookups, c.cache_hits, c.cache_misses
         stats.cache_evictions, stats.prefetches, stats.bytes_copied = c.cache_evictions, c.prefetches, c.bytes_copied
         stats.zero_copy_bytes = c.zero_copy_bytes
+        stats.hybrid, stats.cpu_expert_pairs = self.offload.hybrid.on, c.cpu_expert_pairs
         stats.copy_s, stats.copy_exposed_s = c.copy_s, min(c.copy_exposed_s, c.copy_s)
         stats.copy_hidden_s = c.copy_s - stats.copy_exposed_s
 

@@ -44,7 +44,8 @@ enum specter_status {
     SPECTER_ERR_CUDA             = -5, /* a CUDA runtime call failed                         */
     SPECTER_ERR_NO_CUDA          = -6, /* the library was built without CUDA                 */
     SPECTER_ERR_INTERNAL         = -7,
-    SPECTER_ERR_NOT_READY        = -8  /* a counter waited for has not reached its value       */
+    SPECTER_ERR_NOT_READY        = -8, /* a counter waited for has not reached its value       */
+    SPECTER_ERR_TIMEOUT          = -9  /* an answer waited for did not come in time            */
 };
 
 /* ggml tensor type ids: same numbering as enum ggml_type in ggml.h (only those we handle). */

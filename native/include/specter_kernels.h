@@ -272,6 +272,59 @@ SPECTER_API int specter_wait_counter(const int64_t * counter, const int64_t * ba
 SPECTER_API int specter_cuda_wait_counter(const int64_t * counter, const int64_t * base, int64_t offset,
                                           int64_t timeout_ns, int64_t * waited_ns, void * stream);
 
+/* ---- CPU experts beside a GPU forward -------------------------------------------------------------------- */
+
+/* A worker thread on the host that computes the routed experts a forward hands it, one MoE layer at a time, and
+ * gives back their weighted sum, without a host synchronisation or a host node: it works inside a CUDA graph.
+ * The forward writes the layer's hidden states, its routing (the pairs whose expert on_cpu marks; the others -1)
+ * and a sequence number into a mailbox in pinned host memory (specter_cuda_cpu_experts_post: one kernel); the
+ * worker, polling the mailbox, runs specter_moe_ffn over the experts' host copies into the mailbox and answers
+ * with the same number; specter_cuda_cpu_experts_collect waits for the answer (one thread polls; past timeout_ns
+ * it traps, a CUDA error at the caller's next synchronisation) and adds the sum into the layer's output. Work
+ * enqueued between the two (the GPU's own experts) runs meanwhile. A post that marks no pair hands nothing over
+ * and its collect adds nothing. On the H200 a hand-off of this kind cost 3.9 us a layer, a host node 22.7
+ * (docs/BENCHMARKS.md, 2026-12-04). The CPU entry points do the same from the calling thread (host memory).
+ *
+ * Layout: the mailbox holds specter_cpu_experts_mailbox_size bytes (pinned and mapped for CUDA: under unified
+ * addressing any cudaHostAlloc'd memory is), owned by the caller and kept alive until specter_cpu_experts_free.
+ * Posts and collects alternate, in stream order (CUDA) or from one thread (CPU); set every layer before the first
+ * post. The experts are those of specter_moe_ffn: per-layer tables of n_expert host addresses and their types.
+ * The worker's sums equal specter_moe_ffn's over the same pairs bitwise (it is that function, n_threads threads).
+ * A worker error (a type it cannot run) is kept: the answer is then zeros and specter_cpu_experts_status returns
+ * the error until the handle is freed. */
+typedef struct specter_cpu_experts specter_cpu_experts;
+
+SPECTER_API int specter_cpu_experts_mailbox_size(int64_t max_tokens, int64_t top_k, int64_t d_model,
+                                                 size_t * out_bytes);
+SPECTER_API int specter_cpu_experts_new(int64_t n_layer, int64_t n_expert, int64_t d_model, int64_t d_ff,
+                                        int64_t top_k, int64_t max_tokens, void * mailbox, size_t mailbox_bytes,
+                                        int n_threads, specter_cpu_experts ** out);
+SPECTER_API int specter_cpu_experts_set_layer(specter_cpu_experts * w, int64_t layer,
+                                              const uint64_t * gate_ptrs, int gate_type,
+                                              const uint64_t * up_ptrs, int up_type,
+                                              const uint64_t * down_ptrs, int down_type);
+/* Stops the worker (after the answer it is computing) and frees the handle; the mailbox stays the caller's. */
+SPECTER_API int specter_cpu_experts_free(specter_cpu_experts * w);
+/* SPECTER_OK, or the first error the worker met. */
+SPECTER_API int specter_cpu_experts_status(const specter_cpu_experts * w);
+/* Keep the worker polling without pause for the next ~50 ms (call before enqueueing forwards that post: after
+ * that long without a post it polls every 100 us, so that an idle process does not hold a core). */
+SPECTER_API int specter_cpu_experts_arm(specter_cpu_experts * w);
+/* Hand layer `layer`'s pairs (ids [n_tokens, top_k] int32, weights f32, x [n_tokens, d_model] f32; device memory
+ * for CUDA) whose expert e has on_cpu[e] != 0 (uint8 [n_expert]) to the worker; 1 <= n_tokens <= max_tokens. */
+SPECTER_API int specter_cpu_experts_post(specter_cpu_experts * w, int64_t layer, const float * x, const int32_t * ids,
+                                         const float * weights, int64_t n_tokens, const uint8_t * on_cpu,
+                                         int n_threads);
+SPECTER_API int specter_cuda_cpu_experts_post(specter_cpu_experts * w, int64_t layer, const float * x,
+                                              const int32_t * ids, const float * weights, int64_t n_tokens,
+                                              const uint8_t * on_cpu, void * stream);
+/* out [n_tokens, d_model] f32 += the worker's answer to the last post, once it has come. CPU: waits up to
+ * timeout_ns (SPECTER_ERR_TIMEOUT past it) and returns the worker's error if it met one. */
+SPECTER_API int specter_cpu_experts_collect(specter_cpu_experts * w, float * out, int64_t n_tokens,
+                                            int64_t timeout_ns, int n_threads);
+SPECTER_API int specter_cuda_cpu_experts_collect(specter_cpu_experts * w, float * out, int64_t n_tokens,
+                                                 int64_t timeout_ns, void * stream);
+
 /* SPECTER_CDEF_END */
 
 #ifdef __cplusplus

@@ -73,6 +73,7 @@ const char * specter_error_string(int code) {
         case SPECTER_ERR_NO_CUDA: return "the native library was built without CUDA";
         case SPECTER_ERR_INTERNAL: return "internal error in the native library";
         case SPECTER_ERR_NOT_READY: return "the counter waited for has not reached its value";
+        case SPECTER_ERR_TIMEOUT: return "the answer waited for did not come in time";
         default: return "unknown error code";
     }
 }

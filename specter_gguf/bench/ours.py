@@ -36,32 +36,39 @@ def _load_plain(job: dict[str, Any], tokenizer: Tokenizer | IdsOnlyTokenizer | N
                       tokenizer=tokenizer)
 
 
-def _load_offload(mode: str) -> Loader:
+def _load_offload(mode: str, hybrid: str = "off") -> Loader:
     def load(job: dict[str, Any], tokenizer: Tokenizer | IdsOnlyTokenizer | None) -> Any:
         from specter_gguf.engine import Model
 
         return Model.load(job["model"], device=job["device"], ctx_size=job["ctx_size"], progress=False,
-                          offload=mode, gpu_budget=job["budget_bytes"], tokenizer=tokenizer)
+                          offload=mode, gpu_budget=job["budget_bytes"], tokenizer=tokenizer, hybrid=hybrid)
     return load
 
 
-def _load_spec(job: dict[str, Any], tokenizer: Tokenizer | IdsOnlyTokenizer | None) -> Any:
-    from specter_gguf.engine import Model
+def _spec_loader(hybrid: str) -> Loader:
+    def load(job: dict[str, Any], tokenizer: Tokenizer | IdsOnlyTokenizer | None) -> Any:
+        from specter_gguf.engine import Model
 
-    model = Model.load(job["model"], draft=job["draft"], device=job["device"], ctx_size=job["ctx_size"],
-                       gpu_budget=job["budget_bytes"], progress=False, tokenizer=tokenizer, n_draft="auto")
-    _capture_every_depth(model, job["settings"]["decodings"])
-    return model
+        model = Model.load(job["model"], draft=job["draft"], device=job["device"], ctx_size=job["ctx_size"],
+                           gpu_budget=job["budget_bytes"], progress=False, tokenizer=tokenizer, n_draft="auto",
+                           hybrid=hybrid)
+        _capture_every_depth(model, job["settings"]["decodings"])
+        return model
+    return load
+
+
+# one loader each: rows of one loader share a load (`runner._load_group`)
+_load_spec, _load_spec_hybrid = _spec_loader("off"), _spec_loader("on")
 
 
 def _spec_acceptance(model: Any, job: dict[str, Any], row: dict[str, Any]) -> None:
     """Depth auto (our default, at most speculation.MAX_DEPTH), or llama.cpp's fixed --spec-draft-n-max of the
-    same matrix for ours-spec-synth-fixed; a synthetic row's acceptance is llama.cpp's for its L at that
+    same matrix for ours-spec-synth-fixed(-hybrid); a synthetic row's acceptance is llama.cpp's for its L at that
     --spec-draft-n-max, whatever depth we draft."""
     from specter_gguf import speculation
 
     n_max = job.get("draft_n_max") or speculation.DEFAULT_N_DRAFT
-    model.decoder.set_depth(n_max if row["mode"] == "ours-spec-synth-fixed" else "auto")
+    model.decoder.set_depth(n_max if row["mode"].startswith("ours-spec-synth-fixed") else "auto")
     speculation.synthetic_acceptance(model, row.get("synth_len"), n_max)
 
 
@@ -99,4 +106,10 @@ OURS_MODES: dict[str, OursMode] = {m.name: m for m in [
              budget_bound=True, synthetic=True, needs_draft=True, prepare=_spec_acceptance),
     OursMode("ours-spec-synth-fixed", "speculative decoding, synthetic acceptance, llama.cpp's depth", _load_spec,
              budget_bound=True, synthetic=True, needs_draft=True, prepare=_spec_acceptance),
+    # --hybrid on: the misses of decode steps and verifications computed on the CPU (the rows above: off)
+    OursMode("ours-lru-hybrid", "LRU expert cache, missed experts on the CPU (--hybrid on)",
+             _load_offload("lru", "on"), budget_bound=True),
+    OursMode("ours-spec-synth-fixed-hybrid", "speculative decoding, synthetic acceptance, llama.cpp's depth, missed "
+             "experts on the CPU (--hybrid on)", _load_spec_hybrid, budget_bound=True, synthetic=True,
+             needs_draft=True, prepare=_spec_acceptance),
 ]}

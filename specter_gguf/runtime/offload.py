@@ -41,6 +41,8 @@ from specter_gguf.layers import FeedForward, MoE, ResidentExperts, Router, Trans
 from specter_gguf.runtime.budget import (FIT_MARGIN, MemoryPlan, RecordLayout, fitted_budget, moe_layers,
                                          plan_memory, record_layout, slots_after_load)
 from specter_gguf.runtime.cache import POLICIES, ExpertCache
+from specter_gguf.runtime.hybrid import HYBRID_CHOICES, CpuExperts, HybridChoice, start_hybrid
+from specter_gguf.runtime.hybrid import MAX_TOKENS as HYBRID_MAX_TOKENS
 from specter_gguf.runtime.metrics import OffloadCounters
 from specter_gguf.runtime.routing import RoutingProfile
 from specter_gguf.runtime.store import ExpertStore
@@ -166,6 +168,7 @@ class OffloadOptions:
     # place (those copies would compete with the lookahead's; measured slower, docs/BENCHMARKS.md 2026-12-01 14:03),
     # except in the decoder's plain steps, which no lookahead serves (`OffloadRuntime.bringing_in`)
     lookahead: bool = False
+    hybrid: str = "off"  # HYBRID_CHOICES: missed experts of small batches computed on the CPU (runtime.hybrid)
 
 
 class OffloadRuntime:
@@ -192,6 +195,8 @@ class OffloadRuntime:
         self.counters = OffloadCounters()
         self.store = ExpertStore(f, self.layouts, cfg.n_expert, device, options.pin, progress)
         self.cache: ExpertCache = None  # type: ignore[assignment]  # made by `start`, after the weights
+        self.cpu_experts: CpuExperts | None = None  # with hybrid on (`start`)
+        self.hybrid = HybridChoice(False, 0)
         self.experts: dict[int, OffloadedExperts] = {}
         self._pointers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -207,8 +212,10 @@ class OffloadRuntime:
         self.cache = ExpertCache(self.store, n_slots, self.plan.slot_bytes, self.layers, self.device,
                                  opts.policy, partition, opts.profile, self.counters, n_layer=self.cfg.n_layer)
         cuda = self.device.type == "cuda"
-        self.routed = torch.zeros((self.cfg.n_layer, self.cfg.n_expert), dtype=torch.int32, device=self.device)
-        self._free_hosts = [torch.empty_like(self.routed, device="cpu", pin_memory=cuda)
+        # a forward's routing: tokens per (layer, expert), and of those the ones the CPU computed (hybrid)
+        self._routing = torch.zeros((2, self.cfg.n_layer, self.cfg.n_expert), dtype=torch.int32, device=self.device)
+        self.routed, self.cpu_routed = self._routing
+        self._free_hosts = [torch.empty_like(self._routing, device="cpu", pin_memory=cuda)
                             for _ in range(self.HOST_BUFFERS)]
         self._in_flight: list[tuple[torch.cuda.Event | None, torch.Tensor, np.ndarray, bool]] = []
         self._bringing_in = False  # inside `bringing_in`
@@ -222,19 +229,34 @@ class OffloadRuntime:
                     cur.experts.next_router, cur.experts.next_layer = nxt.router, nxt.layer
         if opts.policy == "static-hot":
             self.cache.warm()
+        hybrid = opts.hybrid if self.mode != "gate-prefetch" else "off"  # its waves never hand experts over
+        self.cpu_experts, self.hybrid = start_hybrid(hybrid, self.store, self.layouts, self.cfg, self.device)
 
     # -- the residency path (no host synchronisation) ---------------------------------------------------
     def from_residency(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Layer `layer`'s routed experts for a small batch, each from its slot or from host memory."""
+        """Layer `layer`'s routed experts for a small batch, each from its slot or from host memory, or with hybrid
+        on computed by the CPU (`runtime.hybrid`): those are handed over first, and the GPU's run meanwhile."""
         flat = ids.reshape(-1)
-        self.routed[layer].index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-        return moe_ffn(x, ids, weights, self.expert_table(layer))
+        routed = self.routed[layer]
+        routed.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        cpu = self.cpu_experts
+        if cpu is None or x.shape[0] > HYBRID_MAX_TOKENS:
+            return moe_ffn(x, ids, weights, self.expert_table(layer))
+        on_cpu = (self.cache.table[layer] < 0) & (routed <= self.hybrid.max_tokens_per_expert)
+        self.cpu_routed[layer] = routed * on_cpu
+        cpu.post(layer, x, ids, weights, on_cpu)
+        out = moe_ffn(x, ids, weights, self.expert_table(layer, skip=on_cpu))
+        cpu.collect(out)
+        return out
 
-    def expert_table(self, layer: int) -> ExpertTable:
-        """The grouped kernel's pointer table of `layer`, computed on the device from the residency table."""
+    def expert_table(self, layer: int, skip: torch.Tensor | None = None) -> ExpertTable:
+        """The grouped kernel's pointer table of `layer`, computed on the device from the residency table; the
+        experts `skip` marks (bool [n_expert]) get none (they contribute nothing)."""
         host, offsets = self._pointers[layer] if layer in self._pointers else self._layer_pointers(layer)
         slots = self.cache.table[layer]
         ptrs = torch.where(slots >= 0, offsets + slots * self.plan.slot_bytes, host)  # [3, n_expert]
+        if skip is not None:
+            ptrs = ptrs.masked_fill(skip, 0)
         return ExpertTable(ptrs, self.experts[layer].types, self.cfg.n_embd, self.cfg.n_ff_exp, (self.cache.pool,))
 
     def _layer_pointers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,7 +279,9 @@ class OffloadRuntime:
         self.settle()
         self.cache.publish()
         self._seen = self.cache.published.copy()  # the table this forward reads, for its hits and misses
-        self.routed.zero_()
+        self._routing.zero_()
+        if self.cpu_experts is not None:
+            self.cpu_experts.arm()
 
     def end(self) -> None:
         """After a forward was enqueued: its routing goes to the host without waiting (read by `settle`), and
@@ -266,7 +290,7 @@ class OffloadRuntime:
         if not self._free_hosts:
             self.settle(wait=True, keep=self.HOST_BUFFERS - 1)
         host = self._free_hosts.pop()
-        host.copy_(self.routed, non_blocking=True)
+        host.copy_(self._routing, non_blocking=True)
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
@@ -294,16 +318,18 @@ class OffloadRuntime:
             if event is not None:
                 event.synchronize()
             self._in_flight.pop(0)
-            used = self.last_used = host.numpy() > 0
+            counts, on_cpu = host.numpy()
+            used = self.last_used = counts > 0
             self._free_hosts.append(host)
             self.last_missed = used & ~seen
-            hits = used & seen
+            read_in_place = used & ~seen & ~(on_cpu > 0)
             c.cache_lookups += int(used.sum())
-            c.cache_hits += int(hits.sum())
+            c.cache_hits += int((used & seen).sum())
             c.cache_misses += int((used & ~seen).sum())
+            c.cpu_expert_pairs += int(on_cpu.sum())
             for layer in map(int, np.flatnonzero(used.any(1))):
                 keys = [(layer, int(e)) for e in np.flatnonzero(used[layer])]
-                c.zero_copy_bytes += self.layouts[layer].nbytes * int((used[layer] & ~seen[layer]).sum())
+                c.zero_copy_bytes += self.layouts[layer].nbytes * int(read_in_place[layer].sum())
                 if bring_in:
                     cache.request(keys, prefetch=False)  # hits refreshed, misses brought in for next time
 
@@ -311,19 +337,25 @@ class OffloadRuntime:
         """Counters since `start`. Waits for the device once to read the copy timings (end of a generation)."""
         self.settle(wait=True)
         self.cache.collect(sync=True)
+        if self.cpu_experts is not None:
+            self.cpu_experts.check()
         return self.counters.since(start)
 
     def close(self) -> None:
+        if self.cpu_experts is not None:
+            self.cpu_experts.close()
         self.store.close()
 
 
 def load_offloaded(f: GGUFFile, device: torch.device, ctx_size: int, progress: bool, gpu_budget: int | str | None,
                    offload: str | None, cache_policy: str | None = None,
                    routing_profile: RoutingProfile | str | None = None, pin: str = "background",
-                   draft: GGUFFile | None = None) -> tuple[Transformer, OffloadRuntime | None, MemoryPlan | None]:
+                   draft: GGUFFile | None = None,
+                   hybrid: str | None = None) -> tuple[Transformer, OffloadRuntime | None, MemoryPlan | None]:
     """Plan the budget (counting the experts of `draft` when speculative decoding will hold them), then load:
     the plain way when the model fits (and no mode is forced), else with offloaded experts. Without a budget on
-    CUDA, a model that does not fit the device's free memory is offloaded within it (`fitted_budget`).
+    CUDA, a model that does not fit the device's free memory is offloaded within it (`fitted_budget`). `hybrid`:
+    HYBRID_CHOICES (`runtime.hybrid`; default off).
     Returns (transformer, runtime or None, plan or None: no budget was given or needed)."""
     from specter_gguf.models import check_architecture, load_transformer
 
@@ -332,8 +364,12 @@ def load_offloaded(f: GGUFFile, device: torch.device, ctx_size: int, progress: b
         raise SpecterError(f"unknown --offload mode '{offload}'; choose one of {', '.join(MODES)} or none")
     if cache_policy is not None and cache_policy not in POLICIES:
         raise SpecterError(f"unknown cache policy '{cache_policy}'; choose one of {', '.join(POLICIES)}")
+    if hybrid is not None and hybrid not in HYBRID_CHOICES:
+        raise SpecterError(f"unknown --hybrid mode '{hybrid}'; choose one of {', '.join(HYBRID_CHOICES)}")
     cache_options = " and ".join(name for name, value in (("--cache-policy", cache_policy),
-                                                          ("--routing-profile", routing_profile)) if value is not None)
+                                                          ("--routing-profile", routing_profile),
+                                                          ("--hybrid on", "on" if hybrid == "on" else None))
+                                 if value is not None)
     if gpu_budget is None:
         fit = fitted_budget(f, device, ctx_size, draft) if device.type == "cuda" else None
         if fit is None:
@@ -353,6 +389,9 @@ def load_offloaded(f: GGUFFile, device: torch.device, ctx_size: int, progress: b
     plan = plan_memory(f, gpu_budget, ctx_size, device.type, draft=draft)
     if offload is None:
         offload = "none" if plan.fits_all else "lru"
+    if hybrid == "on" and offload == "gate-prefetch":
+        raise SpecterError("--hybrid on: not with --offload gate-prefetch, whose layers copy in every expert they use; "
+                           "use --offload lru")
     if offload == "none":
         if not plan.fits_all:
             raise SpecterError(f"the model needs {format_size(plan.whole_model)} on the "
@@ -371,7 +410,8 @@ def load_offloaded(f: GGUFFile, device: torch.device, ctx_size: int, progress: b
     cfg = ModelConfig.from_gguf(f)
     if routing_profile is not None:
         routing_profile.check(str(f.path), cfg.n_layer, cfg.n_expert, where)
-    options = OffloadOptions(offload, policy, routing_profile, pin, lookahead=draft is not None)
+    options = OffloadOptions(offload, policy, routing_profile, pin, lookahead=draft is not None,
+                             hybrid=hybrid or "off")
     runtime = OffloadRuntime(f, cfg, plan, device, options, progress)
     try:
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0

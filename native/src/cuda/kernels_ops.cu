@@ -148,12 +148,6 @@ __global__ void __launch_bounds__(kRopeMaxThreads) rope_kv_kernel(RopeKvArgs a) 
     }
 }
 
-__device__ __forceinline__ unsigned long long global_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-
 // One thread: the kernels after it on the stream start once the counter has reached its value. The counter is
 // read volatile (it changes under us); the writes it announces were complete before it was raised (stream order
 // on the raising side) and the next kernel's loads see them.

@@ -33,6 +33,13 @@ __device__ __forceinline__ void start_after_prior_kernels() {
 #endif
 }
 
+// The GPU's global timer in nanoseconds (the timeouts of kernels that poll).
+__device__ __forceinline__ unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
 // Whether launches overlap the previous kernel: a device of compute capability 9.0 or later, unless
 // SPECTER_CUDA_PDL=0 (read once per process; device.cu).
 bool overlapped_launches();

@@ -1,0 +1,51 @@
+// The mailbox of specter_cpu_experts (libspecter internal): where a forward hands a MoE layer's CPU experts to the
+// host's worker thread and finds their sum. Shared by the CPU entry points (cpu_experts.cpp) and the CUDA kernels
+// (cuda/kernels_cpu_experts.cu), which read and write it in place over PCIe.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace specter {
+
+// The mailbox's first 256 bytes. `request` and `answer` are the handshake: the poster writes the payload, then
+// `request` = its sequence number; the worker computes, writes `result`, then `answer` = that number.
+struct MailboxHeader {
+    int64_t request;   // sequence number of the last post that handed pairs over
+    int64_t answer;    // sequence number of the last post the worker answered
+    int64_t issued;    // the poster's count of such posts (read and written by the poster only)
+    int64_t layer;     // of the last post
+    int64_t n_tokens;  // of the last post
+    int64_t n_pairs;   // pairs the last post handed over (0: none; its collect adds nothing)
+    int32_t error;     // the first error the worker met (SPECTER_OK while none)
+};
+
+// Byte offsets of the payload: x [max_tokens, d_model] f32, ids [max_tokens, top_k] int32 (-1: not the CPU's),
+// weights [max_tokens, top_k] f32, result [max_tokens, d_model] f32; 256-byte aligned.
+struct MailboxLayout {
+    size_t x, ids, weights, result, total;
+};
+
+inline size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+
+inline MailboxLayout mailbox_layout(int64_t max_tokens, int64_t top_k, int64_t d_model) {
+    MailboxLayout L{};
+    L.x = align256(sizeof(MailboxHeader));
+    L.ids = L.x + align256(size_t(max_tokens * d_model) * sizeof(float));
+    L.weights = L.ids + align256(size_t(max_tokens * top_k) * sizeof(int32_t));
+    L.result = L.weights + align256(size_t(max_tokens * top_k) * sizeof(float));
+    L.total = L.result + align256(size_t(max_tokens * d_model) * sizeof(float));
+    return L;
+}
+
+struct CpuExpertsWorker;  // the thread and the experts' tables (cpu_experts.cpp)
+
+}  // namespace specter
+
+// The handle: what the CUDA entry points read is here, the worker behind a pointer.
+struct specter_cpu_experts {
+    int64_t n_layer, n_expert, d_model, d_ff, top_k, max_tokens;
+    char * mailbox;
+    specter::MailboxLayout layout;
+    specter::CpuExpertsWorker * worker;
+};

@@ -1,0 +1,102 @@
+// CUDA side of the CPU experts' hand-off (specter_kernels.h): the post kernel writes a MoE layer's pairs for the
+// CPU into the mailbox in pinned host memory, the collect kernels wait for the worker's answer and add it.
+#include <cstdint>
+
+#include "cpu_experts.h"
+#include "launch.cuh"
+#include "specter_kernels.h"
+
+namespace specter {
+namespace cuda {
+namespace {
+
+// One CTA: the pairs, the hidden states (when a pair is the CPU's), then the header and, last, `request`.
+__global__ void __launch_bounds__(1024) post_kernel(volatile MailboxHeader * h, float * hx, int32_t * hids,
+                                                   float * hweights, const float * __restrict__ x,
+                                                   const int32_t * __restrict__ ids,
+                                                   const float * __restrict__ weights,
+                                                   const uint8_t * __restrict__ on_cpu, long long layer, int T, int d,
+                                                   int k, int n_expert) {
+    start_after_prior_kernels();
+    __shared__ int n_pairs;
+    if (threadIdx.x == 0) n_pairs = 0;
+    __syncthreads();
+    for (int p = threadIdx.x; p < T * k; p += blockDim.x) {
+        const int e = ids[p];
+        const bool cpu = e >= 0 && e < n_expert && on_cpu[e];
+        hids[p] = cpu ? e : -1;
+        hweights[p] = weights[p];
+        if (cpu) atomicAdd(&n_pairs, 1);
+    }
+    __syncthreads();
+    const int pairs = n_pairs;
+    if (pairs > 0)
+        for (int i = threadIdx.x; i < T * d; i += blockDim.x) hx[i] = x[i];
+    __threadfence_system();  // this thread's payload before the header
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    h->n_pairs = pairs;
+    if (pairs == 0) return;
+    h->layer = layer;
+    h->n_tokens = T;
+    const long long seq = h->issued + 1;
+    h->issued = seq;
+    __threadfence_system();
+    h->request = seq;
+}
+
+// One thread: returns once the worker answered the last post (at once when it handed nothing over). It only waits
+// (no early launch of the next kernel), as wait_counter_kernel does.
+__global__ void await_kernel(const volatile MailboxHeader * h, long long timeout_ns) {
+    wait_for_prior_kernels();
+    if (h->n_pairs == 0) return;
+    const long long want = h->issued;
+    const unsigned long long t0 = global_ns();
+    while (h->answer != want) {
+        __nanosleep(128);
+        if (timeout_ns > 0 && global_ns() - t0 > (unsigned long long)timeout_ns) __trap();
+    }
+    __threadfence_system();
+}
+
+__global__ void add_kernel(const volatile MailboxHeader * h, const volatile float * result, float * out, int n) {
+    start_after_prior_kernels();
+    if (h->n_pairs == 0) return;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) out[i] += result[i];
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace specter
+
+using namespace specter;
+using namespace specter::cuda;
+
+extern "C" {
+
+int specter_cuda_cpu_experts_post(specter_cpu_experts * w, int64_t layer, const float * x, const int32_t * ids,
+                                  const float * weights, int64_t n_tokens, const uint8_t * on_cpu, void * stream) {
+    if (!w || !x || !ids || !weights || !on_cpu) return SPECTER_ERR_INVALID_ARG;
+    if (layer < 0 || layer >= w->n_layer || n_tokens < 1 || n_tokens > w->max_tokens) return SPECTER_ERR_INVALID_ARG;
+    char * m = w->mailbox;
+    cudaGetLastError();
+    launch(post_kernel, 1, 1024, cudaStream_t(stream), reinterpret_cast<volatile MailboxHeader *>(m),
+           reinterpret_cast<float *>(m + w->layout.x), reinterpret_cast<int32_t *>(m + w->layout.ids),
+           reinterpret_cast<float *>(m + w->layout.weights), x, ids, weights, on_cpu, (long long)layer,
+           int(n_tokens), int(w->d_model), int(w->top_k), int(w->n_expert));
+    return launch_status();
+}
+
+int specter_cuda_cpu_experts_collect(specter_cpu_experts * w, float * out, int64_t n_tokens, int64_t timeout_ns,
+                                     void * stream) {
+    if (!w || !out || n_tokens < 1 || n_tokens > w->max_tokens) return SPECTER_ERR_INVALID_ARG;
+    const auto * h = reinterpret_cast<const volatile MailboxHeader *>(w->mailbox);
+    const int n = int(n_tokens * w->d_model);
+    cudaGetLastError();
+    launch(await_kernel, 1, 1, cudaStream_t(stream), h, (long long)timeout_ns);
+    launch(add_kernel, unsigned((n + 255) / 256 < 64 ? (n + 255) / 256 : 64), 256, cudaStream_t(stream), h,
+           reinterpret_cast<const volatile float *>(w->mailbox + w->layout.result), out, n);
+    return launch_status();
+}
+
+}  // extern "C"

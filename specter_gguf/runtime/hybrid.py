@@ -1,0 +1,187 @@
+"""Hybrid expert execution: a forward's routed experts that have no slot on the device, computed by the host's
+CPU from the expert store instead of read over PCIe (the native `specter_cpu_experts_*`).
+
+A MoE layer of a small batch (decoding, verification) hands the host the (token, expert) pairs of the experts it
+marks `on_cpu`: not resident, and routed to by at most `max_tokens_per_expert` of the batch's tokens (a CPU
+pays per token, a read over PCIe once per expert). The marking is done on the device from the residency table and
+the layer's own routing, so it works inside a CUDA graph. The layer posts those pairs to the worker thread (one
+kernel writes them to pinned host memory), runs the other experts on the GPU meanwhile, then waits for the
+worker's sum and adds it (`OffloadRuntime.from_residency`). The CPU's sum of an expert agrees with the GPU's to
+float32 rounding (different summation orders); on the CPU device both are the same native function.
+
+`--hybrid auto` measures at start-up, on CUDA and for experts of at least 1 MiB, one expert's
+feed-forward for one token on the CPU against copying the expert's record to the device, and turns hybrid on when
+the CPU is faster; `on` turns it on whatever the measurement (at least one token an expert), `off` keeps every miss
+on PCIe (the default, until the whole path has been checked on a GPU: tests/test_hybrid.py).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specter_gguf import native
+from specter_gguf.config import ModelConfig
+from specter_gguf.errors import SpecterError
+from specter_gguf.kernels import WAIT_TIMEOUT_NS, _aligned, _call, _ptr
+from specter_gguf.runtime.budget import RecordLayout
+from specter_gguf.runtime.store import ExpertStore
+
+HYBRID_CHOICES = ("auto", "on", "off")
+MAX_TOKENS = 17  # a batch's tokens at most: a verification of 16 drafted tokens (budget.VERIFY_ROWS)
+# auto measures only experts of at least this size: a smaller one crosses PCIe in tens of microseconds, where the
+# measurement is mostly latency on both sides and its outcome a coin toss from load to load
+AUTO_MIN_RECORD_BYTES = 1 << 20
+
+
+class CpuExperts:
+    """The native worker that computes the experts a forward hands the host (module docstring), with its mailbox
+    in pinned host memory (CUDA) or plain host memory (CPU)."""
+
+    def __init__(self, store: ExpertStore, layouts: dict[int, RecordLayout], cfg: ModelConfig, device: torch.device,
+                 n_threads: int = 0) -> None:
+        f, lb = native.ffi(), native.lib()
+        self.device, self.d_model, self.top_k = device, cfg.n_embd, cfg.n_expert_used
+        size = f.new("size_t *")
+        native.check(lb.specter_cpu_experts_mailbox_size(MAX_TOKENS, cfg.n_expert_used, cfg.n_embd, size),
+                     "the CPU experts' mailbox size")
+        # 256 bytes of slack: the mailbox starts at an address aligned to 256
+        self._buffer = torch.empty(int(size[0]) + 256, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        start = -self._buffer.data_ptr() % 256
+        self.mailbox = self._buffer[start:start + int(size[0])]
+        handle = f.new("specter_cpu_experts **")
+        native.check(lb.specter_cpu_experts_new(cfg.n_layer, cfg.n_expert, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert_used,
+                                                MAX_TOKENS, _ptr(self.mailbox), self.mailbox.numel(), n_threads,
+                                                handle), "starting the CPU experts' worker")
+        self._handle = handle[0]
+        # the worker stops before its mailbox is freed: when this object goes, or at the interpreter's exit
+        self._stop = weakref.finalize(self, _free, lb, self._handle, self._buffer)
+        try:
+            for layer, layout in layouts.items():
+                tables = [f.new("uint64_t[]", row) for row in store.addresses(layer)]
+                gate, up, down = (int(p.type) for p in layout.parts)
+                native.check(lb.specter_cpu_experts_set_layer(self._handle, layer, tables[0], gate, tables[1], up,
+                                                              tables[2], down), f"the CPU experts of layer {layer}")
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def handle(self) -> Any:
+        if not self._stop.alive:
+            raise SpecterError("the CPU experts' worker was stopped (its runtime was closed)")
+        return self._handle
+
+    def arm(self) -> None:
+        """Keep the worker polling without pause: forwards that post are about to be enqueued."""
+        native.check(native.lib().specter_cpu_experts_arm(self.handle), "arming the CPU experts' worker")
+
+    def post(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+             on_cpu: torch.Tensor) -> None:
+        """Hand layer `layer`'s pairs whose expert `on_cpu` (bool or uint8 [n_expert]) marks to the worker."""
+        T = x.shape[0]
+        x32 = _aligned(x.float())
+        ids32, w32 = ids.to(torch.int32).contiguous(), weights.float().contiguous()
+        mask = on_cpu.to(torch.uint8).contiguous()  # held until the call: the CPU's reads it then
+        args = (self.handle, layer, _ptr(x32, "float *"), _ptr(ids32, "int32_t *"), _ptr(w32, "float *"), T,
+                _ptr(mask, "uint8_t *"))
+        _call("cpu_experts_post", args, self.device, f"handing layer {layer}'s experts to the CPU")
+
+    def collect(self, out: torch.Tensor) -> None:
+        """`out` [T, n_embd] float32 += the worker's sum for the last post, once it has come."""
+        args = (self.handle, _ptr(out, "float *"), out.shape[0], WAIT_TIMEOUT_NS)
+        _call("cpu_experts_collect", args, self.device, "the CPU experts' answer")
+
+    def check(self) -> None:
+        """Raise the first error the worker met (it answers zeros after one)."""
+        native.check(native.lib().specter_cpu_experts_status(self.handle), "the CPU experts' worker")
+
+    def close(self) -> None:
+        self._stop()
+
+
+def _free(lib: Any, handle: Any, mailbox: torch.Tensor) -> None:
+    """Stop the worker and free its handle; `mailbox` is only held until then."""
+    lib.specter_cpu_experts_free(handle)
+
+
+@dataclass
+class HybridChoice:
+    """What `--hybrid` decided at start-up, and the measurement behind it (µs)."""
+
+    on: bool
+    max_tokens_per_expert: int  # an expert routed to by more of a batch's tokens is read over PCIe instead
+    cpu_us_per_token: float | None = None  # one expert's feed-forward for one token on the CPU
+    copy_us: float | None = None  # one expert's record copied to the device
+
+    def describe(self) -> str:
+        if self.cpu_us_per_token is None:
+            return "hybrid " + ("on" if self.on else "off")
+        measured = (f"an expert for one token on the CPU {self.cpu_us_per_token:.0f} µs, its copy to the device "
+                    f"{self.copy_us:.0f} µs")
+        if not self.on:
+            return f"hybrid off ({measured})"
+        return f"hybrid on ({measured}: experts of up to {self.max_tokens_per_expert} tokens a batch on the CPU)"
+
+
+def measure(cpu: CpuExperts, store: ExpertStore, layout: RecordLayout, layer: int,
+            reps: int = 5) -> tuple[float, float]:
+    """(µs of one expert's feed-forward for one token on the CPU, hand-off included; µs to copy its record to the
+    device): medians of `reps` after a warm-up, expert 0 of `layer`. CUDA only."""
+    dev = cpu.device
+    x = torch.randn(1, cpu.d_model, device=dev) * 0.1
+    ids = torch.full((1, cpu.top_k), -1, dtype=torch.int32, device=dev)
+    ids[0, 0] = 0
+    weights = torch.ones(ids.shape, device=dev)
+    on_cpu = torch.ones(store.n_expert, dtype=torch.uint8, device=dev)
+    out = torch.zeros(1, cpu.d_model, device=dev)
+    record = store.chunks(layer, 0)[0][1]
+    slot = torch.empty(layout.nbytes, dtype=torch.uint8, device=dev)
+    cpu_s, copy_s = [], []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        cpu.post(layer, x, ids, weights, on_cpu)
+        cpu.collect(out)
+        torch.cuda.synchronize(dev)
+        t1 = time.perf_counter()
+        slot.copy_(record, non_blocking=True)
+        torch.cuda.synchronize(dev)
+        cpu_s.append(t1 - t0)
+        copy_s.append(time.perf_counter() - t1)
+    cpu.check()
+    return _median_us(cpu_s[1:]), _median_us(copy_s[1:])
+
+
+def _median_us(seconds: list[float]) -> float:
+    return sorted(seconds)[len(seconds) // 2] * 1e6
+
+
+def start_hybrid(mode: str, store: ExpertStore, layouts: dict[int, RecordLayout], cfg: ModelConfig,
+          device: torch.device) -> tuple[CpuExperts | None, HybridChoice]:
+    """The worker and the choice for `--hybrid mode` (HYBRID_CHOICES). On the CPU device `auto` is off (the
+    experts run on the CPU either way) and `on` hands every missed expert to the worker (the same algorithm as
+    on a GPU, which the CPU build tests); `auto` is off too for experts under AUTO_MIN_RECORD_BYTES."""
+    if mode not in HYBRID_CHOICES:
+        raise SpecterError(f"unknown --hybrid mode '{mode}'; choose one of {', '.join(HYBRID_CHOICES)}")
+    small = max(r.nbytes for r in layouts.values()) < AUTO_MIN_RECORD_BYTES
+    if mode == "off" or (mode == "auto" and (device.type != "cuda" or small)):
+        return None, HybridChoice(False, 0)
+    cpu = CpuExperts(store, layouts, cfg, device)
+    if device.type != "cuda":
+        return cpu, HybridChoice(True, MAX_TOKENS)
+    try:
+        layer = min(layouts)
+        cpu_us, copy_us = measure(cpu, store, layouts[layer], layer)
+    except BaseException:
+        cpu.close()
+        raise
+    ratio = int(copy_us // cpu_us)
+    choice = HybridChoice(mode == "on" or ratio >= 1, min(MAX_TOKENS, max(1, ratio)), cpu_us, copy_us)
+    if not choice.on:
+        cpu.close()
+        return None, choice
+    return cpu, choice

@@ -1,0 +1,255 @@
+"""Hybrid expert execution (specter_gguf.runtime.hybrid): missed experts computed by the host's CPU worker.
+
+The worker's sum over the pairs a layer hands it must be `moe_ffn`'s over the same pairs (bitwise on the CPU, where
+it is that function; to float32 rounding from a CUDA forward, eager and replayed in a CUDA graph), pairs it is not
+handed contribute nothing, and a layer split between the device's kernel and the worker must agree with the whole
+layer to float32 rounding. Through the whole engine on the CPU (the same algorithm as on a GPU: the mailbox, the
+worker thread, the marking from the residency table): greedy output with hybrid on equals the target's alone,
+plain decoding and speculative decoding over 20 prompts × 64 tokens, and the counters say which experts the CPU
+computed. User mistakes get errors that name the fix.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from specter_gguf.cli import cli
+from specter_gguf.config import ModelConfig
+from specter_gguf.engine import Model
+from specter_gguf.errors import SpecterError
+from specter_gguf.gguf_file import GGUFFile
+from specter_gguf.kernels import ExpertTable, moe_ffn
+from specter_gguf.runtime.budget import moe_layers, plan_memory, record_layout
+from specter_gguf.runtime.hybrid import MAX_TOKENS, CpuExperts
+from specter_gguf.runtime.store import ExpertStore
+from specter_gguf.sampling import SamplingParams
+from tests.test_kernels import DEVICES
+from tests.test_speculative import PROMPTS
+
+GREEDY = SamplingParams(temperature=0)
+CTX = 256
+
+
+def _store(path, device: torch.device) -> tuple[ExpertStore, dict, ModelConfig]:
+    f = GGUFFile(path)
+    cfg = ModelConfig.from_gguf(f)
+    layouts = {i: record_layout(f, cfg, i) for i in moe_layers(f, cfg)}
+    return ExpertStore(f, layouts, cfg.n_expert, device, pin="lazy", progress=False), layouts, cfg
+
+
+def _host_table(store: ExpertStore, layouts: dict, cfg: ModelConfig, layer: int) -> ExpertTable:
+    """The layer's experts in host memory as the CPU kernel's pointer table."""
+    ptrs = torch.tensor(store.addresses(layer), dtype=torch.int64)
+    return ExpertTable(ptrs, tuple(int(p.type) for p in layouts[layer].parts), cfg.n_embd, cfg.n_ff_exp, ())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["f16", "q4_k_m"])
+@torch.inference_mode()
+def test_the_worker_sums_the_pairs_it_is_handed(tiny_models, device: str, kind: str) -> None:
+    dev = torch.device(device)
+    store, layouts, cfg = _store(tiny_models[("qwen2moe", kind)], dev)
+    cpu = CpuExperts(store, layouts, cfg, dev)
+    try:
+        layer = min(layouts)
+        table = _host_table(store, layouts, cfg, layer)
+        gen = torch.Generator().manual_seed(7)
+        for T in (1, 9, MAX_TOKENS):
+            x = torch.randn(T, cfg.n_embd, generator=gen) * 0.5
+            ids = torch.stack([torch.randperm(cfg.n_expert, generator=gen)[:cfg.n_expert_used] for _ in range(T)])
+            weights = torch.rand(ids.shape, generator=gen)
+            on_cpu = torch.zeros(cfg.n_expert, dtype=torch.bool)
+            on_cpu[torch.randperm(cfg.n_expert, generator=gen)[:cfg.n_expert // 2]] = True
+            # the reference: the CPU kernel over the marked pairs only
+            want = moe_ffn(x, ids.masked_fill(~on_cpu[ids], -1), weights, table)
+            whole = moe_ffn(x, ids, weights, table)
+            rest = moe_ffn(x, ids.masked_fill(on_cpu[ids], -1), weights, table)
+            base = torch.randn(T, cfg.n_embd, generator=gen)
+            out = base.to(dev, copy=True)
+            cpu.post(layer, x.to(dev), ids.to(dev), weights.to(dev), on_cpu.to(dev, torch.uint8))
+            cpu.collect(out)
+            got = (out.cpu() - base)
+            scale = float(want.abs().max())
+            if device == "cpu":
+                assert torch.equal(out, base + want), f"T={T}: not the CPU kernel's sum"
+            else:  # the worker's sum added on the device: float32 rounding of base + want
+                assert float((got - want).abs().max()) <= 1e-5 * max(scale, float(base.abs().max())), f"T={T}"
+            # the split (what the device's kernel skips, the worker computes) is the whole layer to fp32 rounding
+            split = rest + want
+            assert float((split - whole).abs().max()) <= 1e-5 * float(whole.abs().max()), f"T={T}"
+            # nothing marked: nothing handed over, nothing added
+            out = base.to(dev, copy=True)
+            cpu.post(layer, x.to(dev), ids.to(dev), weights.to(dev), torch.zeros(cfg.n_expert, dtype=torch.uint8,
+                                                                                   device=dev))
+            cpu.collect(out)
+            assert torch.equal(out.cpu(), base)
+        cpu.check()
+    finally:
+        cpu.close()
+        store.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@torch.inference_mode()
+def test_the_hand_off_replays_in_a_cuda_graph(tiny_models) -> None:
+    dev = torch.device("cuda")
+    store, layouts, cfg = _store(tiny_models[("qwen2moe", "f16")], dev)
+    cpu = CpuExperts(store, layouts, cfg, dev)
+    try:
+        layer = min(layouts)
+        table = _host_table(store, layouts, cfg, layer)
+        T = 9
+        x = torch.zeros(T, cfg.n_embd, device=dev)
+        ids = torch.zeros(T, cfg.n_expert_used, dtype=torch.int32, device=dev)
+        weights = torch.zeros(ids.shape, device=dev)
+        on_cpu = torch.ones(cfg.n_expert, dtype=torch.uint8, device=dev)
+        out = torch.zeros(T, cfg.n_embd, device=dev)
+
+        def body() -> None:
+            out.zero_()
+            cpu.post(layer, x, ids, weights, on_cpu)
+            cpu.collect(out)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            body()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            body()
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(3):  # each replay hands over the inputs of its own time
+            hx = torch.randn(T, cfg.n_embd, generator=gen)
+            hids = torch.stack([torch.randperm(cfg.n_expert, generator=gen)[:cfg.n_expert_used] for _ in range(T)])
+            hw = torch.rand(hids.shape, generator=gen)
+            x.copy_(hx), ids.copy_(hids), weights.copy_(hw)
+            cpu.arm()
+            graph.replay()
+            want = moe_ffn(hx, hids, hw, table)
+            assert float((out.cpu() - want).abs().max()) <= 1e-5 * float(want.abs().max())
+        cpu.check()
+    finally:
+        cpu.close()
+        store.close()
+
+
+def test_a_worker_error_is_reported(tiny_models) -> None:
+    dev = torch.device("cpu")
+    store, layouts, cfg = _store(tiny_models[("qwen2moe", "f16")], dev)
+    cpu = CpuExperts(store, {}, cfg, dev)  # no layer's experts given to it
+    try:
+        x, ids = torch.ones(1, cfg.n_embd), torch.zeros(1, cfg.n_expert_used, dtype=torch.int32)
+        cpu.post(min(layouts), x, ids, torch.ones(ids.shape), torch.ones(cfg.n_expert, dtype=torch.uint8))
+        with pytest.raises(SpecterError, match="CPU experts' answer failed: invalid argument"):
+            cpu.collect(torch.zeros(1, cfg.n_embd))
+        with pytest.raises(SpecterError, match="the CPU experts' worker failed"):
+            cpu.check()
+        with pytest.raises(SpecterError, match="handing layer"):  # a layer out of range
+            cpu.post(cfg.n_layer, x, ids, torch.ones(ids.shape), torch.ones(cfg.n_expert, dtype=torch.uint8))
+    finally:
+        cpu.close()
+        store.close()
+
+
+def _budget(path, draft=None) -> int:
+    """The minimum budget plus one slot per MoE layer (top_k + 1 slots a layer: it evicts, and misses)."""
+    plan = plan_memory(GGUFFile(path), 1 << 40, CTX, "cpu", draft=None if draft is None else GGUFFile(draft))
+    return plan.minimum + plan.n_moe_layers * plan.slot_bytes
+
+
+@pytest.mark.parametrize("arch", ["qwen2moe", "qwen3moe", "tiny-deepseek2"])
+def test_hybrid_decoding_equals_the_target_alone(tiny_models, arch: str) -> None:
+    """Plain offloaded decoding and speculative decoding with hybrid on give the target's tokens, 20 prompts × 64
+    tokens; the misses are the CPU's (none read in place) unless an expert has more tokens than the limit."""
+    target, draft = tiny_models[(arch, "f16")], tiny_models[(arch, "q4_k_m")]
+    plain = Model.load(target, device="cpu", progress=False, ctx_size=CTX)
+    lru = Model.load(target, device="cpu", progress=False, ctx_size=CTX, gpu_budget=_budget(target), offload="lru",
+                     hybrid="on")
+    spec = Model.load(target, draft=draft, device="cpu", progress=False, ctx_size=CTX,
+                      gpu_budget=_budget(target, draft), offload="lru", n_draft=4, hybrid="on")
+    assert lru.offload.hybrid.on and lru.offload.hybrid.max_tokens_per_expert == MAX_TOKENS
+    pairs = {"lru": 0, "spec": 0}
+    for prompt in PROMPTS:
+        want = plain.generate(prompt, 64, GREEDY).wait().tokens
+        for name, m in (("lru", lru), ("spec", spec)):
+            got = m.generate(prompt, 64, GREEDY).wait()
+            assert got.tokens == want, (name, prompt)
+            s = got.stats
+            assert s.hybrid and s.cache_misses > 0
+            pairs[name] += s.cpu_expert_pairs
+    assert pairs["lru"] > 0 and pairs["spec"] > 0
+    # an expert routed to by more tokens of a batch than the limit is read in place instead
+    spec.offload.hybrid.max_tokens_per_expert = 1
+    got = spec.generate(PROMPTS[0], 64, GREEDY).wait()
+    assert got.tokens == plain.generate(PROMPTS[0], 64, GREEDY).wait().tokens
+    assert got.stats.zero_copy_bytes > 0 and got.stats.cpu_expert_pairs > 0
+    assert "pairs computed on the CPU" in got.stats.summary()
+
+
+def test_hybrid_off_and_auto_on_the_cpu_start_no_worker(shipped_model) -> None:
+    for mode in ("off", "auto", None):  # None: the default
+        m = Model.load(shipped_model, device="cpu", progress=False, ctx_size=CTX, gpu_budget=_budget(shipped_model),
+                       offload="lru", hybrid=mode)
+        assert m.offload.cpu_experts is None and not m.offload.hybrid.on
+        s = m.generate([5, 17, 300], 8, GREEDY).wait().stats
+        assert s.hybrid is False and s.cpu_expert_pairs == 0
+
+
+def test_hybrid_mistakes_are_named(shipped_model) -> None:
+    with pytest.raises(SpecterError, match="unknown --hybrid mode 'maybe'"):
+        Model.load(shipped_model, device="cpu", progress=False, hybrid="maybe")
+    with pytest.raises(SpecterError, match="--hybrid on: only for offloaded experts"):
+        Model.load(shipped_model, device="cpu", progress=False, gpu_budget="64GiB", hybrid="on")
+    with pytest.raises(SpecterError, match="--hybrid on: not with --offload gate-prefetch"):
+        Model.load(shipped_model, device="cpu", progress=False, ctx_size=CTX, gpu_budget=_budget(shipped_model),
+                   offload="gate-prefetch", hybrid="on")
+    result = CliRunner().invoke(cli, ["run", str(shipped_model), "-p", "hi", "-n", "2", "--device", "cpu",
+                                      "--hybrid", "on", "--draft", "none"])
+    assert result.exit_code != 0 and "--hybrid on: only for offloaded experts" in result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@torch.inference_mode()
+def test_hybrid_on_the_gpu_agrees_with_the_target_alone(tiny_models) -> None:
+    """CUDA graphs, an evicting expert cache, hybrid on: eager decode steps agree with the whole model's eager
+    decode steps over the same tokens (max relative difference of the logits <= 5e-3: the CPU's sums round
+    differently from the GPU's, and the activations' float16 roundings can then fall apart; the tiny models on
+    the GPU against the CPU are held to 1e-2), and greedy output, plain and speculative, is the target's, except
+    where the target's own top two logits lie within 1e-3 of the largest logit."""
+    target, draft = tiny_models[("qwen2moe", "f16")], tiny_models[("qwen2moe", "q4_k_m")]
+    plan = plan_memory(GGUFFile(target), 1 << 40, CTX, "cuda", draft=GGUFFile(draft))
+    budget = plan.minimum + plan.n_moe_layers * plan.slot_bytes
+    whole = Model.load(target, device="cuda", progress=False, ctx_size=CTX)
+    lru = Model.load(target, device="cuda", progress=False, ctx_size=CTX, gpu_budget=budget, offload="lru",
+                     hybrid="on")
+    spec = Model.load(target, draft=draft, device="cuda", progress=False, ctx_size=CTX, gpu_budget=budget,
+                      offload="lru", n_draft=4, hybrid="on")
+    assert lru.offload.hybrid.on and lru.offload.hybrid.cpu_us_per_token > 0 and lru.offload.hybrid.copy_us > 0
+
+    def steps(m: Model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+        """Logits of eager decode steps over `tokens` after the prompt."""
+        cache = m.transformer.new_cache(CTX)
+        m.forward(torch.tensor(prompt, device="cuda"), cache)
+        return torch.stack([m.forward(torch.tensor([t], device="cuda"), cache)[-1] for t in tokens])
+
+    pairs = 0
+    for prompt in PROMPTS[:6]:
+        want = whole.generate(prompt, 32, GREEDY).wait().tokens
+        a, b = steps(whole, prompt, want), steps(lru, prompt, want)
+        worst = float((a - b).abs().max() / a.abs().max())
+        assert worst <= 5e-3, f"max rel {worst:.2e}"
+        for m in (lru, spec):
+            got = m.generate(prompt, 32, GREEDY).wait()
+            pairs += got.stats.cpu_expert_pairs
+            if got.tokens != want:
+                i = next(i for i, (x, y) in enumerate(zip(got.tokens, want)) if x != y)
+                cache = whole.transformer.new_cache(CTX)
+                logits = whole.forward(torch.tensor(prompt + want[:i], device="cuda"), cache, last_only=True)[-1]
+                top = torch.topk(logits.float(), 2).values
+                assert float(top[0] - top[1]) <= 1e-3 * float(logits.abs().max()), (prompt, i)
+    assert pairs > 0
+    lru.offload.cpu_experts.check()
