@@ -84,6 +84,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="llama.cpp's --spec-draft-n-max (and ours-spec-synth-fixed's depth); the depth at which "
                         "synthetic acceptance keeps a mean of L")
     g.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: its own)")
+    g.add_argument("--pcie-gbps", type=float, default=None,
+                   help="pace our expert transfers (copies into slots, reads in place) to this rate, as on a PC whose "
+                   "PCIe is slower than this machine's (PCIe 4.0 x16: ~25); marked in the report; llama.cpp unpaced")
     g.add_argument("--part", default=None, help="run only part i/n of the matrix, e.g. 1/2")
     g = ap.add_argument_group("time limits")
     g.add_argument("--seconds-per-system", type=float, default=60.0,
@@ -248,7 +251,7 @@ def run(args: argparse.Namespace, t_start: float, deadline: float | None) -> int
         raise SpecterError(f"--decodings: choose from {', '.join(DECODINGS)}")
     settings = RunSettings(args.n_predict, decodings, args.seed, args.seconds_per_system)
     ctx = BenchContext(str(target), _model_label(args, sizes), prompts, settings, args.out, args.ctx_size,
-                       args.device, llama_bin, args.threads, args.job_timeout, deadline, log)
+                       args.device, llama_bin, args.threads, args.job_timeout, deadline, log, args.pcie_gbps)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     meta = {
         "date": now_utc(), "stamp": stamp, "gpu": gpu_info(),
@@ -257,6 +260,7 @@ def run(args: argparse.Namespace, t_start: float, deadline: float | None) -> int
         "budgets": {b.label: b.bytes for b in budgets}, "n_prompts": len(prompts), "n_predict": args.n_predict,
         "decodings": list(decodings), "seed": args.seed, "ctx_size": args.ctx_size, "tokenized_by": how,
         "llama_version": llama_version(llama_bin) if llama_bin else None, "part": args.part,
+        "pcie_gbps": args.pcie_gbps,
         "command": "python3 scripts/bench.py " + shlex.join(sys.argv[1:] if argv_is_cli() else []),
     }
     doc = {"meta": meta, "notes": notes, "results": []}

@@ -486,6 +486,17 @@ def wait_counter(counter: torch.Tensor, base: torch.Tensor, offset: int, waited_
     _call("wait_counter", args, counter.device, f"the wait for copies (offset {offset})")
 
 
+def pace(n_bytes: torch.Tensor | None, extra_bytes: int, ns_per_byte: float, device: torch.device) -> None:
+    """Work enqueued after this on the device's current stream starts (`n_bytes` (an int64 tensor on the device,
+    read when the wait runs; None: 0) + `extra_bytes`) * `ns_per_byte` nanoseconds later: a benchmark's slower
+    PCIe link (`OffloadRuntime.pace_transfers`). CUDA only."""
+    if device.type != "cuda":
+        raise SpecterError("pacing stands for a slower PCIe link: it needs a CUDA device")
+    count = _ffi().NULL if n_bytes is None else _ptr(n_bytes, "int64_t *")
+    code = native.lib().specter_cuda_pace(count, int(extra_bytes), float(ns_per_byte), _stream(device))
+    native.check(code, "pacing a transfer")
+
+
 @dataclass
 class ExpertTable:
     """A layer's experts as addresses: `ptrs[0|1|2, e]` is the address of expert e's gate | up | down matrix

@@ -443,6 +443,9 @@ def test_report_formatting_from_fake_results():
     assert "synthetic acceptance" in md and "![x](img/x.png)" in md
     assert "Best llama.cpp setting within 16GiB (greedy): llama-ncmoe -ncmoe 12" in md
     assert "Not run: ours-lru" in md
+    assert "PCIe paced" not in md
+    doc["meta"]["pcie_gbps"] = 25.0  # --pcie-gbps 25: the report says our transfers were paced
+    assert "**PCIe paced to 25 GB/s** for ours" in render_markdown(doc, [])
 
 
 def test_report_speculation_table_from_fake_results():

@@ -253,3 +253,30 @@ def test_hybrid_on_the_gpu_agrees_with_the_target_alone(tiny_models) -> None:
                 assert float(top[0] - top[1]) <= 1e-3 * float(logits.abs().max()), (prompt, i)
     assert pairs > 0
     lru.offload.cpu_experts.check()
+
+
+def test_pacing_is_for_cuda_only(shipped_model) -> None:
+    m = Model.load(shipped_model, device="cpu", progress=False, ctx_size=CTX, gpu_budget=_budget(shipped_model),
+                   offload="lru")
+    with pytest.raises(SpecterError, match="pacing stands for a slower PCIe link: it needs a CUDA device"):
+        m.offload.pace_transfers(25)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_paced_transfers_take_the_slower_links_time(tiny_models) -> None:
+    """--pcie-gbps: copies into slots take about their bytes' time at the paced rate, and the output is unchanged."""
+    path = tiny_models[("qwen2moe", "f16")]
+    plan = plan_memory(GGUFFile(path), 1 << 40, CTX, "cuda")
+    budget = plan.minimum + plan.n_moe_layers * plan.slot_bytes
+    tokens = {}
+    for gbps in (None, 1.0):
+        m = Model.load(path, device="cuda", progress=False, ctx_size=CTX, gpu_budget=budget, offload="lru")
+        if gbps:
+            measured = m.offload.pace_transfers(gbps)
+            assert measured > gbps
+        gen = m.generate(PROMPTS[1], 32, GREEDY).wait()
+        tokens[gbps] = gen.tokens
+        s = gen.stats
+        if gbps:  # 1 GB/s: a byte a nanosecond
+            assert s.bytes_copied > 0 and 0.8 <= s.copy_s * 1e9 / s.bytes_copied <= 1.5, s.summary()
+    assert tokens[None] == tokens[1.0]

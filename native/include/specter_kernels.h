@@ -272,6 +272,14 @@ SPECTER_API int specter_wait_counter(const int64_t * counter, const int64_t * ba
 SPECTER_API int specter_cuda_wait_counter(const int64_t * counter, const int64_t * base, int64_t offset,
                                           int64_t timeout_ns, int64_t * waited_ns, void * stream);
 
+/* ---- a slower PCIe link, for benchmarks ------------------------------------------------------------------- */
+
+/* Work enqueued after this call on `stream` starts ((n_bytes ? *n_bytes : 0) + extra_bytes) * ns_per_byte
+ * nanoseconds after it would have (n_bytes: int64 in device memory, read when the wait runs): a benchmark that
+ * stands for a slower PCIe link than the machine's puts it after each transfer of expert bytes (scripts/bench.py
+ * --pcie-gbps). One thread polls the GPU's timer. CUDA only. */
+SPECTER_API int specter_cuda_pace(const int64_t * n_bytes, int64_t extra_bytes, double ns_per_byte, void * stream);
+
 /* ---- CPU experts beside a GPU forward -------------------------------------------------------------------- */
 
 /* A worker thread on the host that computes the routed experts a forward hands it, one MoE layer at a time, and

@@ -40,8 +40,9 @@ def _load_offload(mode: str, hybrid: str = "off") -> Loader:
     def load(job: dict[str, Any], tokenizer: Tokenizer | IdsOnlyTokenizer | None) -> Any:
         from specter_gguf.engine import Model
 
-        return Model.load(job["model"], device=job["device"], ctx_size=job["ctx_size"], progress=False,
-                          offload=mode, gpu_budget=job["budget_bytes"], tokenizer=tokenizer, hybrid=hybrid)
+        model = Model.load(job["model"], device=job["device"], ctx_size=job["ctx_size"], progress=False,
+                           offload=mode, gpu_budget=job["budget_bytes"], tokenizer=tokenizer, hybrid=hybrid)
+        return _paced(model, job)
     return load
 
 
@@ -52,9 +53,17 @@ def _spec_loader(hybrid: str) -> Loader:
         model = Model.load(job["model"], draft=job["draft"], device=job["device"], ctx_size=job["ctx_size"],
                            gpu_budget=job["budget_bytes"], progress=False, tokenizer=tokenizer, n_draft="auto",
                            hybrid=hybrid)
-        _capture_every_depth(model, job["settings"]["decodings"])
+        _capture_every_depth(_paced(model, job), job["settings"]["decodings"])
         return model
     return load
+
+
+def _paced(model: Any, job: dict[str, Any]) -> Any:
+    """With --pcie-gbps: the model's expert transfers paced to that rate, before any graph is captured."""
+    if job.get("pcie_gbps") and model.offload is not None:
+        measured = model.offload.pace_transfers(job["pcie_gbps"])
+        print(f"expert transfers paced to {job['pcie_gbps']:g} GB/s (measured here: {measured:.1f} GB/s)", flush=True)
+    return model
 
 
 # one loader each: rows of one loader share a load (`runner._load_group`)

@@ -152,6 +152,9 @@ def render_markdown(doc: dict[str, Any], images: Sequence[str] = ()) -> str:
         f"tokens each, after one warm-up per decoding; decodings: {' / '.join(decs)} (sampled: temperature 1, top-k 40, "
         f"top-p 0.95, min-p 0.05, seed {m.get('seed')} + prompt index)",
         f"- llama.cpp: {m.get('llama_version') or 'not run'}; context {m.get('ctx_size')} tokens",
+        *([f"- **PCIe paced to {m['pcie_gbps']:g} GB/s** for ours (a wait after each expert copy and each layer's reads "
+           "in place, for the bytes' time at that rate beyond this machine's: `--pcie-gbps`); llama.cpp unpaced (its "
+           "decode moves no expert over the link: `-ncmoe` experts run on the CPU)"] if m.get("pcie_gbps") else []),
         f"- Command: `{m.get('command', '?')}`",
         "",
         f"Values are `{' / '.join(decs)}`. TPOT: median over prompts of decode time per generated token after the "

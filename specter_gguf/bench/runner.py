@@ -82,6 +82,7 @@ class BenchContext:
     job_timeout: float = 600.0
     deadline: float | None = None  # time.monotonic() value after which no system starts
     log: Callable[[str], None] = print
+    pcie_gbps: float | None = None  # ours' expert transfers paced to this rate (OffloadRuntime.pace_transfers)
 
     def remaining(self) -> float:
         return math.inf if self.deadline is None else self.deadline - time.monotonic()
@@ -197,7 +198,7 @@ def _run_ours(specs: Sequence[SystemSpec], ctx: BenchContext, results: list[dict
            "draft_n_max": first.params.get("draft_n_max"), "rows": rows,
            "prompts": [dataclasses.asdict(p) for p in ctx.prompts],
            "settings": dataclasses.asdict(ctx.settings) | {"decodings": list(ctx.settings.decodings)},
-           "time_budget_s": budget_s}
+           "time_budget_s": budget_s, "pcie_gbps": ctx.pcie_gbps}
     job_path = work / f"{_slug(first)}.job.json"
     job_path.write_text(json.dumps(job))
     log_path = work / f"{_slug(first)}.log"

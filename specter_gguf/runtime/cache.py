@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from specter_gguf.errors import SpecterError
-from specter_gguf.kernels import wait_counter
+from specter_gguf.kernels import pace, wait_counter
 from specter_gguf.runtime.metrics import OffloadCounters
 from specter_gguf.runtime.routing import RoutingProfile
 from specter_gguf.runtime.store import ExpertStore
@@ -158,6 +158,7 @@ class ExpertCache:
         self._ordered = [True] * n_slots  # compute is already ordered after the slot's last copy
         self._copy_timers: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._wait_timers: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.pace_ns_per_byte = 0.0  # a benchmark's slower PCIe (`OffloadRuntime.pace_transfers`): each copy's extra
 
     # -- sizes and addresses -------------------------------------------------------------------------------
     def capacity(self, layer: int) -> int:
@@ -361,6 +362,8 @@ class ExpertCache:
             start.record(self.copy_stream)
             for offset, src in chunks:
                 self.pool[base + offset:base + offset + src.shape[0]].copy_(src, non_blocking=True)
+            if self.pace_ns_per_byte:
+                pace(None, nbytes, self.pace_ns_per_byte, self.device)
             end.record(self.copy_stream)
             self._ready[slot].record(self.copy_stream)
         self._ordered[slot] = False

@@ -36,7 +36,7 @@ from gguf import GGMLQuantizationType as T
 from specter_gguf.config import ModelConfig
 from specter_gguf.errors import SpecterError
 from specter_gguf.gguf_file import EXPERT_PARTS, GGUFFile, expert_tensor_name
-from specter_gguf.kernels import ExpertTable, QuantizedTensor, moe_ffn
+from specter_gguf.kernels import ExpertTable, QuantizedTensor, moe_ffn, pace
 from specter_gguf.layers import FeedForward, MoE, ResidentExperts, Router, Transformer
 from specter_gguf.runtime.budget import (FIT_MARGIN, MemoryPlan, RecordLayout, fitted_budget, moe_layers,
                                          plan_memory, record_layout, slots_after_load)
@@ -241,13 +241,50 @@ class OffloadRuntime:
         routed.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         cpu = self.cpu_experts
         if cpu is None or x.shape[0] > HYBRID_MAX_TOKENS:
-            return moe_ffn(x, ids, weights, self.expert_table(layer))
+            out = moe_ffn(x, ids, weights, self.expert_table(layer))
+            self._pace_reads(layer, routed, None)
+            return out
         on_cpu = (self.cache.table[layer] < 0) & (routed <= self.hybrid.max_tokens_per_expert)
         self.cpu_routed[layer] = routed * on_cpu
         cpu.post(layer, x, ids, weights, on_cpu)
         out = moe_ffn(x, ids, weights, self.expert_table(layer, skip=on_cpu))
+        self._pace_reads(layer, routed, on_cpu)  # the CPU works on meanwhile, as it would beside a slower link
         cpu.collect(out)
         return out
+
+    def _pace_reads(self, layer: int, routed: torch.Tensor, on_cpu: torch.Tensor | None) -> None:
+        """With `pace_transfers`: the layer's reads in place take as long as they would over the slower link."""
+        if not self.cache.pace_ns_per_byte:
+            return
+        read = (routed > 0) & (self.cache.table[layer] < 0)
+        if on_cpu is not None:
+            read &= ~on_cpu
+        n_bytes = read.sum(dtype=torch.int64) * self.layouts[layer].nbytes
+        pace(n_bytes.reshape(1), 0, self.cache.pace_ns_per_byte, self.device)
+
+    def pace_transfers(self, gbps: float) -> float:
+        """Benchmark only: make every expert transfer (copies into slots, reads in place) as slow as a PCIe link of
+        `gbps` GB/s, by a wait after each of (bytes × (1/gbps - 1/the measured rate)); returns the rate measured
+        here (GB/s; no wait where it is slower than `gbps`). Call before the first forward: CUDA graphs keep the
+        pacing they were captured with."""
+        if self.device.type != "cuda":
+            raise SpecterError("pacing stands for a slower PCIe link: it needs a CUDA device")
+        if not gbps > 0:
+            raise SpecterError(f"a PCIe rate must be more than 0 GB/s, not {gbps}")
+        layer = self.layers[0]
+        record = self.store.chunks(layer, 0)[0][1]
+        slot = torch.empty_like(record, device=self.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        slot.copy_(record, non_blocking=True)  # warm-up
+        reps = 8
+        start.record()
+        for _ in range(reps):
+            slot.copy_(record, non_blocking=True)
+        end.record()
+        end.synchronize()
+        measured = reps * record.numel() / (start.elapsed_time(end) * 1e6)  # bytes per ns = GB/s
+        self.cache.pace_ns_per_byte = max(0.0, 1 / gbps - 1 / measured)
+        return measured
 
     def expert_table(self, layer: int, skip: torch.Tensor | None = None) -> ExpertTable:
         """The grouped kernel's pointer table of `layer`, computed on the device from the residency table; the

@@ -166,6 +166,14 @@ __global__ void wait_counter_kernel(const volatile long long * counter, const lo
     if (waited_ns) atomicAdd(waited_ns, now - t0);
 }
 
+// One thread: the kernels after it start once the bytes' time has passed. It only waits, as wait_counter_kernel.
+__global__ void pace_kernel(const long long * n_bytes, long long extra_bytes, double ns_per_byte) {
+    wait_for_prior_kernels();
+    const double ns = double((n_bytes ? *n_bytes : 0) + extra_bytes) * ns_per_byte;
+    const unsigned long long t0 = global_ns();
+    while (double(global_ns() - t0) < ns) __nanosleep(256);
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace specter
@@ -218,6 +226,14 @@ int specter_cuda_rope_kv(const float * q, int64_t q_stride, const float * k, int
         launch(rope_kv_kernel<__half>, unsigned(blocks), threads, cudaStream_t(stream), a);
     else
         launch(rope_kv_kernel<float>, unsigned(blocks), threads, cudaStream_t(stream), a);
+    return launch_status();
+}
+
+int specter_cuda_pace(const int64_t * n_bytes, int64_t extra_bytes, double ns_per_byte, void * stream) {
+    if (extra_bytes < 0 || !(ns_per_byte >= 0.0)) return SPECTER_ERR_INVALID_ARG;
+    cudaGetLastError();
+    launch(pace_kernel, 1, 1, cudaStream_t(stream), reinterpret_cast<const long long *>(n_bytes),
+           (long long)extra_bytes, ns_per_byte);
     return launch_status();
 }
 
