@@ -21,7 +21,7 @@ struct LayerExperts {
 
 struct CpuExpertsWorker {
     std::vector<LayerExperts> layers;
-    std::vector<unsigned char> workspace_bytes;  // specter_moe_ffn's workspace, from the first 256-byte boundary
+    std::vector<unsigned char> workspace_bytes;  // specter_moe_ffn's workspace, from the first kWsAlign boundary
     unsigned char * workspace = nullptr;
     size_t workspace_size = 0;
     int n_threads = 0;
@@ -105,13 +105,6 @@ void run(specter_cpu_experts * w) {
     }
 }
 
-int check_post(const specter_cpu_experts * w, int64_t layer, const float * x, const int32_t * ids,
-               const float * weights, int64_t n_tokens, const uint8_t * on_cpu) {
-    if (!w || !x || !ids || !weights || !on_cpu) return SPECTER_ERR_INVALID_ARG;
-    if (layer < 0 || layer >= w->n_layer || n_tokens < 1 || n_tokens > w->max_tokens) return SPECTER_ERR_INVALID_ARG;
-    return SPECTER_OK;
-}
-
 }  // namespace
 }  // namespace specter
 
@@ -132,7 +125,7 @@ int specter_cpu_experts_new(int64_t n_layer, int64_t n_expert, int64_t d_model, 
         max_tokens < 1 || n_threads < 0)
         return SPECTER_ERR_INVALID_ARG;
     const MailboxLayout layout = mailbox_layout(max_tokens, top_k, d_model);
-    if (mailbox_bytes < layout.total || reinterpret_cast<uintptr_t>(mailbox) % 256 != 0) return SPECTER_ERR_INVALID_ARG;
+    if (mailbox_bytes < layout.total || reinterpret_cast<uintptr_t>(mailbox) % kWsAlign != 0) return SPECTER_ERR_INVALID_ARG;
     size_t workspace = 0;
     int rc = specter_moe_workspace_size(max_tokens, top_k, n_expert, d_model, d_ff, &workspace);
     if (rc != SPECTER_OK) return rc;
@@ -147,9 +140,9 @@ int specter_cpu_experts_new(int64_t n_layer, int64_t n_expert, int64_t d_model, 
     std::memset(mailbox, 0, layout.total);
     try {
         k->layers.resize(size_t(n_layer));
-        k->workspace_bytes.resize(workspace + 256);
+        k->workspace_bytes.resize(workspace + kWsAlign);
         const uintptr_t at = reinterpret_cast<uintptr_t>(k->workspace_bytes.data());
-        k->workspace = k->workspace_bytes.data() + (256 - at % 256) % 256;
+        k->workspace = k->workspace_bytes.data() + (kWsAlign - at % kWsAlign) % kWsAlign;
         k->workspace_size = workspace;
         k->n_threads = n_threads;
         k->thread = std::thread(run, w);
@@ -237,7 +230,8 @@ int specter_cpu_experts_post(specter_cpu_experts * w, int64_t layer, const float
 int specter_cpu_experts_collect(specter_cpu_experts * w, float * out, int64_t n_tokens, int64_t timeout_ns,
                                 int n_threads) {
     (void)n_threads;
-    if (!w || !out || n_tokens < 1 || n_tokens > w->max_tokens) return SPECTER_ERR_INVALID_ARG;
+    const int rc = check_collect(w, out, n_tokens);
+    if (rc != SPECTER_OK) return rc;
     MailboxHeader * h = header(w);
     if (load(&h->n_pairs) == 0) return SPECTER_OK;
     if (load(&h->n_tokens) != n_tokens) return SPECTER_ERR_INVALID_ARG;

@@ -6,6 +6,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels_common.h"
+
 namespace specter {
 
 // The mailbox's first 256 bytes. `request` and `answer` are the handshake: the poster writes the payload, then
@@ -21,20 +23,18 @@ struct MailboxHeader {
 };
 
 // Byte offsets of the payload: x [max_tokens, d_model] f32, ids [max_tokens, top_k] int32 (-1: not the CPU's),
-// weights [max_tokens, top_k] f32, result [max_tokens, d_model] f32; 256-byte aligned.
+// weights [max_tokens, top_k] f32, result [max_tokens, d_model] f32; aligned as workspaces are (kWsAlign).
 struct MailboxLayout {
     size_t x, ids, weights, result, total;
 };
 
-inline size_t align256(size_t n) { return (n + 255) / 256 * 256; }
-
 inline MailboxLayout mailbox_layout(int64_t max_tokens, int64_t top_k, int64_t d_model) {
     MailboxLayout L{};
-    L.x = align256(sizeof(MailboxHeader));
-    L.ids = L.x + align256(size_t(max_tokens * d_model) * sizeof(float));
-    L.weights = L.ids + align256(size_t(max_tokens * top_k) * sizeof(int32_t));
-    L.result = L.weights + align256(size_t(max_tokens * top_k) * sizeof(float));
-    L.total = L.result + align256(size_t(max_tokens * d_model) * sizeof(float));
+    L.x = ws_round(sizeof(MailboxHeader));
+    L.ids = L.x + ws_round(size_t(max_tokens * d_model) * sizeof(float));
+    L.weights = L.ids + ws_round(size_t(max_tokens * top_k) * sizeof(int32_t));
+    L.result = L.weights + ws_round(size_t(max_tokens * top_k) * sizeof(float));
+    L.total = L.result + ws_round(size_t(max_tokens * d_model) * sizeof(float));
     return L;
 }
 
@@ -49,3 +49,19 @@ struct specter_cpu_experts {
     specter::MailboxLayout layout;
     specter::CpuExpertsWorker * worker;
 };
+
+namespace specter {
+
+// The arguments of a post and of a collect (both the CPU's and the CUDA entry points).
+inline int check_post(const specter_cpu_experts * w, int64_t layer, const float * x, const int32_t * ids,
+                      const float * weights, int64_t n_tokens, const uint8_t * on_cpu) {
+    if (!w || !x || !ids || !weights || !on_cpu) return SPECTER_ERR_INVALID_ARG;
+    if (layer < 0 || layer >= w->n_layer || n_tokens < 1 || n_tokens > w->max_tokens) return SPECTER_ERR_INVALID_ARG;
+    return SPECTER_OK;
+}
+
+inline int check_collect(const specter_cpu_experts * w, const float * out, int64_t n_tokens) {
+    return !w || !out || n_tokens < 1 || n_tokens > w->max_tokens ? SPECTER_ERR_INVALID_ARG : SPECTER_OK;
+}
+
+}  // namespace specter

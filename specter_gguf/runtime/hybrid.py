@@ -161,12 +161,11 @@ def _median_us(seconds: list[float]) -> float:
 
 
 def start_hybrid(mode: str, store: ExpertStore, layouts: dict[int, RecordLayout], cfg: ModelConfig,
-          device: torch.device) -> tuple[CpuExperts | None, HybridChoice]:
-    """The worker and the choice for `--hybrid mode` (HYBRID_CHOICES). On the CPU device `auto` is off (the
-    experts run on the CPU either way) and `on` hands every missed expert to the worker (the same algorithm as
-    on a GPU, which the CPU build tests); `auto` is off too for experts under AUTO_MIN_RECORD_BYTES."""
-    if mode not in HYBRID_CHOICES:
-        raise SpecterError(f"unknown --hybrid mode '{mode}'; choose one of {', '.join(HYBRID_CHOICES)}")
+                 device: torch.device) -> tuple[CpuExperts | None, HybridChoice]:
+    """The worker and the choice for `--hybrid mode` (one of HYBRID_CHOICES: `runtime.offload.load_offloaded` checks
+    it before loading). On the CPU device `auto` is off (the experts run on the CPU either way) and `on` hands every
+    missed expert to the worker (the same algorithm as on a GPU, which the CPU build tests); `auto` is off too for
+    experts under AUTO_MIN_RECORD_BYTES."""
     small = max(r.nbytes for r in layouts.values()) < AUTO_MIN_RECORD_BYTES
     if mode == "off" or (mode == "auto" and (device.type != "cuda" or small)):
         return None, HybridChoice(False, 0)

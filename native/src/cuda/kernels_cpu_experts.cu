@@ -76,8 +76,8 @@ extern "C" {
 
 int specter_cuda_cpu_experts_post(specter_cpu_experts * w, int64_t layer, const float * x, const int32_t * ids,
                                   const float * weights, int64_t n_tokens, const uint8_t * on_cpu, void * stream) {
-    if (!w || !x || !ids || !weights || !on_cpu) return SPECTER_ERR_INVALID_ARG;
-    if (layer < 0 || layer >= w->n_layer || n_tokens < 1 || n_tokens > w->max_tokens) return SPECTER_ERR_INVALID_ARG;
+    const int rc = check_post(w, layer, x, ids, weights, n_tokens, on_cpu);
+    if (rc != SPECTER_OK) return rc;
     char * m = w->mailbox;
     cudaGetLastError();
     launch(post_kernel, 1, 1024, cudaStream_t(stream), reinterpret_cast<volatile MailboxHeader *>(m),
@@ -89,7 +89,8 @@ int specter_cuda_cpu_experts_post(specter_cpu_experts * w, int64_t layer, const 
 
 int specter_cuda_cpu_experts_collect(specter_cpu_experts * w, float * out, int64_t n_tokens, int64_t timeout_ns,
                                      void * stream) {
-    if (!w || !out || n_tokens < 1 || n_tokens > w->max_tokens) return SPECTER_ERR_INVALID_ARG;
+    const int rc = check_collect(w, out, n_tokens);
+    if (rc != SPECTER_OK) return rc;
     const auto * h = reinterpret_cast<const volatile MailboxHeader *>(w->mailbox);
     const int n = int(n_tokens * w->d_model);
     cudaGetLastError();
