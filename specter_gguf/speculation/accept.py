@@ -173,10 +173,13 @@ def synthetic_count(sampler: Sampler, k: int, rate: float) -> int:
 def synthetic_acceptance(model: Model, synth_len: float | None, n_max: int) -> None:
     """Benchmarks only: make `model`'s speculative decoder keep drafted tokens as llama.cpp's `--spec-synth-len
     synth_len` with `--spec-draft-n-max n_max` does (module docstring), at whatever depth it drafts; None: the
-    target's own verdicts again."""
+    target's own verdicts again. An auto depth starts its measurements anew: what it learned of the acceptance
+    before is not this rate's."""
     from specter_gguf.speculation.decoder import SpeculativeDecoder
 
     decoder = model.decoder
     if not isinstance(decoder, SpeculativeDecoder):
         raise SpecterError("synthetic acceptance needs a speculative model (a draft)")
     decoder.synth_rate = None if synth_len is None else synthetic_rate(synth_len, n_max)
+    if decoder.depth is not None:
+        decoder.set_depth("auto")
