@@ -13,7 +13,7 @@ from typing import Any
 import click
 import numpy as np
 
-from specter_gguf.engine import (DRAFT_TYPES, HYBRID_CHOICES, MAX_DEPTH, MAX_FIXED_DEPTH, OFFLOAD_CHOICES,
+from specter_gguf.engine import (DEFAULT_HYBRID, DRAFT_TYPES, HYBRID_CHOICES, MAX_DEPTH, MAX_FIXED_DEPTH, OFFLOAD_CHOICES,
                                  POLICIES, SHIPPED_DRAFT, draft_file_or_type, parse_depth)
 from specter_gguf.errors import ContextFullError, SpecterError
 from specter_gguf.outputs import check_output_file, check_output_folder
@@ -229,7 +229,7 @@ def load_options(f: Any = None, *, depth: bool = True) -> Any:
                      help="Expert-cache eviction policy (default lru; static-hot with --routing-profile)."),
         click.option("--routing-profile", type=click.Path(exists=True, dir_okay=False, path_type=Path),
                      default=None, help="Routing profile (JSON) for the static-hot policy."),
-        click.option("--hybrid", type=click.Choice(HYBRID_CHOICES), default="off", show_default=True,
+        click.option("--hybrid", type=click.Choice(HYBRID_CHOICES), default=DEFAULT_HYBRID, show_default=True,
                      help="Offloaded experts that a decode step or a verification misses: computed by the CPU (on) "
                      "or read over PCIe (off); auto measures both at load (one expert for one token against its "
                      "copy) and takes the CPU where it is faster. Experimental on GPUs: not yet the default."),
@@ -436,8 +436,12 @@ def fidelity(model: Path | None, drafts: str, prompts_file: Path | None, n_predi
               "routed experts stay on the device; none: no draft.")
 @ctx_size_option
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cuda", help="Device the plan is for.")
+@click.option("--hybrid", type=click.Choice(HYBRID_CHOICES), default=DEFAULT_HYBRID, show_default=True,
+              help="Also say what `run --hybrid` would choose for the offloaded experts: on a CUDA GPU measured as a "
+              "load measures it (one expert for one token on the CPU against its copy; one layer's experts are "
+              "read from the file for it).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as one JSON object.")
-def plan(model: Path, gpu_budget: str, draft: Path | str | None, ctx_size: int | None, device: str,
+def plan(model: Path, gpu_budget: str, draft: Path | str | None, ctx_size: int | None, device: str, hybrid: str,
          as_json: bool) -> None:
     """Show how a GPU budget would be split for MODEL (nothing is loaded): non-expert weights, KV cache,
     workspace, draft experts and what speculation holds, expert-cache slots; and the minimum budget. Exits 1 when
@@ -445,8 +449,24 @@ def plan(model: Path, gpu_budget: str, draft: Path | str | None, ctx_size: int |
     from specter_gguf.engine import plan_budget
 
     p = plan_budget(model, _gpu_budget(gpu_budget), ctx_size, device, None if draft == "none" else draft)
-    click.echo(json.dumps(p.to_dict()) if as_json else p.describe())
+    hybrid_line = _hybrid_plan(model, hybrid, device, p.fits_all)
+    click.echo(json.dumps({**p.to_dict(), "hybrid": hybrid_line}) if as_json else f"{p.describe()}\n{hybrid_line}")
     p.check()  # a budget below the minimum: the split is shown, then the error (exit 1) says what is missing
+
+
+def _hybrid_plan(model: Path, hybrid: str, device: str, fits_all: bool) -> str:
+    """`plan`'s line on --hybrid: what a load would choose on `device`, and why."""
+    import torch
+
+    from specter_gguf.engine import plan_hybrid
+
+    if fits_all:
+        return f"hybrid {hybrid}: no expert is offloaded (the whole model fits the budget)"
+    if hybrid == "off":
+        return "hybrid off: experts a decode step or a verification misses are read over PCIe"
+    if device == "cuda" and not torch.cuda.is_available():
+        return f"hybrid {hybrid}: measured when the model loads on a CUDA GPU (none here to measure on)"
+    return plan_hybrid(model, hybrid, device).describe()
 
 
 @cli.command()

@@ -23,7 +23,7 @@ from specter_gguf.layers import ExpertSource, KVCache, RoutingObserver, Transfor
 from specter_gguf.models import check_architecture
 from specter_gguf.runtime.budget import MemoryPlan, plan_memory
 from specter_gguf.runtime.cache import POLICIES  # the values of Model.load's cache_policy
-from specter_gguf.runtime.hybrid import HYBRID_CHOICES  # ... of its hybrid
+from specter_gguf.runtime.hybrid import DEFAULT_HYBRID, HYBRID_CHOICES, HybridChoice, probe_hybrid  # ... of its hybrid
 from specter_gguf.runtime.offload import OFFLOAD_CHOICES, load_offloaded  # ... and of its offload
 from specter_gguf.runtime.routing import DeviceRoutingCounts, RoutingProfile
 from specter_gguf.sampling import Sampler, SamplingParams
@@ -35,7 +35,7 @@ from specter_gguf.tokenizer import IdsOnlyTokenizer, Tokenizer
 
 __all__ = ["Model", "Generation", "GenerationStats", "SHIPPED_MODEL", "SHIPPED_DRAFT", "resolve_device", "tpot_ms",
            "read_config", "FileSummary", "summarize_file", "plan_budget", "MemoryPlan", "ModelConfig",
-           "RoutingProfile", "OFFLOAD_CHOICES", "POLICIES", "HYBRID_CHOICES", "MAX_DEPTH", "MAX_FIXED_DEPTH", "parse_depth",
+           "RoutingProfile", "OFFLOAD_CHOICES", "POLICIES", "HYBRID_CHOICES", "DEFAULT_HYBRID", "plan_hybrid", "MAX_DEPTH", "MAX_FIXED_DEPTH", "parse_depth",
            "DRAFT_TYPES", "draft_file_or_type", "resolve_draft"]
 
 log = logging.getLogger(__name__)
@@ -108,6 +108,14 @@ def plan_budget(path: str | os.PathLike[str], gpu_budget: int | str, ctx_size: i
     return plan_memory(f, gpu_budget, ctx, device, draft_file)
 
 
+def plan_hybrid(path: str | os.PathLike[str], hybrid: str, device: str = "cuda") -> HybridChoice:
+    """What `Model.load(path, hybrid=...)` would choose on `device` for offloaded experts, measured as a load
+    measures it (`runtime.hybrid.probe_hybrid`: one layer's experts are read for it)."""
+    if hybrid not in HYBRID_CHOICES:
+        raise SpecterError(f"unknown --hybrid mode '{hybrid}'; choose one of {', '.join(HYBRID_CHOICES)}")
+    return probe_hybrid(_open_model(path), hybrid, resolve_device(device))
+
+
 def stop_list(stop: str | Sequence[str] | None) -> list[str]:
     """The stop strings of a `stop` argument or OpenAI-style field: none, one text or a list of texts."""
     if stop is None:
@@ -159,6 +167,7 @@ class GenerationStats:
     zero_copy_bytes: int | None = None  # experts read in place from host memory by the kernels
     hybrid: bool | None = None          # missed experts of small batches computed on the CPU (runtime.hybrid)
     cpu_expert_pairs: int | None = None  # ... the (token, expert) pairs it computed
+    cpu_expert_s: float | None = None    # ... the time its worker spent on them
     copy_s: float | None = None         # time copies took on the copy stream
     copy_exposed_s: float | None = None  # time compute waited for copies
     copy_hidden_s: float | None = None   # copy_s - copy_exposed_s: overlapped with compute
@@ -269,7 +278,8 @@ class GenerationStats:
                      f"moved per token ({format_size(self.bytes_copied_per_token or 0)} copied), "
                      f"{100 * (self.hidden_copy_share or 0):.0f}% of copy time hidden")
             if self.hybrid:
-                text += f", {self.cpu_expert_pairs} (token, expert) pairs computed on the CPU"
+                text += (f", {self.cpu_expert_pairs} (token, expert) pairs computed on the CPU in "
+                         f"{1000 * (self.cpu_expert_s or 0):.1f} ms")
         if self.draft_rounds:
             plain = (self.depth_rounds or {}).get(0, 0)
             accepted = (f"{self.draft_accepted} of {self.draft_tokens} drafted tokens accepted "
@@ -631,6 +641,7 @@ class Model:
         stats.cache_evictions, stats.prefetches, stats.bytes_copied = c.cache_evictions, c.prefetches, c.bytes_copied
         stats.zero_copy_bytes = c.zero_copy_bytes
         stats.hybrid, stats.cpu_expert_pairs = self.offload.hybrid.on, c.cpu_expert_pairs
+        stats.cpu_expert_s = c.cpu_expert_s
         stats.copy_s, stats.copy_exposed_s = c.copy_s, min(c.copy_exposed_s, c.copy_s)
         stats.copy_hidden_s = c.copy_s - stats.copy_exposed_s
 

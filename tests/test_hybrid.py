@@ -11,6 +11,8 @@ computed. User mistakes get errors that name the fix.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -22,7 +24,7 @@ from specter_gguf.errors import SpecterError
 from specter_gguf.gguf_file import GGUFFile
 from specter_gguf.kernels import ExpertTable, moe_ffn
 from specter_gguf.runtime.budget import moe_layers, plan_memory, record_layout
-from specter_gguf.runtime.hybrid import MAX_TOKENS, CpuExperts
+from specter_gguf.runtime.hybrid import MAX_TOKENS, CpuExperts, HybridChoice
 from specter_gguf.runtime.store import ExpertStore
 from specter_gguf.sampling import SamplingParams
 from tests.test_kernels import DEVICES
@@ -163,14 +165,15 @@ def _budget(path, draft=None) -> int:
 @pytest.mark.parametrize("arch", ["qwen2moe", "qwen3moe", "tiny-deepseek2"])
 def test_hybrid_decoding_equals_the_target_alone(tiny_models, arch: str) -> None:
     """Plain offloaded decoding and speculative decoding with hybrid on give the target's tokens, 20 prompts × 64
-    tokens; the misses are the CPU's (none read in place) unless an expert has more tokens than the limit."""
+    tokens; unmeasured (the CPU device) every miss is the CPU's, and with a CPU as slow as the link the misses are
+    split between the two."""
     target, draft = tiny_models[(arch, "f16")], tiny_models[(arch, "q4_k_m")]
     plain = Model.load(target, device="cpu", progress=False, ctx_size=CTX)
     lru = Model.load(target, device="cpu", progress=False, ctx_size=CTX, gpu_budget=_budget(target), offload="lru",
                      hybrid="on")
     spec = Model.load(target, draft=draft, device="cpu", progress=False, ctx_size=CTX,
                       gpu_budget=_budget(target, draft), offload="lru", n_draft=4, hybrid="on")
-    assert lru.offload.hybrid.on and lru.offload.hybrid.max_tokens_per_expert == MAX_TOKENS
+    assert lru.offload.hybrid.on and lru.offload.hybrid.cpu_us_per_token is None
     pairs = {"lru": 0, "spec": 0}
     for prompt in PROMPTS:
         want = plain.generate(prompt, 64, GREEDY).wait().tokens
@@ -181,12 +184,54 @@ def test_hybrid_decoding_equals_the_target_alone(tiny_models, arch: str) -> None
             assert s.hybrid and s.cache_misses > 0
             pairs[name] += s.cpu_expert_pairs
     assert pairs["lru"] > 0 and pairs["spec"] > 0
-    # an expert routed to by more tokens of a batch than the limit is read in place instead
-    spec.offload.hybrid.max_tokens_per_expert = 1
+    # a token's expert costs the CPU what reading it costs the link: a layer's misses are split between the two
+    spec.offload.hybrid = HybridChoice(True, cpu_us_per_token=100.0, copy_us=100.0, link_us=100.0)
     got = spec.generate(PROMPTS[0], 64, GREEDY).wait()
     assert got.tokens == plain.generate(PROMPTS[0], 64, GREEDY).wait().tokens
-    assert got.stats.zero_copy_bytes > 0 and got.stats.cpu_expert_pairs > 0
+    assert got.stats.zero_copy_bytes > 0 and got.stats.cpu_expert_pairs > 0 and got.stats.cpu_expert_s > 0
     assert "pairs computed on the CPU" in got.stats.summary()
+
+
+def _split_reference(slot_of: list[int], routed: list[int], cpu_ns: int, link_ns: int) -> list[int]:
+    """The split's definition: misses ranked by (tokens, expert); the CPU takes the longest prefix along which
+    each one taken makes max(CPU time, link time) smaller."""
+    misses = sorted((t, e) for e, (s, t) in enumerate(zip(slot_of, routed)) if t > 0 and s < 0)
+    taken, cpu = [], 0
+    for r, (t, e) in enumerate(misses):
+        if max(cpu + t * cpu_ns, (len(misses) - r - 1) * link_ns) >= max(cpu, (len(misses) - r) * link_ns):
+            break
+        taken.append(e)
+        cpu += t * cpu_ns
+    return [int(e in taken) for e in range(len(routed))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_split_weighs_the_cpu_against_the_link(device: str) -> None:
+    """`HybridChoice.split` (native, on the device) against its definition, random layers of 1 to 160 experts."""
+    g = torch.Generator().manual_seed(0)
+    checked = 0
+    for n_expert in (1, 2, 8, 60, 128, 160):
+        for _ in range(20):
+            slot_of = torch.where(torch.rand(n_expert, generator=g) < 0.5, -1, 3).to(torch.int64)
+            used = torch.rand(n_expert, generator=g) < 0.4
+            routed = torch.randint(1, 6, (n_expert,), generator=g, dtype=torch.int32) * used
+            cpu_us, link_us = [float(v) for v in torch.randint(1, 800, (2,), generator=g)]
+            choice = HybridChoice(True, cpu_us_per_token=cpu_us, copy_us=link_us, link_us=link_us)
+            on_cpu = torch.ones(n_expert, dtype=torch.bool, device=device)
+            cpu_routed = torch.full((n_expert,), 7, dtype=torch.int32, device=device)
+            choice.split(slot_of.to(device), routed.to(device=device, dtype=torch.int32), on_cpu, cpu_routed)
+            want = _split_reference(slot_of.tolist(), routed.tolist(), round(cpu_us * 1000), round(link_us * 1000))
+            assert on_cpu.int().tolist() == want, (n_expert, cpu_us, link_us)
+            assert cpu_routed.tolist() == [t * w for t, w in zip(routed.tolist(), want)]
+            checked += sum(want)
+    assert checked > 0
+    # unmeasured (the CPU device's choice): every miss is the CPU's
+    slot_of = torch.tensor([-1, 0, -1, -1], device=device)
+    routed = torch.tensor([2, 1, 0, 5], dtype=torch.int32, device=device)
+    on_cpu = torch.zeros(4, dtype=torch.bool, device=device)
+    cpu_routed = torch.zeros(4, dtype=torch.int32, device=device)
+    HybridChoice(True).split(slot_of, routed, on_cpu, cpu_routed)
+    assert on_cpu.tolist() == [True, False, False, True] and cpu_routed.tolist() == [2, 0, 0, 5]
 
 
 def test_hybrid_off_and_auto_on_the_cpu_start_no_worker(shipped_model) -> None:
@@ -210,6 +255,23 @@ def test_hybrid_mistakes_are_named(shipped_model) -> None:
                                       "--hybrid", "on", "--draft", "none"])
     assert result.exit_code != 0 and "--hybrid on: only for offloaded experts" in result.output
     assert "Traceback" not in result.output
+
+
+def test_plan_says_what_hybrid_would_choose(shipped_model) -> None:
+    """`plan --hybrid` names the choice and its reason (on CUDA the load's measurement: the GPU test below)."""
+    def plan(*args: str) -> str:
+        r = CliRunner().invoke(cli, ["plan", str(shipped_model), "-c", str(CTX), *args])
+        assert r.exit_code == 0 and "Traceback" not in r.output, r.output
+        return r.output.splitlines()[-1]
+
+    budget = ["--gpu-budget", str(_budget(shipped_model)), "--device", "cpu"]
+    assert plan(*budget) == "hybrid off: experts a decode step or a verification misses are read over PCIe"
+    assert "on the CPU device every expert runs on the CPU either way" in plan(*budget, "--hybrid", "auto")
+    assert plan(*budget, "--hybrid", "on").startswith(f"hybrid on (--hybrid on: every missed expert of a batch of "
+                                                      f"up to {MAX_TOKENS} tokens")
+    assert "no expert is offloaded" in plan("--gpu-budget", "64GiB", "--device", "cpu", "--hybrid", "on")
+    r = CliRunner().invoke(cli, ["plan", str(shipped_model), *budget, "--hybrid", "on", "--json"])
+    assert json.loads(r.output)["hybrid"].startswith("hybrid on"), r.output
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -236,7 +298,7 @@ def test_hybrid_on_the_gpu_agrees_with_the_target_alone(tiny_models) -> None:
         m.forward(torch.tensor(prompt, device="cuda"), cache)
         return torch.stack([m.forward(torch.tensor([t], device="cuda"), cache)[-1] for t in tokens])
 
-    pairs = 0
+    pairs, busy = 0, 0.0
     for prompt in PROMPTS[:6]:
         want = whole.generate(prompt, 32, GREEDY).wait().tokens
         a, b = steps(whole, prompt, want), steps(lru, prompt, want)
@@ -244,15 +306,19 @@ def test_hybrid_on_the_gpu_agrees_with_the_target_alone(tiny_models) -> None:
         assert worst <= 5e-3, f"max rel {worst:.2e}"
         for m in (lru, spec):
             got = m.generate(prompt, 32, GREEDY).wait()
-            pairs += got.stats.cpu_expert_pairs
+            pairs, busy = pairs + got.stats.cpu_expert_pairs, busy + got.stats.cpu_expert_s
             if got.tokens != want:
                 i = next(i for i, (x, y) in enumerate(zip(got.tokens, want)) if x != y)
                 cache = whole.transformer.new_cache(CTX)
                 logits = whole.forward(torch.tensor(prompt + want[:i], device="cuda"), cache, last_only=True)[-1]
                 top = torch.topk(logits.float(), 2).values
                 assert float(top[0] - top[1]) <= 1e-3 * float(logits.abs().max()), (prompt, i)
-    assert pairs > 0
+    assert pairs > 0 and busy > 0
     lru.offload.cpu_experts.check()
+    # `plan` measures as the load did
+    r = CliRunner().invoke(cli, ["plan", str(target), "-c", str(CTX), "--gpu-budget", str(budget), "--hybrid", "on"])
+    line = r.output.splitlines()[-1]
+    assert r.exit_code == 0 and "on the CPU" in line and "its copy to the device" in line, r.output
 
 
 def test_pacing_is_for_cuda_only(shipped_model) -> None:

@@ -1,6 +1,7 @@
 // CPU experts beside a GPU forward (specter_kernels.h): the handle, its worker thread and the CPU entry points.
 #include "cpu_experts.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -8,6 +9,7 @@
 #include <mutex>
 #include <new>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "specter_kernels.h"
@@ -27,6 +29,7 @@ struct CpuExpertsWorker {
     int n_threads = 0;
     std::atomic<bool> stop{false};
     std::atomic<int64_t> armed_until_ns{0};
+    std::atomic<int64_t> busy_ns{0};  // time spent computing answers (specter_cpu_experts_busy_ns)
     std::mutex mutex;
     std::condition_variable wake;
     std::thread thread;
@@ -66,6 +69,7 @@ void answer(specter_cpu_experts * w, int64_t seq) {
     const int64_t layer = load(&h->layer), T = load(&h->n_tokens);
     float * result = at<float>(w, w->layout.result);
     int rc = SPECTER_ERR_INVALID_ARG;
+    const int64_t t0 = now_ns();
     if (layer >= 0 && layer < w->n_layer && T >= 1 && T <= w->max_tokens) {
         const LayerExperts & e = k.layers[size_t(layer)];
         rc = e.gate_type < 0 ? SPECTER_ERR_INVALID_ARG
@@ -78,6 +82,7 @@ void answer(specter_cpu_experts * w, int64_t seq) {
         std::memset(result, 0, size_t(w->max_tokens * w->d_model) * sizeof(float));
         keep_first_error(h, rc);
     }
+    k.busy_ns.fetch_add(now_ns() - t0, std::memory_order_relaxed);
     store(&h->answer, seq);
 }
 
@@ -192,10 +197,36 @@ int specter_cpu_experts_status(const specter_cpu_experts * w) {
     return __atomic_load_n(&header(w)->error, __ATOMIC_ACQUIRE);
 }
 
+int specter_cpu_experts_busy_ns(const specter_cpu_experts * w, int64_t * out_ns) {
+    if (!w || !out_ns) return SPECTER_ERR_INVALID_ARG;
+    *out_ns = w->worker->busy_ns.load(std::memory_order_relaxed);
+    return SPECTER_OK;
+}
+
 int specter_cpu_experts_arm(specter_cpu_experts * w) {
     if (!w) return SPECTER_ERR_INVALID_ARG;
     w->worker->armed_until_ns.store(now_ns() + kHotNs, std::memory_order_relaxed);
     w->worker->wake.notify_one();
+    return SPECTER_OK;
+}
+
+int specter_hybrid_split(const int64_t * slot_of, const int32_t * routed, int64_t n_expert, int64_t cpu_ns_per_token,
+                         int64_t link_ns, uint8_t * on_cpu, int32_t * cpu_routed, int n_threads) {
+    (void)n_threads;
+    const int rc = check_split(slot_of, routed, n_expert, cpu_ns_per_token, link_ns, on_cpu, cpu_routed);
+    if (rc != SPECTER_OK) return rc;
+    std::vector<std::pair<int32_t, int64_t>> misses;  // (tokens, expert): the ranking
+    for (int64_t e = 0; e < n_expert; ++e) {
+        on_cpu[e] = 0, cpu_routed[e] = 0;
+        if (routed[e] > 0 && slot_of[e] < 0) misses.emplace_back(routed[e], e);
+    }
+    std::sort(misses.begin(), misses.end());
+    const int64_t m = int64_t(misses.size());
+    int64_t before = 0;
+    for (int64_t r = 0; r < m && cpu_takes(r, before, misses[size_t(r)].first, m, cpu_ns_per_token, link_ns); ++r) {
+        const auto [tokens, e] = misses[size_t(r)];
+        on_cpu[e] = 1, cpu_routed[e] = tokens, before += tokens;
+    }
     return SPECTER_OK;
 }
 

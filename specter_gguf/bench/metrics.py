@@ -22,10 +22,11 @@ how a system's runs are summarized:
   bytes moved over PCIe per processed token (copied plus read in place, prompt and generated tokens), the
   draft step time (drafting time / drafted tokens) and the speculative iteration in ms per verification
   pass: drafting, verification, the exposed copy time (compute waiting for copies) and the other decode time
-  (outside drafting and verification).
+  (outside drafting and verification); and, per generated token, the time the CPU computed missed experts
+  (hybrid) and the time the copy stream copied experts: beside TPOT, the CPU's and the link's busy shares.
 
 Our engine's statistics contract: a ``Generation.stats`` object may carry, besides the timings, any of the
-count fields of :data:`STAT_COUNTS`, :data:`STAT_MS` and :data:`STAT_BYTES` (summed over prompts, then
+count fields of :data:`STAT_COUNTS`, :data:`STAT_MS`, :data:`STAT_MS_PER_TOKEN` and :data:`STAT_BYTES` (summed over prompts, then
 divided) or the rate fields of :data:`STAT_RATES` (median over prompts, used where the counts are missing).
 Missing fields simply leave the column empty.
 """
@@ -63,6 +64,9 @@ STAT_MS = {
     "iter_copy_exposed_ms": ("copy_exposed_s", "draft_rounds"),
     "iter_other_ms": ("other_s", "draft_rounds"),
 }
+# ... seconds -> milliseconds per generated token, utilisation beside TPOT: the CPU's worker computing missed experts
+# (hybrid), the copy stream busy with expert copies (the whole generation, prefill included)
+STAT_MS_PER_TOKEN = {"cpu_experts_ms_per_token": "cpu_expert_s", "copy_ms_per_token": "copy_s"}
 # ... or ready-made per-generation rates (median over prompts).
 STAT_RATES = {
     "acceptance": "acceptance_rate",
@@ -145,6 +149,9 @@ def summarize_runs(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
             if any(secs in e and den in e for e in extra):
                 per = _ratio(_total(extra, secs), _total(extra, den))
                 s[metric] = 1000.0 * per if per is not None else None
+        for metric, secs in STAT_MS_PER_TOKEN.items():
+            if any(e.get(secs) is not None for e in extra) and s["generated_tokens"]:
+                s[metric] = 1000.0 * _total(extra, secs) / s["generated_tokens"]
         processed = sum(int(r.get("prompt_tokens") or 0) + int(r.get("generated_tokens") or 0) for r in rs)
         for metric, keys in STAT_BYTES.items():  # per processed token, as GenerationStats.bytes_*_per_token
             if any(keys[0] in e for e in extra):

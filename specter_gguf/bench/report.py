@@ -97,6 +97,8 @@ SPEC_COLUMNS = (
     ("Verify ms/iter", "iter_verify_ms", {}),
     ("Copy wait ms/iter", "iter_copy_exposed_ms", {}),
     ("Other ms/iter", "iter_other_ms", {}),
+    ("CPU experts ms/token", "cpu_experts_ms_per_token", {}),
+    ("Copies ms/token", "copy_ms_per_token", {}),
 )
 SPEC_KEYS = tuple(key for _, key, _ in SPEC_COLUMNS
                   if key not in ("mean_accepted_len", "drafted_per_iter", "depths"))
@@ -122,7 +124,9 @@ def _speculation_table(res: Sequence[dict[str, Any]], decs: Sequence[str]) -> li
          "Moved/token: expert bytes over PCIe (copied plus read in place) per prompt or generated token. Per "
          "iteration (verification pass): drafting, verification, other decode time (host work between them, plain "
          "steps); copy wait: compute waiting for expert copies (whole generation, prefill included), mostly inside "
-         "verification."),
+         "verification. Utilisation per generated token: CPU experts, the time the CPU spent computing missed "
+         "experts (--hybrid); copies, the time the copy stream spent on expert copies (prefill included); beside "
+         "TPOT they are the CPU's and the link's busy shares (reads in place are in Moved/token, not timed)."),
         "",
         "| System | Setting | Budget | " + " | ".join(h for h, _, _ in SPEC_COLUMNS) + " |",
         "|---|---|---|" + "---|" * len(SPEC_COLUMNS),
@@ -158,13 +162,14 @@ def render_markdown(doc: dict[str, Any], images: Sequence[str] = ()) -> str:
         f"- Command: `{m.get('command', '?')}`",
         "",
         f"Values are `{' / '.join(decs)}`. TPOT: median over prompts of decode time per generated token after the "
-        "first; tok/s = 1000 / TPOT. Peak GPU: device memory in use above idle (nvidia-smi; includes the CUDA "
+        "first; tok/s = 1000 / TPOT. Prefill: median over prompts of the time to the first generated token "
+        "(the same prompts for every system; llama-server's prompt_ms, its prompt cache off). Peak GPU: device memory in use above idle (nvidia-smi; includes the CUDA "
         "context); for ours, torch's peak allocation in brackets (the rows of one draft and budget run in one "
         "process, loaded once, and share its peak). Fits: measured peak within the budget.",
         "",
-        "| System | Setting | Budget | TPOT ms | tok/s | Peak GPU | Fits | Acceptance | Hit rate | Bytes/token "
-        "| Hidden copy | Prompts | Note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| System | Setting | Budget | TPOT ms | tok/s | Prefill ms | Peak GPU | Fits | Acceptance | Hit rate "
+        "| Bytes/token | Hidden copy | Prompts | Note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res:
         s = r.get("summary") or {}
@@ -185,7 +190,8 @@ def render_markdown(doc: dict[str, Any], images: Sequence[str] = ()) -> str:
         bpt = _pair(s, "bytes_per_token", decs, spec=".3g")
         lines.append("| " + " | ".join([
             r["family"], r["setting"].replace("|", "\\|"), r.get("budget") or "no limit",
-            _pair(s, "tpot_ms", decs), _pair(s, "tokens_per_s", decs, spec=".1f"), peak, fits,
+            _pair(s, "tpot_ms", decs), _pair(s, "tokens_per_s", decs, spec=".1f"), _pair(s, "prefill_ms", decs),
+            peak, fits,
             _pair(s, "acceptance", decs, pct=True), _pair(s, "cache_hit_rate", decs, pct=True), bpt,
             _pair(s, "hidden_copy_share", decs, pct=True), nprompts, note.replace("|", "\\|").replace("\n", " "),
         ]) + " |")

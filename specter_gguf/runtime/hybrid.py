@@ -2,16 +2,17 @@
 CPU from the expert store instead of read over PCIe (the native `specter_cpu_experts_*`).
 
 A MoE layer of a small batch (decoding, verification) hands the host the (token, expert) pairs of the experts it
-marks `on_cpu`: not resident, and routed to by at most `max_tokens_per_expert` of the batch's tokens (a CPU
-pays per token, a read over PCIe once per expert). The marking is done on the device from the residency table and
-the layer's own routing, so it works inside a CUDA graph. The layer posts those pairs to the worker thread (one
+marks `on_cpu` (`HybridChoice.split`): of its experts without a slot, the ones with the fewest tokens (a CPU pays
+per token, a read over PCIe once per expert), as many as make the CPU and the link finish their shares about
+together, by the costs measured at start-up. The marking is done on the device from the residency table and the
+layer's own routing, so it works inside a CUDA graph. The layer posts those pairs to the worker thread (one
 kernel writes them to pinned host memory), runs the other experts on the GPU meanwhile, then waits for the
 worker's sum and adds it (`OffloadRuntime.from_residency`). The CPU's sum of an expert agrees with the GPU's to
 float32 rounding (different summation orders); on the CPU device both are the same native function.
 
 `--hybrid auto` measures at start-up, on CUDA and for experts of at least 1 MiB, one expert's
 feed-forward for one token on the CPU against copying the expert's record to the device, and turns hybrid on when
-the CPU is faster; `on` turns it on whatever the measurement (at least one token an expert), `off` keeps every miss
+the CPU is no slower; `on` turns it on whatever the measurement (the split still weighs it), `off` keeps every miss
 on PCIe (the default, until the whole path has been checked on a GPU: tests/test_hybrid.py).
 """
 
@@ -28,10 +29,12 @@ from specter_gguf import native
 from specter_gguf.config import ModelConfig
 from specter_gguf.errors import SpecterError
 from specter_gguf.kernels import WAIT_TIMEOUT_NS, _aligned, _call, _ptr
-from specter_gguf.runtime.budget import RecordLayout
+from specter_gguf.gguf_file import GGUFFile
+from specter_gguf.runtime.budget import RecordLayout, moe_layers, record_layout
 from specter_gguf.runtime.store import ExpertStore
 
 HYBRID_CHOICES = ("auto", "on", "off")
+DEFAULT_HYBRID = "off"  # until the whole path has been checked on a GPU (module docstring)
 MAX_TOKENS = 17  # a batch's tokens at most: a verification of 16 drafted tokens (budget.VERIFY_ROWS)
 # auto measures only experts of at least this size: a smaller one crosses PCIe in tens of microseconds, where the
 # measurement is mostly latency on both sides and its outcome a coin toss from load to load
@@ -86,7 +89,7 @@ class CpuExperts:
         T = x.shape[0]
         x32 = _aligned(x.float())
         ids32, w32 = ids.to(torch.int32).contiguous(), weights.float().contiguous()
-        mask = on_cpu.to(torch.uint8).contiguous()  # held until the call: the CPU's reads it then
+        mask = on_cpu.bool().contiguous().view(torch.uint8)  # 0 or 1 each (no copy of a contiguous bool mask)
         args = (self.handle, layer, _ptr(x32, "float *"), _ptr(ids32, "int32_t *"), _ptr(w32, "float *"), T,
                 _ptr(mask, "uint8_t *"))
         _call("cpu_experts_post", args, self.device, f"handing layer {layer}'s experts to the CPU")
@@ -95,6 +98,12 @@ class CpuExperts:
         """`out` [T, n_embd] float32 += the worker's sum for the last post, once it has come."""
         args = (self.handle, _ptr(out, "float *"), out.shape[0], WAIT_TIMEOUT_NS)
         _call("cpu_experts_collect", args, self.device, "the CPU experts' answer")
+
+    def busy_s(self) -> float:
+        """The time the worker has spent computing since it started."""
+        ns = native.ffi().new("int64_t *")
+        native.check(native.lib().specter_cpu_experts_busy_ns(self.handle, ns), "the CPU experts' busy time")
+        return ns[0] / 1e9
 
     def check(self) -> None:
         """Raise the first error the worker met (it answers zeros after one)."""
@@ -111,21 +120,38 @@ def _free(lib: Any, handle: Any, mailbox: torch.Tensor) -> None:
 
 @dataclass
 class HybridChoice:
-    """What `--hybrid` decided at start-up, and the measurement behind it (µs)."""
+    """What `--hybrid` decided at start-up, the measurement behind it (µs), and the costs by which each MoE layer
+    splits its missed experts between the CPU and the link (`split`)."""
 
     on: bool
-    max_tokens_per_expert: int  # an expert routed to by more of a batch's tokens is read over PCIe instead
-    cpu_us_per_token: float | None = None  # one expert's feed-forward for one token on the CPU
-    copy_us: float | None = None  # one expert's record copied to the device
+    cpu_us_per_token: float | None = None  # one expert's feed-forward for one token on the CPU, measured
+    copy_us: float | None = None  # one expert's record copied to the device, measured
+    link_us: float | None = None  # the link's time for one expert that `split` weighs: copy_us, or a paced link's
+    why: str = ""  # the reason, where nothing was measured
+
+    def split(self, slot_of: torch.Tensor, routed: torch.Tensor, on_cpu: torch.Tensor,
+              cpu_routed: torch.Tensor) -> None:
+        """Mark in `on_cpu` (bool [n_expert]) the experts of a layer's forward that the CPU computes: of those it
+        routes `routed` (int32) tokens to that have no slot (`slot_of` < 0, int64), the fewest-token ones, as many
+        as make the later of the CPU's and the link's finish the earliest (native `specter_hybrid_split`, on the
+        device: no host synchronisation); `cpu_routed` (int32) gets their token counts. Unmeasured (the CPU
+        device): the CPU takes every miss."""
+        cpu_ns = round(1000 * self.cpu_us_per_token) if self.cpu_us_per_token is not None else 0
+        link_ns = max(1, round(1000 * self.link_us)) if self.link_us is not None else 1
+        args = (_ptr(slot_of, "int64_t *"), _ptr(routed, "int32_t *"), slot_of.numel(), cpu_ns, link_ns,
+                _ptr(on_cpu, "uint8_t *"), _ptr(cpu_routed, "int32_t *"))
+        _call("hybrid_split", args, slot_of.device, "splitting a layer's missed experts between the CPU and the link")
 
     def describe(self) -> str:
         if self.cpu_us_per_token is None:
-            return "hybrid " + ("on" if self.on else "off")
+            return "hybrid " + ("on" if self.on else "off") + (f" ({self.why})" if self.why else "")
+        paced = f", paced to {self.link_us:.0f} µs" if self.link_us != self.copy_us else ""
         measured = (f"an expert for one token on the CPU {self.cpu_us_per_token:.0f} µs, its copy to the device "
-                    f"{self.copy_us:.0f} µs")
+                    f"{self.copy_us:.0f} µs{paced}")
         if not self.on:
             return f"hybrid off ({measured})"
-        return f"hybrid on ({measured}: experts of up to {self.max_tokens_per_expert} tokens a batch on the CPU)"
+        return (f"hybrid on ({measured}: each MoE layer of a batch of up to {MAX_TOKENS} tokens splits its missed "
+                "experts between the CPU, fewest tokens first, and the link, so that both finish together)")
 
 
 def measure(cpu: CpuExperts, store: ExpertStore, layout: RecordLayout, layer: int,
@@ -166,21 +192,41 @@ def start_hybrid(mode: str, store: ExpertStore, layouts: dict[int, RecordLayout]
     it before loading). On the CPU device `auto` is off (the experts run on the CPU either way) and `on` hands every
     missed expert to the worker (the same algorithm as on a GPU, which the CPU build tests); `auto` is off too for
     experts under AUTO_MIN_RECORD_BYTES."""
-    small = max(r.nbytes for r in layouts.values()) < AUTO_MIN_RECORD_BYTES
-    if mode == "off" or (mode == "auto" and (device.type != "cuda" or small)):
-        return None, HybridChoice(False, 0)
+    if mode == "off":
+        return None, HybridChoice(False)
+    if mode == "auto" and device.type != "cuda":
+        return None, HybridChoice(False, why="auto: on the CPU device every expert runs on the CPU either way")
+    if mode == "auto" and max(r.nbytes for r in layouts.values()) < AUTO_MIN_RECORD_BYTES:
+        return None, HybridChoice(False, why=f"auto: experts under {AUTO_MIN_RECORD_BYTES >> 20} MiB cross PCIe in "
+                                  "tens of microseconds")
     cpu = CpuExperts(store, layouts, cfg, device)
     if device.type != "cuda":
-        return cpu, HybridChoice(True, MAX_TOKENS)
+        return cpu, HybridChoice(True, why=f"--hybrid on: every missed expert of a batch of up to {MAX_TOKENS} "
+                                 "tokens")
     try:
         layer = min(layouts)
         cpu_us, copy_us = measure(cpu, store, layouts[layer], layer)
     except BaseException:
         cpu.close()
         raise
-    ratio = int(copy_us // cpu_us)
-    choice = HybridChoice(mode == "on" or ratio >= 1, min(MAX_TOKENS, max(1, ratio)), cpu_us, copy_us)
+    choice = HybridChoice(mode == "on" or cpu_us <= copy_us, cpu_us, copy_us, copy_us)
     if not choice.on:
         cpu.close()
         return None, choice
     return cpu, choice
+
+
+def probe_hybrid(f: GGUFFile, mode: str, device: torch.device) -> HybridChoice:
+    """What `--hybrid mode` would choose for `f` on `device` (`plan`): the start-up measurement of a load, over one
+    MoE layer's experts only (pinned for it, then freed)."""
+    cfg = ModelConfig.from_gguf(f)
+    layer = moe_layers(f, cfg)[0]
+    layouts = {layer: record_layout(f, cfg, layer)}
+    store = ExpertStore(f, layouts, cfg.n_expert, device, pin="lazy", progress=False)
+    try:
+        cpu, choice = start_hybrid(mode, store, layouts, cfg, device)
+        if cpu is not None:
+            cpu.close()
+        return choice
+    finally:
+        store.close()

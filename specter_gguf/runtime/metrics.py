@@ -24,6 +24,7 @@ class OffloadCounters:
     copy_exposed_s: float = 0.0
     zero_copy_bytes: int = 0     # missed experts read in place from host memory (once per forward each)
     cpu_expert_pairs: int = 0    # (token, expert) pairs of missed experts computed on the CPU (hybrid)
+    cpu_expert_s: float = 0.0    # ... the time the CPU's worker spent on them
 
     def snapshot(self) -> OffloadCounters:
         return OffloadCounters(**asdict(self))

@@ -41,7 +41,7 @@ from specter_gguf.layers import FeedForward, MoE, ResidentExperts, Router, Trans
 from specter_gguf.runtime.budget import (FIT_MARGIN, MemoryPlan, RecordLayout, fitted_budget, moe_layers,
                                          plan_memory, record_layout, slots_after_load)
 from specter_gguf.runtime.cache import POLICIES, ExpertCache
-from specter_gguf.runtime.hybrid import HYBRID_CHOICES, CpuExperts, HybridChoice, start_hybrid
+from specter_gguf.runtime.hybrid import DEFAULT_HYBRID, HYBRID_CHOICES, CpuExperts, HybridChoice, start_hybrid
 from specter_gguf.runtime.hybrid import MAX_TOKENS as HYBRID_MAX_TOKENS
 from specter_gguf.runtime.metrics import OffloadCounters
 from specter_gguf.runtime.routing import RoutingProfile
@@ -168,7 +168,7 @@ class OffloadOptions:
     # place (those copies would compete with the lookahead's; measured slower, docs/BENCHMARKS.md 2026-12-01 14:03),
     # except in the decoder's plain steps, which no lookahead serves (`OffloadRuntime.bringing_in`)
     lookahead: bool = False
-    hybrid: str = "off"  # HYBRID_CHOICES: missed experts of small batches computed on the CPU (runtime.hybrid)
+    hybrid: str = DEFAULT_HYBRID  # HYBRID_CHOICES: missed experts of small batches computed on the CPU (runtime.hybrid)
 
 
 class OffloadRuntime:
@@ -196,7 +196,7 @@ class OffloadRuntime:
         self.store = ExpertStore(f, self.layouts, cfg.n_expert, device, options.pin, progress)
         self.cache: ExpertCache = None  # type: ignore[assignment]  # made by `start`, after the weights
         self.cpu_experts: CpuExperts | None = None  # with hybrid on (`start`)
-        self.hybrid = HybridChoice(False, 0)
+        self.hybrid = HybridChoice(False)
         self.experts: dict[int, OffloadedExperts] = {}
         self._pointers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -215,6 +215,7 @@ class OffloadRuntime:
         # a forward's routing: tokens per (layer, expert), and of those the ones the CPU computed (hybrid)
         self._routing = torch.zeros((2, self.cfg.n_layer, self.cfg.n_expert), dtype=torch.int32, device=self.device)
         self.routed, self.cpu_routed = self._routing
+        self._on_cpu = torch.zeros((self.cfg.n_layer, self.cfg.n_expert), dtype=torch.bool, device=self.device)
         self._free_hosts = [torch.empty_like(self._routing, device="cpu", pin_memory=cuda)
                             for _ in range(self.HOST_BUFFERS)]
         self._in_flight: list[tuple[torch.cuda.Event | None, torch.Tensor, np.ndarray, bool]] = []
@@ -244,8 +245,8 @@ class OffloadRuntime:
             out = moe_ffn(x, ids, weights, self.expert_table(layer))
             self._pace_reads(layer, routed, None)
             return out
-        on_cpu = (self.cache.table[layer] < 0) & (routed <= self.hybrid.max_tokens_per_expert)
-        self.cpu_routed[layer] = routed * on_cpu
+        on_cpu = self._on_cpu[layer]
+        self.hybrid.split(self.cache.table[layer], routed, on_cpu, self.cpu_routed[layer])
         cpu.post(layer, x, ids, weights, on_cpu)
         out = moe_ffn(x, ids, weights, self.expert_table(layer, skip=on_cpu))
         self._pace_reads(layer, routed, on_cpu)  # the CPU works on meanwhile, as it would beside a slower link
@@ -284,6 +285,8 @@ class OffloadRuntime:
         end.synchronize()
         measured = reps * record.numel() / (start.elapsed_time(end) * 1e6)  # bytes per ns = GB/s
         self.cache.pace_ns_per_byte = max(0.0, 1 / gbps - 1 / measured)
+        if self.hybrid.copy_us is not None and gbps < measured:  # the split weighs the slower link
+            self.hybrid.link_us = self.hybrid.copy_us * measured / gbps
         return measured
 
     def expert_table(self, layer: int, skip: torch.Tensor | None = None) -> ExpertTable:
@@ -376,6 +379,7 @@ class OffloadRuntime:
         self.cache.collect(sync=True)
         if self.cpu_experts is not None:
             self.cpu_experts.check()
+            self.counters.cpu_expert_s = self.cpu_experts.busy_s()
         return self.counters.since(start)
 
     def close(self) -> None:
@@ -392,7 +396,7 @@ def load_offloaded(f: GGUFFile, device: torch.device, ctx_size: int, progress: b
     """Plan the budget (counting the experts of `draft` when speculative decoding will hold them), then load:
     the plain way when the model fits (and no mode is forced), else with offloaded experts. Without a budget on
     CUDA, a model that does not fit the device's free memory is offloaded within it (`fitted_budget`). `hybrid`:
-    HYBRID_CHOICES (`runtime.hybrid`; default off).
+    HYBRID_CHOICES (`runtime.hybrid`; default DEFAULT_HYBRID).
     Returns (transformer, runtime or None, plan or None: no budget was given or needed)."""
     from specter_gguf.models import check_architecture, load_transformer
 
@@ -448,7 +452,7 @@ def load_offloaded(f: GGUFFile, device: torch.device, ctx_size: int, progress: b
     if routing_profile is not None:
         routing_profile.check(str(f.path), cfg.n_layer, cfg.n_expert, where)
     options = OffloadOptions(offload, policy, routing_profile, pin, lookahead=draft is not None,
-                             hybrid=hybrid or "off")
+                             hybrid=hybrid or DEFAULT_HYBRID)
     runtime = OffloadRuntime(f, cfg, plan, device, options, progress)
     try:
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
