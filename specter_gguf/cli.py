@@ -230,9 +230,10 @@ def load_options(f: Any = None, *, depth: bool = True) -> Any:
         click.option("--routing-profile", type=click.Path(exists=True, dir_okay=False, path_type=Path),
                      default=None, help="Routing profile (JSON) for the static-hot policy."),
         click.option("--hybrid", type=click.Choice(HYBRID_CHOICES), default=DEFAULT_HYBRID, show_default=True,
-                     help="Offloaded experts that a decode step or a verification misses: computed by the CPU (on) "
-                     "or read over PCIe (off); auto measures both at load (one expert for one token against its "
-                     "copy) and takes the CPU where it is faster. Experimental on GPUs: not yet the default."),
+                     help="Offloaded experts that a decode step, a verification or a short prefill misses: split "
+                     "between the CPU and PCIe by their costs measured at load (on), or all read over PCIe (off); "
+                     "auto turns it on where the CPU computes an expert for one token no slower than its copy. "
+                     "Experimental on GPUs: not yet the default."),
         click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
                      help="Replay each decode step, draft step and verification as a CUDA graph (CUDA; not with "
                      "--offload gate-prefetch)."),
@@ -438,8 +439,8 @@ def fidelity(model: Path | None, drafts: str, prompts_file: Path | None, n_predi
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cuda", help="Device the plan is for.")
 @click.option("--hybrid", type=click.Choice(HYBRID_CHOICES), default=DEFAULT_HYBRID, show_default=True,
               help="Also say what `run --hybrid` would choose for the offloaded experts: on a CUDA GPU measured as a "
-              "load measures it (one expert for one token on the CPU against its copy; one layer's experts are "
-              "read from the file for it).")
+              "load measures it (one expert on the CPU for one and for eight tokens against its copy; one layer's "
+              "experts are read from the file for it).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as one JSON object.")
 def plan(model: Path, gpu_budget: str, draft: Path | str | None, ctx_size: int | None, device: str, hybrid: str,
          as_json: bool) -> None:

@@ -25,6 +25,7 @@ from specter_gguf.runtime.budget import MemoryPlan, plan_memory
 from specter_gguf.runtime.cache import POLICIES  # the values of Model.load's cache_policy
 from specter_gguf.runtime.hybrid import DEFAULT_HYBRID, HYBRID_CHOICES, HybridChoice, probe_hybrid  # ... of its hybrid
 from specter_gguf.runtime.offload import OFFLOAD_CHOICES, load_offloaded  # ... and of its offload
+from specter_gguf.runtime.offload import residency_max_tokens
 from specter_gguf.runtime.routing import DeviceRoutingCounts, RoutingProfile
 from specter_gguf.sampling import Sampler, SamplingParams
 from specter_gguf.sizes import format_size, parse_size
@@ -113,7 +114,8 @@ def plan_hybrid(path: str | os.PathLike[str], hybrid: str, device: str = "cuda")
     measures it (`runtime.hybrid.probe_hybrid`: one layer's experts are read for it)."""
     if hybrid not in HYBRID_CHOICES:
         raise SpecterError(f"unknown --hybrid mode '{hybrid}'; choose one of {', '.join(HYBRID_CHOICES)}")
-    return probe_hybrid(_open_model(path), hybrid, resolve_device(device))
+    f = _open_model(path)
+    return probe_hybrid(f, hybrid, resolve_device(device), residency_max_tokens(ModelConfig.from_gguf(f)))
 
 
 def stop_list(stop: str | Sequence[str] | None) -> list[str]:
@@ -367,9 +369,10 @@ class Model:
         "none"; default: lru when the model does not fit the budget, none otherwise. `cache_policy`: lru (default),
         lfu, static-hot (needs `routing_profile`, a `RoutingProfile` or its JSON file). `cuda_graphs`: replay each
         decode step as a CUDA graph (on CUDA; not with gate-prefetch, whose planning reads every layer's routing on
-        the host). `hybrid` ("auto", "on", "off"; offloaded experts): the experts a decode step or a verification
-        misses are computed by the CPU instead of read over PCIe (`runtime.hybrid`); auto turns it on where a
-        measurement at load says the CPU is faster than a copy; default off (not yet checked end to end on a GPU).
+        the host). `hybrid` ("auto", "on", "off"; offloaded experts): the experts a decode step, a verification or a
+        short prefill misses are split between the CPU and PCIe by their measured costs (`runtime.hybrid`); auto
+        turns it on where a measurement at load says the CPU computes an expert for one token no slower than its
+        copy; default off (not yet checked end to end on a GPU).
         `draft`: a quantized copy of the model (e.g. `specter-gguf quantize MODEL --type q4_k_m`), or a type
         ("q2_k", "q3_k_m", "q4_k_m", "q8_0", ...: the draft is made from the model on first use and kept,
         `speculation.draft_files`), whose routed experts share the device and draft `n_draft` tokens per

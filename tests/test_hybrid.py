@@ -6,7 +6,8 @@ handed contribute nothing, and a layer split between the device's kernel and the
 layer to float32 rounding. Through the whole engine on the CPU (the same algorithm as on a GPU: the mailbox, the
 worker thread, the marking from the residency table): greedy output with hybrid on equals the target's alone,
 plain decoding and speculative decoding over 20 prompts × 64 tokens, and the counters say which experts the CPU
-computed. User mistakes get errors that name the fix.
+computed; the split of a layer's misses between the CPU and the link is checked against its definition (CPU and
+CUDA). `plan --hybrid` says what a load would choose. User mistakes get errors that name the fix.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from specter_gguf.errors import SpecterError
 from specter_gguf.gguf_file import GGUFFile
 from specter_gguf.kernels import ExpertTable, moe_ffn
 from specter_gguf.runtime.budget import moe_layers, plan_memory, record_layout
-from specter_gguf.runtime.hybrid import MAX_TOKENS, CpuExperts, HybridChoice
+from specter_gguf.runtime.hybrid import CpuExperts, HybridChoice
+from specter_gguf.runtime.offload import residency_max_tokens
 from specter_gguf.runtime.store import ExpertStore
 from specter_gguf.sampling import SamplingParams
 from tests.test_kernels import DEVICES
@@ -53,12 +55,12 @@ def _host_table(store: ExpertStore, layouts: dict, cfg: ModelConfig, layer: int)
 def test_the_worker_sums_the_pairs_it_is_handed(tiny_models, device: str, kind: str) -> None:
     dev = torch.device(device)
     store, layouts, cfg = _store(tiny_models[("qwen2moe", kind)], dev)
-    cpu = CpuExperts(store, layouts, cfg, dev)
+    cpu = CpuExperts(store, layouts, cfg, dev, residency_max_tokens(cfg))
     try:
         layer = min(layouts)
         table = _host_table(store, layouts, cfg, layer)
         gen = torch.Generator().manual_seed(7)
-        for T in (1, 9, MAX_TOKENS):
+        for T in (1, 9, cpu.max_tokens):
             x = torch.randn(T, cfg.n_embd, generator=gen) * 0.5
             ids = torch.stack([torch.randperm(cfg.n_expert, generator=gen)[:cfg.n_expert_used] for _ in range(T)])
             weights = torch.rand(ids.shape, generator=gen)
@@ -98,7 +100,7 @@ def test_the_worker_sums_the_pairs_it_is_handed(tiny_models, device: str, kind: 
 def test_the_hand_off_replays_in_a_cuda_graph(tiny_models) -> None:
     dev = torch.device("cuda")
     store, layouts, cfg = _store(tiny_models[("qwen2moe", "f16")], dev)
-    cpu = CpuExperts(store, layouts, cfg, dev)
+    cpu = CpuExperts(store, layouts, cfg, dev, residency_max_tokens(cfg))
     try:
         layer = min(layouts)
         table = _host_table(store, layouts, cfg, layer)
@@ -141,7 +143,7 @@ def test_the_hand_off_replays_in_a_cuda_graph(tiny_models) -> None:
 def test_a_worker_error_is_reported(tiny_models) -> None:
     dev = torch.device("cpu")
     store, layouts, cfg = _store(tiny_models[("qwen2moe", "f16")], dev)
-    cpu = CpuExperts(store, {}, cfg, dev)  # no layer's experts given to it
+    cpu = CpuExperts(store, {}, cfg, dev, 1)  # no layer's experts given to it
     try:
         x, ids = torch.ones(1, cfg.n_embd), torch.zeros(1, cfg.n_expert_used, dtype=torch.int32)
         cpu.post(min(layouts), x, ids, torch.ones(ids.shape), torch.ones(cfg.n_expert, dtype=torch.uint8))
@@ -185,23 +187,26 @@ def test_hybrid_decoding_equals_the_target_alone(tiny_models, arch: str) -> None
             pairs[name] += s.cpu_expert_pairs
     assert pairs["lru"] > 0 and pairs["spec"] > 0
     # a token's expert costs the CPU what reading it costs the link: a layer's misses are split between the two
-    spec.offload.hybrid = HybridChoice(True, cpu_us_per_token=100.0, copy_us=100.0, link_us=100.0)
+    spec.offload.hybrid = HybridChoice(True, cpu_us_per_expert=50.0, cpu_us_per_token=50.0, copy_us=100.0,
+                                       link_us=100.0)
     got = spec.generate(PROMPTS[0], 64, GREEDY).wait()
     assert got.tokens == plain.generate(PROMPTS[0], 64, GREEDY).wait().tokens
     assert got.stats.zero_copy_bytes > 0 and got.stats.cpu_expert_pairs > 0 and got.stats.cpu_expert_s > 0
     assert "pairs computed on the CPU" in got.stats.summary()
 
 
-def _split_reference(slot_of: list[int], routed: list[int], cpu_ns: int, link_ns: int) -> list[int]:
+def _split_reference(slot_of: list[int], routed: list[int], per_expert: int, per_token: int,
+                     link: int) -> list[int]:
     """The split's definition: misses ranked by (tokens, expert); the CPU takes the longest prefix along which
-    each one taken makes max(CPU time, link time) smaller."""
+    each one taken (per_expert + tokens * per_token, in ns) makes max(CPU time, link time) smaller."""
     misses = sorted((t, e) for e, (s, t) in enumerate(zip(slot_of, routed)) if t > 0 and s < 0)
     taken, cpu = [], 0
     for r, (t, e) in enumerate(misses):
-        if max(cpu + t * cpu_ns, (len(misses) - r - 1) * link_ns) >= max(cpu, (len(misses) - r) * link_ns):
+        cost = per_expert + t * per_token
+        if max(cpu + cost, (len(misses) - r - 1) * link) >= max(cpu, (len(misses) - r) * link):
             break
         taken.append(e)
-        cpu += t * cpu_ns
+        cpu += cost
     return [int(e in taken) for e in range(len(routed))]
 
 
@@ -215,13 +220,14 @@ def test_the_split_weighs_the_cpu_against_the_link(device: str) -> None:
             slot_of = torch.where(torch.rand(n_expert, generator=g) < 0.5, -1, 3).to(torch.int64)
             used = torch.rand(n_expert, generator=g) < 0.4
             routed = torch.randint(1, 6, (n_expert,), generator=g, dtype=torch.int32) * used
-            cpu_us, link_us = [float(v) for v in torch.randint(1, 800, (2,), generator=g)]
-            choice = HybridChoice(True, cpu_us_per_token=cpu_us, copy_us=link_us, link_us=link_us)
+            per_expert, per_token, link_us = [float(v) for v in torch.randint(0, 800, (3,), generator=g)]
+            choice = HybridChoice(True, per_expert, per_token, copy_us=link_us, link_us=link_us)
             on_cpu = torch.ones(n_expert, dtype=torch.bool, device=device)
             cpu_routed = torch.full((n_expert,), 7, dtype=torch.int32, device=device)
             choice.split(slot_of.to(device), routed.to(device=device, dtype=torch.int32), on_cpu, cpu_routed)
-            want = _split_reference(slot_of.tolist(), routed.tolist(), round(cpu_us * 1000), round(link_us * 1000))
-            assert on_cpu.int().tolist() == want, (n_expert, cpu_us, link_us)
+            want = _split_reference(slot_of.tolist(), routed.tolist(), round(per_expert * 1000),
+                                    round(per_token * 1000), max(1, round(link_us * 1000)))
+            assert on_cpu.int().tolist() == want, (n_expert, per_expert, per_token, link_us)
             assert cpu_routed.tolist() == [t * w for t, w in zip(routed.tolist(), want)]
             checked += sum(want)
     assert checked > 0
@@ -267,8 +273,9 @@ def test_plan_says_what_hybrid_would_choose(shipped_model) -> None:
     budget = ["--gpu-budget", str(_budget(shipped_model)), "--device", "cpu"]
     assert plan(*budget) == "hybrid off: experts a decode step or a verification misses are read over PCIe"
     assert "on the CPU device every expert runs on the CPU either way" in plan(*budget, "--hybrid", "auto")
+    most = residency_max_tokens(ModelConfig.from_gguf(GGUFFile(shipped_model)))
     assert plan(*budget, "--hybrid", "on").startswith(f"hybrid on (--hybrid on: every missed expert of a batch of "
-                                                      f"up to {MAX_TOKENS} tokens")
+                                                      f"up to {most} tokens")
     assert "no expert is offloaded" in plan("--gpu-budget", "64GiB", "--device", "cpu", "--hybrid", "on")
     r = CliRunner().invoke(cli, ["plan", str(shipped_model), *budget, "--hybrid", "on", "--json"])
     assert json.loads(r.output)["hybrid"].startswith("hybrid on"), r.output
@@ -290,7 +297,8 @@ def test_hybrid_on_the_gpu_agrees_with_the_target_alone(tiny_models) -> None:
                      hybrid="on")
     spec = Model.load(target, draft=draft, device="cuda", progress=False, ctx_size=CTX, gpu_budget=budget,
                       offload="lru", n_draft=4, hybrid="on")
-    assert lru.offload.hybrid.on and lru.offload.hybrid.cpu_us_per_token > 0 and lru.offload.hybrid.copy_us > 0
+    h = lru.offload.hybrid
+    assert h.on and h.cpu_us_per_expert + h.cpu_us_per_token > 0 and h.copy_us > 0
 
     def steps(m: Model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
         """Logits of eager decode steps over `tokens` after the prompt."""

@@ -322,17 +322,17 @@ SPECTER_API int specter_cpu_experts_busy_ns(const specter_cpu_experts * w, int64
 SPECTER_API int specter_cpu_experts_arm(specter_cpu_experts * w);
 /* Which of a MoE layer's experts the CPU computes in one forward: of the experts the forward routes tokens to
  * (routed[e] > 0, int32 [n_expert]) that have no slot on the device (slot_of[e] < 0, int64), the ones with the
- * fewest tokens, as many as make the later of the CPU's finish (routed[e] * cpu_ns_per_token for each it takes) and
- * the link's (link_ns for each expert it reads) the earliest: the two work at the same time. on_cpu[e] = 1 for
- * those, else 0 (uint8 or bool); cpu_routed[e] = routed[e] for those, else 0. Ties rank by expert id; the CPU and
- * CUDA versions choose alike (integer costs). 1 <= n_expert <= 1024; device memory for CUDA (n_threads: unused,
- * one thread decides). */
+ * fewest tokens, as many as make the later of the CPU's finish (cpu_ns_per_expert + routed[e] * cpu_ns_per_token
+ * for each it takes) and the link's (link_ns for each expert it reads) the earliest: the two work at the same time.
+ * on_cpu[e] = 1 for those, else 0 (uint8 or bool); cpu_routed[e] = routed[e] for those, else 0. Ties rank by
+ * expert id; the CPU and CUDA versions choose alike (integer costs). 1 <= n_expert <= 1024; device memory for
+ * CUDA (n_threads: unused, one thread decides). */
 SPECTER_API int specter_hybrid_split(const int64_t * slot_of, const int32_t * routed, int64_t n_expert,
-                                     int64_t cpu_ns_per_token, int64_t link_ns, uint8_t * on_cpu,
-                                     int32_t * cpu_routed, int n_threads);
+                                     int64_t cpu_ns_per_expert, int64_t cpu_ns_per_token, int64_t link_ns,
+                                     uint8_t * on_cpu, int32_t * cpu_routed, int n_threads);
 SPECTER_API int specter_cuda_hybrid_split(const int64_t * slot_of, const int32_t * routed, int64_t n_expert,
-                                          int64_t cpu_ns_per_token, int64_t link_ns, uint8_t * on_cpu,
-                                          int32_t * cpu_routed, void * stream);
+                                          int64_t cpu_ns_per_expert, int64_t cpu_ns_per_token, int64_t link_ns,
+                                          uint8_t * on_cpu, int32_t * cpu_routed, void * stream);
 /* Hand layer `layer`'s pairs (ids [n_tokens, top_k] int32, weights f32, x [n_tokens, d_model] f32; device memory
  * for CUDA) whose expert e has on_cpu[e] != 0 (uint8 [n_expert]) to the worker; 1 <= n_tokens <= max_tokens. */
 SPECTER_API int specter_cpu_experts_post(specter_cpu_experts * w, int64_t layer, const float * x, const int32_t * ids,

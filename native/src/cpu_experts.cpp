@@ -210,10 +210,12 @@ int specter_cpu_experts_arm(specter_cpu_experts * w) {
     return SPECTER_OK;
 }
 
-int specter_hybrid_split(const int64_t * slot_of, const int32_t * routed, int64_t n_expert, int64_t cpu_ns_per_token,
-                         int64_t link_ns, uint8_t * on_cpu, int32_t * cpu_routed, int n_threads) {
+int specter_hybrid_split(const int64_t * slot_of, const int32_t * routed, int64_t n_expert, int64_t cpu_ns_per_expert,
+                         int64_t cpu_ns_per_token, int64_t link_ns, uint8_t * on_cpu, int32_t * cpu_routed,
+                         int n_threads) {
     (void)n_threads;
-    const int rc = check_split(slot_of, routed, n_expert, cpu_ns_per_token, link_ns, on_cpu, cpu_routed);
+    const int rc =
+        check_split(slot_of, routed, n_expert, cpu_ns_per_expert, cpu_ns_per_token, link_ns, on_cpu, cpu_routed);
     if (rc != SPECTER_OK) return rc;
     std::vector<std::pair<int32_t, int64_t>> misses;  // (tokens, expert): the ranking
     for (int64_t e = 0; e < n_expert; ++e) {
@@ -223,7 +225,8 @@ int specter_hybrid_split(const int64_t * slot_of, const int32_t * routed, int64_
     std::sort(misses.begin(), misses.end());
     const int64_t m = int64_t(misses.size());
     int64_t before = 0;
-    for (int64_t r = 0; r < m && cpu_takes(r, before, misses[size_t(r)].first, m, cpu_ns_per_token, link_ns); ++r) {
+    for (int64_t r = 0;
+         r < m && cpu_takes(r, before, misses[size_t(r)].first, m, cpu_ns_per_expert, cpu_ns_per_token, link_ns); ++r) {
         const auto [tokens, e] = misses[size_t(r)];
         on_cpu[e] = 1, cpu_routed[e] = tokens, before += tokens;
     }

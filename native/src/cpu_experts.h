@@ -66,19 +66,21 @@ inline int check_collect(const specter_cpu_experts * w, const float * out, int64
 
 // specter_hybrid_split's rule for one missed expert: with the m misses ranked by (tokens, expert) ascending, the one
 // of rank r (`tokens` of them; `before`: the tokens of those ranked before it) goes to the CPU when the later of the
-// CPU's finish and the link's is earlier with it on the CPU than without. The CPU's time grows and the link's shrinks
-// along the ranks, so the ones that go form a prefix. In integers: the CPU and CUDA versions decide alike.
-SPECTER_HOST_DEVICE inline bool cpu_takes(int64_t r, int64_t before, int64_t tokens, int64_t m, int64_t cpu_ns_per_token,
-                                          int64_t link_ns) {
-    const int64_t cpu_with = (before + tokens) * cpu_ns_per_token, link_with = (m - r - 1) * link_ns;
-    const int64_t cpu_without = before * cpu_ns_per_token, link_without = (m - r) * link_ns;
+// CPU's finish (cpu_ns_per_expert + tokens * cpu_ns_per_token for each it takes) and the link's is earlier with it
+// on the CPU than without. The CPU's time grows and the link's shrinks along the ranks, so the ones that go form a
+// prefix. In integers: the CPU and CUDA versions decide alike.
+SPECTER_HOST_DEVICE inline bool cpu_takes(int64_t r, int64_t before, int64_t tokens, int64_t m,
+                                          int64_t cpu_ns_per_expert, int64_t cpu_ns_per_token, int64_t link_ns) {
+    const int64_t cpu_without = r * cpu_ns_per_expert + before * cpu_ns_per_token, link_without = (m - r) * link_ns;
+    const int64_t cpu_with = cpu_without + cpu_ns_per_expert + tokens * cpu_ns_per_token;
+    const int64_t link_with = link_without - link_ns;
     return (cpu_with > link_with ? cpu_with : link_with) < (cpu_without > link_without ? cpu_without : link_without);
 }
 
-inline int check_split(const int64_t * slot_of, const int32_t * routed, int64_t n_expert, int64_t cpu_ns_per_token,
-                       int64_t link_ns, const uint8_t * on_cpu, const int32_t * cpu_routed) {
-    if (!slot_of || !routed || !on_cpu || !cpu_routed || n_expert < 1 || n_expert > 1024 || cpu_ns_per_token < 0 ||
-        link_ns < 0)
+inline int check_split(const int64_t * slot_of, const int32_t * routed, int64_t n_expert, int64_t cpu_ns_per_expert,
+                       int64_t cpu_ns_per_token, int64_t link_ns, const uint8_t * on_cpu, const int32_t * cpu_routed) {
+    if (!slot_of || !routed || !on_cpu || !cpu_routed || n_expert < 1 || n_expert > 1024 || cpu_ns_per_expert < 0 ||
+        cpu_ns_per_token < 0 || link_ns < 0)
         return SPECTER_ERR_INVALID_ARG;
     return SPECTER_OK;
 }

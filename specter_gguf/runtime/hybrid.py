@@ -35,22 +35,22 @@ from specter_gguf.runtime.store import ExpertStore
 
 HYBRID_CHOICES = ("auto", "on", "off")
 DEFAULT_HYBRID = "off"  # until the whole path has been checked on a GPU (module docstring)
-MAX_TOKENS = 17  # a batch's tokens at most: a verification of 16 drafted tokens (budget.VERIFY_ROWS)
+MEASURED_TOKENS = 8  # the start-up measurement times an expert for one token and for this many
 # auto measures only experts of at least this size: a smaller one crosses PCIe in tens of microseconds, where the
 # measurement is mostly latency on both sides and its outcome a coin toss from load to load
 AUTO_MIN_RECORD_BYTES = 1 << 20
 
 
 class CpuExperts:
-    """The native worker that computes the experts a forward hands the host (module docstring), with its mailbox
-    in pinned host memory (CUDA) or plain host memory (CPU)."""
+    """The native worker that computes the experts a forward of up to `max_tokens` tokens hands the host (module
+    docstring), with its mailbox in pinned host memory (CUDA) or plain host memory (CPU)."""
 
     def __init__(self, store: ExpertStore, layouts: dict[int, RecordLayout], cfg: ModelConfig, device: torch.device,
-                 n_threads: int = 0) -> None:
+                 max_tokens: int, n_threads: int = 0) -> None:
         f, lb = native.ffi(), native.lib()
-        self.device, self.d_model, self.top_k = device, cfg.n_embd, cfg.n_expert_used
+        self.device, self.d_model, self.top_k, self.max_tokens = device, cfg.n_embd, cfg.n_expert_used, max_tokens
         size = f.new("size_t *")
-        native.check(lb.specter_cpu_experts_mailbox_size(MAX_TOKENS, cfg.n_expert_used, cfg.n_embd, size),
+        native.check(lb.specter_cpu_experts_mailbox_size(max_tokens, cfg.n_expert_used, cfg.n_embd, size),
                      "the CPU experts' mailbox size")
         # 256 bytes of slack: the mailbox starts at an address aligned to 256
         self._buffer = torch.empty(int(size[0]) + 256, dtype=torch.uint8, pin_memory=device.type == "cuda")
@@ -58,7 +58,7 @@ class CpuExperts:
         self.mailbox = self._buffer[start:start + int(size[0])]
         handle = f.new("specter_cpu_experts **")
         native.check(lb.specter_cpu_experts_new(cfg.n_layer, cfg.n_expert, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert_used,
-                                                MAX_TOKENS, _ptr(self.mailbox), self.mailbox.numel(), n_threads,
+                                                max_tokens, _ptr(self.mailbox), self.mailbox.numel(), n_threads,
                                                 handle), "starting the CPU experts' worker")
         self._handle = handle[0]
         # the worker stops before its mailbox is freed: when this object goes, or at the interpreter's exit
@@ -121,10 +121,13 @@ def _free(lib: Any, handle: Any, mailbox: torch.Tensor) -> None:
 @dataclass
 class HybridChoice:
     """What `--hybrid` decided at start-up, the measurement behind it (µs), and the costs by which each MoE layer
-    splits its missed experts between the CPU and the link (`split`)."""
+    splits its missed experts between the CPU and the link (`split`). The CPU's time for an expert of t tokens is
+    modelled as `cpu_us_per_expert + t * cpu_us_per_token` (its weights are read once, then each token adds its
+    products), from the times measured for one token and for MEASURED_TOKENS."""
 
     on: bool
-    cpu_us_per_token: float | None = None  # one expert's feed-forward for one token on the CPU, measured
+    cpu_us_per_expert: float | None = None  # an expert's feed-forward on the CPU: the part paid once
+    cpu_us_per_token: float | None = None   # ... and the part paid per token
     copy_us: float | None = None  # one expert's record copied to the device, measured
     link_us: float | None = None  # the link's time for one expert that `split` weighs: copy_us, or a paced link's
     why: str = ""  # the reason, where nothing was measured
@@ -136,62 +139,58 @@ class HybridChoice:
         as make the later of the CPU's and the link's finish the earliest (native `specter_hybrid_split`, on the
         device: no host synchronisation); `cpu_routed` (int32) gets their token counts. Unmeasured (the CPU
         device): the CPU takes every miss."""
-        cpu_ns = round(1000 * self.cpu_us_per_token) if self.cpu_us_per_token is not None else 0
-        link_ns = max(1, round(1000 * self.link_us)) if self.link_us is not None else 1
-        args = (_ptr(slot_of, "int64_t *"), _ptr(routed, "int32_t *"), slot_of.numel(), cpu_ns, link_ns,
-                _ptr(on_cpu, "uint8_t *"), _ptr(cpu_routed, "int32_t *"))
+        def ns(us: float | None) -> int:
+            return 0 if us is None else round(1000 * us)
+
+        link_ns = max(1, ns(self.link_us))
+        args = (_ptr(slot_of, "int64_t *"), _ptr(routed, "int32_t *"), slot_of.numel(), ns(self.cpu_us_per_expert),
+                ns(self.cpu_us_per_token), link_ns, _ptr(on_cpu, "uint8_t *"), _ptr(cpu_routed, "int32_t *"))
         _call("hybrid_split", args, slot_of.device, "splitting a layer's missed experts between the CPU and the link")
 
     def describe(self) -> str:
         if self.cpu_us_per_token is None:
             return "hybrid " + ("on" if self.on else "off") + (f" ({self.why})" if self.why else "")
         paced = f", paced to {self.link_us:.0f} µs" if self.link_us != self.copy_us else ""
-        measured = (f"an expert for one token on the CPU {self.cpu_us_per_token:.0f} µs, its copy to the device "
-                    f"{self.copy_us:.0f} µs{paced}")
+        measured = (f"an expert on the CPU {self.cpu_us_per_expert:.0f} µs + {self.cpu_us_per_token:.0f} µs a token, "
+                    f"its copy to the device {self.copy_us:.0f} µs{paced}")
         if not self.on:
             return f"hybrid off ({measured})"
-        return (f"hybrid on ({measured}: each MoE layer of a batch of up to {MAX_TOKENS} tokens splits its missed "
-                "experts between the CPU, fewest tokens first, and the link, so that both finish together)")
+        return (f"hybrid on ({measured}: each MoE layer of a decode step, a verification or a short prefill splits "
+                "its missed experts between the CPU, fewest tokens first, and the link, so that both finish together)")
 
 
-def measure(cpu: CpuExperts, store: ExpertStore, layout: RecordLayout, layer: int,
-            reps: int = 5) -> tuple[float, float]:
-    """(µs of one expert's feed-forward for one token on the CPU, hand-off included; µs to copy its record to the
-    device): medians of `reps` after a warm-up, expert 0 of `layer`. CUDA only."""
+def measure(cpu: CpuExperts, store: ExpertStore, layer: int, reps: int = 5) -> tuple[float, float, float]:
+    """(µs of one expert's feed-forward on the CPU for one token and for MEASURED_TOKENS, hand-off included: medians
+    of `reps` after a warm-up; µs to copy its record to the device, `ExpertStore.copy_us`), expert 0 of `layer`.
+    CUDA only."""
     dev = cpu.device
-    x = torch.randn(1, cpu.d_model, device=dev) * 0.1
-    ids = torch.full((1, cpu.top_k), -1, dtype=torch.int32, device=dev)
-    ids[0, 0] = 0
-    weights = torch.ones(ids.shape, device=dev)
-    on_cpu = torch.ones(store.n_expert, dtype=torch.uint8, device=dev)
-    out = torch.zeros(1, cpu.d_model, device=dev)
-    record = store.chunks(layer, 0)[0][1]
-    slot = torch.empty(layout.nbytes, dtype=torch.uint8, device=dev)
-    cpu_s, copy_s = [], []
-    for _ in range(reps + 1):
-        t0 = time.perf_counter()
-        cpu.post(layer, x, ids, weights, on_cpu)
-        cpu.collect(out)
-        torch.cuda.synchronize(dev)
-        t1 = time.perf_counter()
-        slot.copy_(record, non_blocking=True)
-        torch.cuda.synchronize(dev)
-        cpu_s.append(t1 - t0)
-        copy_s.append(time.perf_counter() - t1)
+    times = []
+    for T in (1, MEASURED_TOKENS):
+        x = torch.randn(T, cpu.d_model, device=dev) * 0.1
+        ids = torch.full((T, cpu.top_k), -1, dtype=torch.int32, device=dev)
+        ids[:, 0] = 0
+        weights = torch.ones(ids.shape, device=dev)
+        on_cpu = torch.ones(store.n_expert, dtype=torch.bool, device=dev)
+        out = torch.zeros(T, cpu.d_model, device=dev)
+        seconds = []
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            cpu.post(layer, x, ids, weights, on_cpu)
+            cpu.collect(out)
+            torch.cuda.synchronize(dev)
+            seconds.append(time.perf_counter() - t0)
+        times.append(sorted(seconds[1:])[reps // 2] * 1e6)
     cpu.check()
-    return _median_us(cpu_s[1:]), _median_us(copy_s[1:])
-
-
-def _median_us(seconds: list[float]) -> float:
-    return sorted(seconds)[len(seconds) // 2] * 1e6
+    return times[0], times[1], store.copy_us(layer)
 
 
 def start_hybrid(mode: str, store: ExpertStore, layouts: dict[int, RecordLayout], cfg: ModelConfig,
-                 device: torch.device) -> tuple[CpuExperts | None, HybridChoice]:
-    """The worker and the choice for `--hybrid mode` (one of HYBRID_CHOICES: `runtime.offload.load_offloaded` checks
-    it before loading). On the CPU device `auto` is off (the experts run on the CPU either way) and `on` hands every
-    missed expert to the worker (the same algorithm as on a GPU, which the CPU build tests); `auto` is off too for
-    experts under AUTO_MIN_RECORD_BYTES."""
+                 device: torch.device, max_tokens: int) -> tuple[CpuExperts | None, HybridChoice]:
+    """The worker (for forwards of up to `max_tokens` tokens) and the choice for `--hybrid mode` (one of
+    HYBRID_CHOICES: `runtime.offload.load_offloaded` checks it before loading). On the CPU device `auto` is off (the
+    experts run on the CPU either way) and `on` hands every missed expert to the worker (the same algorithm as on a
+    GPU, which the CPU build tests); `auto` is off too for experts under AUTO_MIN_RECORD_BYTES, and wherever the
+    CPU is slower than the copy for one token."""
     if mode == "off":
         return None, HybridChoice(False)
     if mode == "auto" and device.type != "cuda":
@@ -199,24 +198,24 @@ def start_hybrid(mode: str, store: ExpertStore, layouts: dict[int, RecordLayout]
     if mode == "auto" and max(r.nbytes for r in layouts.values()) < AUTO_MIN_RECORD_BYTES:
         return None, HybridChoice(False, why=f"auto: experts under {AUTO_MIN_RECORD_BYTES >> 20} MiB cross PCIe in "
                                   "tens of microseconds")
-    cpu = CpuExperts(store, layouts, cfg, device)
+    cpu = CpuExperts(store, layouts, cfg, device, max_tokens)
     if device.type != "cuda":
-        return cpu, HybridChoice(True, why=f"--hybrid on: every missed expert of a batch of up to {MAX_TOKENS} "
+        return cpu, HybridChoice(True, why=f"--hybrid on: every missed expert of a batch of up to {max_tokens} "
                                  "tokens")
     try:
-        layer = min(layouts)
-        cpu_us, copy_us = measure(cpu, store, layouts[layer], layer)
+        one, many, copy_us = measure(cpu, store, min(layouts))
     except BaseException:
         cpu.close()
         raise
-    choice = HybridChoice(mode == "on" or cpu_us <= copy_us, cpu_us, copy_us, copy_us)
+    per_token = max(0.0, (many - one) / (MEASURED_TOKENS - 1))
+    choice = HybridChoice(mode == "on" or one <= copy_us, max(0.0, one - per_token), per_token, copy_us, copy_us)
     if not choice.on:
         cpu.close()
         return None, choice
     return cpu, choice
 
 
-def probe_hybrid(f: GGUFFile, mode: str, device: torch.device) -> HybridChoice:
+def probe_hybrid(f: GGUFFile, mode: str, device: torch.device, max_tokens: int) -> HybridChoice:
     """What `--hybrid mode` would choose for `f` on `device` (`plan`): the start-up measurement of a load, over one
     MoE layer's experts only (pinned for it, then freed)."""
     cfg = ModelConfig.from_gguf(f)
@@ -224,7 +223,7 @@ def probe_hybrid(f: GGUFFile, mode: str, device: torch.device) -> HybridChoice:
     layouts = {layer: record_layout(f, cfg, layer)}
     store = ExpertStore(f, layouts, cfg.n_expert, device, pin="lazy", progress=False)
     try:
-        cpu, choice = start_hybrid(mode, store, layouts, cfg, device)
+        cpu, choice = start_hybrid(mode, store, layouts, cfg, device, max_tokens)
         if cpu is not None:
             cpu.close()
         return choice

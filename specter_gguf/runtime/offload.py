@@ -42,7 +42,6 @@ from specter_gguf.runtime.budget import (FIT_MARGIN, MemoryPlan, RecordLayout, f
                                          plan_memory, record_layout, slots_after_load)
 from specter_gguf.runtime.cache import POLICIES, ExpertCache
 from specter_gguf.runtime.hybrid import DEFAULT_HYBRID, HYBRID_CHOICES, CpuExperts, HybridChoice, start_hybrid
-from specter_gguf.runtime.hybrid import MAX_TOKENS as HYBRID_MAX_TOKENS
 from specter_gguf.runtime.metrics import OffloadCounters
 from specter_gguf.runtime.routing import RoutingProfile
 from specter_gguf.runtime.store import ExpertStore
@@ -54,6 +53,12 @@ MODES = ("on-demand", "lru", "gate-prefetch")
 OFFLOAD_CHOICES = (*MODES, "none")  # what --offload takes: a mode, or "none" (every expert on the device)
 _TORCH_TYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
 DENSE_MIN_TOKENS_PER_EXPERT = ResidentExperts.DENSE_MIN_TOKENS_PER_EXPERT
+
+
+def residency_max_tokens(cfg: ModelConfig) -> int:
+    """The most tokens of a forward that `OffloadRuntime.from_residency` serves (`OffloadedExperts`: fewer (token,
+    expert) pairs than DENSE_MIN_TOKENS_PER_EXPERT per expert): decode steps, verifications, short prefills."""
+    return max(1, (DENSE_MIN_TOKENS_PER_EXPERT * cfg.n_expert - 1) // cfg.n_expert_used)
 
 
 class OffloadedExperts:
@@ -231,7 +236,8 @@ class OffloadRuntime:
         if opts.policy == "static-hot":
             self.cache.warm()
         hybrid = opts.hybrid if self.mode != "gate-prefetch" else "off"  # its waves never hand experts over
-        self.cpu_experts, self.hybrid = start_hybrid(hybrid, self.store, self.layouts, self.cfg, self.device)
+        self.cpu_experts, self.hybrid = start_hybrid(hybrid, self.store, self.layouts, self.cfg, self.device,
+                                                     residency_max_tokens(self.cfg))
 
     # -- the residency path (no host synchronisation) ---------------------------------------------------
     def from_residency(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -241,7 +247,7 @@ class OffloadRuntime:
         routed = self.routed[layer]
         routed.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         cpu = self.cpu_experts
-        if cpu is None or x.shape[0] > HYBRID_MAX_TOKENS:
+        if cpu is None or x.shape[0] > cpu.max_tokens:
             out = moe_ffn(x, ids, weights, self.expert_table(layer))
             self._pace_reads(layer, routed, None)
             return out
@@ -273,17 +279,7 @@ class OffloadRuntime:
         if not gbps > 0:
             raise SpecterError(f"a PCIe rate must be more than 0 GB/s, not {gbps}")
         layer = self.layers[0]
-        record = self.store.chunks(layer, 0)[0][1]
-        slot = torch.empty_like(record, device=self.device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        slot.copy_(record, non_blocking=True)  # warm-up
-        reps = 8
-        start.record()
-        for _ in range(reps):
-            slot.copy_(record, non_blocking=True)
-        end.record()
-        end.synchronize()
-        measured = reps * record.numel() / (start.elapsed_time(end) * 1e6)  # bytes per ns = GB/s
+        measured = self.layouts[layer].nbytes / (1000 * self.store.copy_us(layer))  # bytes per ns = GB/s
         self.cache.pace_ns_per_byte = max(0.0, 1 / gbps - 1 / measured)
         if self.hybrid.copy_us is not None and gbps < measured:  # the split weighs the slower link
             self.hybrid.link_us = self.hybrid.copy_us * measured / gbps

@@ -110,6 +110,20 @@ class ExpertStore:
             out.append((part.offset, _bytes_of(t.data[expert])))  # a view of the mapping: no copy
         return out
 
+    def copy_us(self, layer: int, reps: int = 8) -> float:
+        """Device time in µs of copying one record of `layer` (expert 0) into device memory: the mean of `reps`
+        copies after a warm-up, timed by CUDA events. CUDA only."""
+        record = self.chunks(layer, 0)[0][1]
+        slot = torch.empty_like(record, device="cuda")
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        slot.copy_(record, non_blocking=True)  # warm-up
+        start.record()
+        for _ in range(reps):
+            slot.copy_(record, non_blocking=True)
+        end.record()
+        end.synchronize()
+        return 1000 * start.elapsed_time(end) / reps
+
     def addresses(self, layer: int) -> list[list[int]]:
         """Host addresses of every expert's gate, up and down matrices of `layer`, `[part][expert]`: pinned memory
         that a CUDA kernel reads in place (host allocations are mapped into the device's address space under

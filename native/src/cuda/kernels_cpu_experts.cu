@@ -68,8 +68,8 @@ __global__ void add_kernel(const volatile MailboxHeader * h, const volatile floa
 // One CTA, a thread per expert: each ranks its own miss among the layer's by (tokens, expert) and applies cpu_takes.
 __global__ void __launch_bounds__(1024) split_kernel(const int64_t * __restrict__ slot_of,
                                                     const int32_t * __restrict__ routed, int n_expert,
-                                                    long long cpu_ns_per_token, long long link_ns, uint8_t * on_cpu,
-                                                    int32_t * cpu_routed) {
+                                                    long long cpu_ns_per_expert, long long cpu_ns_per_token,
+                                                    long long link_ns, uint8_t * on_cpu, int32_t * cpu_routed) {
     start_after_prior_kernels();
     __shared__ int32_t tokens[1024];  // of each expert's miss; 0: not a miss
     const int e = threadIdx.x;
@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(1024) split_kernel(const int64_t * __restrict_
         m += t > 0;
         if (t > 0 && (t < mine || (t == mine && j < e))) ++rank, before += t;
     }
-    const bool take = mine > 0 && cpu_takes(rank, before, mine, m, cpu_ns_per_token, link_ns);
+    const bool take = mine > 0 && cpu_takes(rank, before, mine, m, cpu_ns_per_expert, cpu_ns_per_token, link_ns);
     on_cpu[e] = take;
     cpu_routed[e] = take ? mine : 0;
 }
@@ -102,13 +102,15 @@ using namespace specter::cuda;
 extern "C" {
 
 int specter_cuda_hybrid_split(const int64_t * slot_of, const int32_t * routed, int64_t n_expert,
-                              int64_t cpu_ns_per_token, int64_t link_ns, uint8_t * on_cpu, int32_t * cpu_routed,
-                              void * stream) {
-    const int rc = check_split(slot_of, routed, n_expert, cpu_ns_per_token, link_ns, on_cpu, cpu_routed);
+                              int64_t cpu_ns_per_expert, int64_t cpu_ns_per_token, int64_t link_ns, uint8_t * on_cpu,
+                              int32_t * cpu_routed, void * stream) {
+    const int rc =
+        check_split(slot_of, routed, n_expert, cpu_ns_per_expert, cpu_ns_per_token, link_ns, on_cpu, cpu_routed);
     if (rc != SPECTER_OK) return rc;
     cudaGetLastError();
     launch(split_kernel, 1, unsigned((n_expert + 31) / 32 * 32), cudaStream_t(stream), slot_of, routed,
-           int(n_expert), (long long)cpu_ns_per_token, (long long)link_ns, on_cpu, cpu_routed);
+           int(n_expert), (long long)cpu_ns_per_expert, (long long)cpu_ns_per_token, (long long)link_ns, on_cpu,
+           cpu_routed);
     return launch_status();
 }
 
