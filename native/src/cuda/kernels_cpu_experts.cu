@@ -10,7 +10,12 @@ namespace specter {
 namespace cuda {
 namespace {
 
-// One CTA: the pairs, the hidden states (when a pair is the CPU's), then the header and, last, `request`.
+// Up to this many tokens, the post kernel copies the hidden states of the tokens with a pair for the CPU only (a
+// short prefill's rows would otherwise all cross PCIe from one CTA); more tokens are copied whole.
+constexpr int kPostFlags = 1024;
+
+// One CTA: the pairs, the hidden states of the tokens with a pair for the CPU, then the header and, last,
+// `request`.
 __global__ void __launch_bounds__(1024) post_kernel(volatile MailboxHeader * h, float * hx, int32_t * hids,
                                                    float * hweights, const float * __restrict__ x,
                                                    const int32_t * __restrict__ ids,
@@ -19,19 +24,26 @@ __global__ void __launch_bounds__(1024) post_kernel(volatile MailboxHeader * h, 
                                                    int k, int n_expert) {
     start_after_prior_kernels();
     __shared__ int n_pairs;
+    __shared__ unsigned char needed[kPostFlags];  // token t has a pair for the CPU (T <= kPostFlags)
+    const bool flags = T <= kPostFlags;
     if (threadIdx.x == 0) n_pairs = 0;
+    for (int t = threadIdx.x; flags && t < T; t += blockDim.x) needed[t] = 0;
     __syncthreads();
     for (int p = threadIdx.x; p < T * k; p += blockDim.x) {
         const int e = ids[p];
         const bool cpu = e >= 0 && e < n_expert && on_cpu[e];
         hids[p] = cpu ? e : -1;
         hweights[p] = weights[p];
-        if (cpu) atomicAdd(&n_pairs, 1);
+        if (cpu) {
+            atomicAdd(&n_pairs, 1);
+            if (flags) needed[p / k] = 1;
+        }
     }
     __syncthreads();
     const int pairs = n_pairs;
     if (pairs > 0)
-        for (int i = threadIdx.x; i < T * d; i += blockDim.x) hx[i] = x[i];
+        for (int i = threadIdx.x; i < T * d; i += blockDim.x)
+            if (!flags || needed[i / d]) hx[i] = x[i];
     __threadfence_system();  // this thread's payload before the header
     __syncthreads();
     if (threadIdx.x != 0) return;
