@@ -13,8 +13,8 @@ from typing import Any
 import click
 import numpy as np
 
-from specter_gguf.engine import (DEFAULT_HYBRID, DRAFT_TYPES, HYBRID_CHOICES, MAX_DEPTH, MAX_FIXED_DEPTH, OFFLOAD_CHOICES,
-                                 POLICIES, SHIPPED_DRAFT, draft_file_or_type, parse_depth)
+from specter_gguf.engine import (DEFAULT_HYBRID, DRAFT_TYPES, HYBRID_CHOICES, MAX_DEPTH, MAX_FIXED_DEPTH,
+                                 OFFLOAD_CHOICES, POLICIES, SHIPPED_DRAFT, draft_file_or_type, parse_depth)
 from specter_gguf.errors import ContextFullError, SpecterError
 from specter_gguf.outputs import check_output_file, check_output_folder
 from specter_gguf.quantize import FTYPES
@@ -464,7 +464,7 @@ def _hybrid_plan(model: Path, hybrid: str, device: str, fits_all: bool) -> str:
     if fits_all:
         return f"hybrid {hybrid}: no expert is offloaded (the whole model fits the budget)"
     if hybrid == "off":
-        return "hybrid off: experts a decode step or a verification misses are read over PCIe"
+        return "hybrid off: the experts a forward misses are read over PCIe"
     if device == "cuda" and not torch.cuda.is_available():
         return f"hybrid {hybrid}: measured when the model loads on a CUDA GPU (none here to measure on)"
     return plan_hybrid(model, hybrid, device).describe()

@@ -36,8 +36,8 @@ from specter_gguf.tokenizer import IdsOnlyTokenizer, Tokenizer
 
 __all__ = ["Model", "Generation", "GenerationStats", "SHIPPED_MODEL", "SHIPPED_DRAFT", "resolve_device", "tpot_ms",
            "read_config", "FileSummary", "summarize_file", "plan_budget", "MemoryPlan", "ModelConfig",
-           "RoutingProfile", "OFFLOAD_CHOICES", "POLICIES", "HYBRID_CHOICES", "DEFAULT_HYBRID", "plan_hybrid", "MAX_DEPTH", "MAX_FIXED_DEPTH", "parse_depth",
-           "DRAFT_TYPES", "draft_file_or_type", "resolve_draft"]
+           "RoutingProfile", "OFFLOAD_CHOICES", "POLICIES", "HYBRID_CHOICES", "DEFAULT_HYBRID", "plan_hybrid",
+           "MAX_DEPTH", "MAX_FIXED_DEPTH", "parse_depth", "DRAFT_TYPES", "draft_file_or_type", "resolve_draft"]
 
 log = logging.getLogger(__name__)
 

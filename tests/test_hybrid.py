@@ -271,7 +271,7 @@ def test_plan_says_what_hybrid_would_choose(shipped_model) -> None:
         return r.output.splitlines()[-1]
 
     budget = ["--gpu-budget", str(_budget(shipped_model)), "--device", "cpu"]
-    assert plan(*budget) == "hybrid off: experts a decode step or a verification misses are read over PCIe"
+    assert plan(*budget) == "hybrid off: the experts a forward misses are read over PCIe"
     assert "on the CPU device every expert runs on the CPU either way" in plan(*budget, "--hybrid", "auto")
     most = residency_max_tokens(ModelConfig.from_gguf(GGUFFile(shipped_model)))
     assert plan(*budget, "--hybrid", "on").startswith(f"hybrid on (--hybrid on: every missed expert of a batch of "

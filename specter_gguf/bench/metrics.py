@@ -26,9 +26,9 @@ how a system's runs are summarized:
   (hybrid) and the time the copy stream copied experts: beside TPOT, the CPU's and the link's busy shares.
 
 Our engine's statistics contract: a ``Generation.stats`` object may carry, besides the timings, any of the
-count fields of :data:`STAT_COUNTS`, :data:`STAT_MS`, :data:`STAT_MS_PER_TOKEN` and :data:`STAT_BYTES` (summed over prompts, then
-divided) or the rate fields of :data:`STAT_RATES` (median over prompts, used where the counts are missing).
-Missing fields simply leave the column empty.
+count fields of :data:`STAT_COUNTS`, :data:`STAT_MS`, :data:`STAT_MS_PER_TOKEN` and :data:`STAT_BYTES` (summed over
+prompts, then divided) or the rate fields of :data:`STAT_RATES` (median over prompts, used where the counts are
+missing). Missing fields simply leave the column empty.
 """
 
 from __future__ import annotations

@@ -163,9 +163,10 @@ def render_markdown(doc: dict[str, Any], images: Sequence[str] = ()) -> str:
         "",
         f"Values are `{' / '.join(decs)}`. TPOT: median over prompts of decode time per generated token after the "
         "first; tok/s = 1000 / TPOT. Prefill: median over prompts of the time to the first generated token "
-        "(the same prompts for every system; llama-server's prompt_ms, its prompt cache off). Peak GPU: device memory in use above idle (nvidia-smi; includes the CUDA "
-        "context); for ours, torch's peak allocation in brackets (the rows of one draft and budget run in one "
-        "process, loaded once, and share its peak). Fits: measured peak within the budget.",
+        "(the same prompts for every system; llama-server's prompt_ms, its prompt cache off). Peak GPU: device "
+        "memory in use above idle (nvidia-smi; includes the CUDA context); for ours, torch's peak allocation in "
+        "brackets (the rows of one draft and budget run in one process, loaded once, and share its peak). Fits: "
+        "measured peak within the budget.",
         "",
         "| System | Setting | Budget | TPOT ms | tok/s | Prefill ms | Peak GPU | Fits | Acceptance | Hit rate "
         "| Bytes/token | Hidden copy | Prompts | Note |",
