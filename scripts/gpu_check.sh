@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device run for the GPU code (on the GPU machine, repo root, after `source .gpu/on-device.sh`; carry .whl
 # from scripts/gpu_wheels.sh too): build libspecter with CUDA (sm_90) into build/, run the GPU tests (kernels,
-# CUDA engine vs CPU engine, CUDA graphs, offloading, fallback types), run the kernel benchmark.
+# CUDA engine vs CPU engine, CUDA graphs, offloading, the memory plan, hybrid CPU experts, fallback types), run the
+# kernel benchmark.
 # With --decode also the whole-model decode comparison: scripts/bench.py --prepare-only makes the harness's
 # Qwen1.5-MoE-shaped F16 target and its Q4_K_M copy (building llama.cpp's tools meanwhile, in the background),
 # then scripts/bench_kernels.py --only decode runs our engine and llama-bench on the Q4_K_M file.
@@ -49,7 +50,8 @@ python3 -c "from specter_gguf import native; print('libspecter', native.version(
   > "$OUT/native.txt" 2>&1
 
 python3 -m pytest -q -rs tests/test_kernels.py tests/test_layer_ops.py tests/test_engine_gpu.py tests/test_cuda_graphs.py \
-  tests/test_offload_gpu.py tests/test_fallback_types.py > "$OUT/test_kernels.log" 2>&1
+  tests/test_offload_gpu.py tests/test_memory_gpu.py tests/test_hybrid.py tests/test_fallback_types.py \
+  > "$OUT/test_kernels.log" 2>&1
 test_rc=$?
 t2=$(date +%s)
 bench_rc=0
