@@ -167,8 +167,8 @@ def _budget(path, draft=None) -> int:
 @pytest.mark.parametrize("arch", ["qwen2moe", "qwen3moe", "tiny-deepseek2"])
 def test_hybrid_decoding_equals_the_target_alone(tiny_models, arch: str) -> None:
     """Plain offloaded decoding and speculative decoding with hybrid on give the target's tokens, 20 prompts × 64
-    tokens; unmeasured (the CPU device) every miss is the CPU's, and with a CPU as slow as the link the misses are
-    split between the two."""
+    tokens, and so does a longer prefill that the residency path serves; unmeasured (the CPU device) every miss is
+    the CPU's, and with a CPU as slow as the link the misses are split between the two."""
     target, draft = tiny_models[(arch, "f16")], tiny_models[(arch, "q4_k_m")]
     plain = Model.load(target, device="cpu", progress=False, ctx_size=CTX)
     lru = Model.load(target, device="cpu", progress=False, ctx_size=CTX, gpu_budget=_budget(target), offload="lru",
@@ -186,6 +186,11 @@ def test_hybrid_decoding_equals_the_target_alone(tiny_models, arch: str) -> None
             assert s.hybrid and s.cache_misses > 0
             pairs[name] += s.cpu_expert_pairs
     assert pairs["lru"] > 0 and pairs["spec"] > 0
+    # a prefill the residency path serves hands its misses over too: one generated token, the prefill's pairs only
+    prompt = (PROMPTS[1] * 8)[:min(lru.offload.cpu_experts.max_tokens, CTX // 2)]
+    assert len(prompt) > 17  # longer than a verification
+    got = lru.generate(prompt, 1, GREEDY).wait()
+    assert got.tokens == plain.generate(prompt, 1, GREEDY).wait().tokens and got.stats.cpu_expert_pairs > 0
     # a token's expert costs the CPU what reading it costs the link: a layer's misses are split between the two
     spec.offload.hybrid = HybridChoice(True, cpu_us_per_expert=50.0, cpu_us_per_token=50.0, copy_us=100.0,
                                        link_us=100.0)
