@@ -24,6 +24,7 @@ from specter_gguf.models import check_architecture
 from specter_gguf.runtime.budget import MemoryPlan, plan_memory
 from specter_gguf.runtime.cache import POLICIES  # the values of Model.load's cache_policy
 from specter_gguf.runtime.hybrid import DEFAULT_HYBRID, HYBRID_CHOICES, HybridChoice, probe_hybrid  # ... of its hybrid
+from specter_gguf.runtime.hybrid import check_mode as check_hybrid_mode
 from specter_gguf.runtime.offload import OFFLOAD_CHOICES, load_offloaded  # ... and of its offload
 from specter_gguf.runtime.offload import residency_max_tokens
 from specter_gguf.runtime.routing import DeviceRoutingCounts, RoutingProfile
@@ -112,8 +113,7 @@ def plan_budget(path: str | os.PathLike[str], gpu_budget: int | str, ctx_size: i
 def plan_hybrid(path: str | os.PathLike[str], hybrid: str, device: str = "cuda") -> HybridChoice:
     """What `Model.load(path, hybrid=...)` would choose on `device` for offloaded experts, measured as a load
     measures it (`runtime.hybrid.probe_hybrid`: one layer's experts are read for it)."""
-    if hybrid not in HYBRID_CHOICES:
-        raise SpecterError(f"unknown --hybrid mode '{hybrid}'; choose one of {', '.join(HYBRID_CHOICES)}")
+    check_hybrid_mode(hybrid)
     f = _open_model(path)
     return probe_hybrid(f, hybrid, resolve_device(device), residency_max_tokens(ModelConfig.from_gguf(f)))
 

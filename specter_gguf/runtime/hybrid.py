@@ -41,6 +41,12 @@ MEASURED_TOKENS = 8  # the start-up measurement times an expert for one token an
 AUTO_MIN_RECORD_BYTES = 1 << 20
 
 
+def check_mode(mode: str) -> None:
+    """Refuse a `--hybrid` mode that is not one of HYBRID_CHOICES, naming them."""
+    if mode not in HYBRID_CHOICES:
+        raise SpecterError(f"unknown --hybrid mode '{mode}'; choose one of {', '.join(HYBRID_CHOICES)}")
+
+
 class CpuExperts:
     """The native worker that computes the experts a forward of up to `max_tokens` tokens hands the host (module
     docstring), with its mailbox in pinned host memory (CUDA) or plain host memory (CPU)."""
@@ -181,7 +187,7 @@ def measure(cpu: CpuExperts, store: ExpertStore, layer: int, reps: int = 5) -> t
             seconds.append(time.perf_counter() - t0)
         times.append(sorted(seconds[1:])[reps // 2] * 1e6)
     cpu.check()
-    return times[0], times[1], store.copy_us(layer)
+    return times[0], times[1], store.copy_us(layer, dev)
 
 
 def start_hybrid(mode: str, store: ExpertStore, layouts: dict[int, RecordLayout], cfg: ModelConfig,

@@ -41,7 +41,8 @@ from specter_gguf.layers import FeedForward, MoE, ResidentExperts, Router, Trans
 from specter_gguf.runtime.budget import (FIT_MARGIN, MemoryPlan, RecordLayout, fitted_budget, moe_layers,
                                          plan_memory, record_layout, slots_after_load)
 from specter_gguf.runtime.cache import POLICIES, ExpertCache
-from specter_gguf.runtime.hybrid import DEFAULT_HYBRID, HYBRID_CHOICES, CpuExperts, HybridChoice, start_hybrid
+from specter_gguf.runtime.hybrid import DEFAULT_HYBRID, CpuExperts, HybridChoice, start_hybrid
+from specter_gguf.runtime.hybrid import check_mode as check_hybrid_mode
 from specter_gguf.runtime.metrics import OffloadCounters
 from specter_gguf.runtime.routing import RoutingProfile
 from specter_gguf.runtime.store import ExpertStore
@@ -78,7 +79,7 @@ class OffloadedExperts:
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         rt = self.runtime
-        if rt.mode != "gate-prefetch" and ids.numel() < DENSE_MIN_TOKENS_PER_EXPERT * rt.cfg.n_expert:
+        if rt.mode != "gate-prefetch" and x.shape[0] <= residency_max_tokens(rt.cfg):
             return rt.from_residency(self.layer, x, ids, weights)
         cache = rt.cache
         flat = ids.reshape(-1)
@@ -279,10 +280,11 @@ class OffloadRuntime:
         if not gbps > 0:
             raise SpecterError(f"a PCIe rate must be more than 0 GB/s, not {gbps}")
         layer = self.layers[0]
-        measured = self.layouts[layer].nbytes / (1000 * self.store.copy_us(layer))  # bytes per ns = GB/s
+        nbytes = self.layouts[layer].nbytes
+        measured = nbytes / (1000 * self.store.copy_us(layer, self.device))  # bytes per ns = GB/s
         self.cache.pace_ns_per_byte = max(0.0, 1 / gbps - 1 / measured)
-        if self.hybrid.copy_us is not None and gbps < measured:  # the split weighs the slower link
-            self.hybrid.link_us = self.hybrid.copy_us * measured / gbps
+        if self.hybrid.copy_us is not None and gbps < measured:  # the split weighs the slower link: bytes at gbps
+            self.hybrid.link_us = nbytes / (1000 * gbps)
         return measured
 
     def expert_table(self, layer: int, skip: torch.Tensor | None = None) -> ExpertTable:
@@ -401,8 +403,8 @@ def load_offloaded(f: GGUFFile, device: torch.device, ctx_size: int, progress: b
         raise SpecterError(f"unknown --offload mode '{offload}'; choose one of {', '.join(MODES)} or none")
     if cache_policy is not None and cache_policy not in POLICIES:
         raise SpecterError(f"unknown cache policy '{cache_policy}'; choose one of {', '.join(POLICIES)}")
-    if hybrid is not None and hybrid not in HYBRID_CHOICES:
-        raise SpecterError(f"unknown --hybrid mode '{hybrid}'; choose one of {', '.join(HYBRID_CHOICES)}")
+    if hybrid is not None:
+        check_hybrid_mode(hybrid)
     cache_options = " and ".join(name for name, value in (("--cache-policy", cache_policy),
                                                           ("--routing-profile", routing_profile),
                                                           ("--hybrid on", "on" if hybrid == "on" else None))

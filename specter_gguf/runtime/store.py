@@ -110,11 +110,11 @@ class ExpertStore:
             out.append((part.offset, _bytes_of(t.data[expert])))  # a view of the mapping: no copy
         return out
 
-    def copy_us(self, layer: int, reps: int = 8) -> float:
-        """Device time in µs of copying one record of `layer` (expert 0) into device memory: the mean of `reps`
+    def copy_us(self, layer: int, device: torch.device, reps: int = 8) -> float:
+        """Device time in µs of copying one record of `layer` (expert 0) into `device`'s memory: the mean of `reps`
         copies after a warm-up, timed by CUDA events. CUDA only."""
         record = self.chunks(layer, 0)[0][1]
-        slot = torch.empty_like(record, device="cuda")
+        slot = torch.empty_like(record, device=device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         slot.copy_(record, non_blocking=True)  # warm-up
         start.record()
