@@ -184,11 +184,13 @@ def test_every_half_value() -> None:
 
 
 def test_the_vector_path_gives_the_scalar_bits(tmp_path: Path) -> None:
-    """F16, Q8_0, Q4_K and Q6_K rows decode, and F16/BF16/Q8_0/Q4_K/Q6_K rows are dotted with one row of x, with
+    """F16, Q8_0, Q4_K and Q6_K rows decode, and F16/BF16/Q8_0/Q4_K/Q6_K rows are dotted with rows of x, with
     AVX2 instructions where the CPU has them: the scalar path (SPECTER_CPU_VECTORS=none, in a fresh process: the
     choice is made once) gives this process's bits, for every half value (NaN payloads kept), for Q8_0, Q4_K and
-    Q6_K blocks of random bytes, and for one row of x times matrices of 520 halfs a row (a vector's tail), of 17 Q8_0
-    blocks and of those Q4_K and Q6_K blocks (the scalar path: the dequantized row's dot product)."""
+    Q6_K blocks of random bytes, and for 1, 2, 3, 4, 5 and 9 rows of x (rows decoded in registers, four at most a
+    pass, or once into a buffer) times matrices of 520 halfs a row (a vector's tail), of 17 Q8_0 blocks and of those
+    Q4_K and Q6_K blocks (the scalar path: the dequantized row's dot product); each row of x gets the bits it gets
+    alone."""
     import os
     import subprocess
     import sys
@@ -208,7 +210,8 @@ def test_the_vector_path_gives_the_scalar_bits(tmp_path: Path) -> None:
             GT.Q8_0: quantize(GT.Q8_0, floats[GT.Q8_0], None)}
     mats[GT.Q4_K], mats[GT.Q6_K] = k4, k6  # 8 rows of 1024
     ks[GT.Q4_K] = ks[GT.Q6_K] = 1024
-    xs = {t: rng.standard_normal((1, k)).astype(np.float32) for t, k in ks.items()}
+    xs = {t: rng.standard_normal((9, k)).astype(np.float32) for t, k in ks.items()}
+    ms = (1, 2, 3, 4, 5, 9)
     np.savez(tmp_path / "in.npz", halfs=halfs, blocks=blocks, k4=k4, k6=k6,
              **{f"w{int(t)}": m for t, m in mats.items()}, **{f"x{int(t)}": v for t, v in xs.items()})
     script = (
@@ -220,7 +223,8 @@ def test_the_vector_path_gives_the_scalar_bits(tmp_path: Path) -> None:
         f"           k6=native.dequantize(a['k6'], {int(GT.Q6_K)}, (8, 1024)))\n"
         f"for t, k in {[(int(t), k) for t, k in ks.items()]}:\n"
         "    w = kernels.QuantizedTensor.from_numpy(a[f'w{t}'], t, (a[f'w{t}'].shape[0], k))\n"
-        "    out[f'y{t}'] = kernels.qmatmul(torch.from_numpy(a[f'x{t}']), w).numpy()\n"
+        f"    for m in {ms}:\n"
+        "        out[f'y{t}_{m}'] = kernels.qmatmul(torch.from_numpy(a[f'x{t}'][:m]), w).numpy()\n"
         "np.savez(d + '/out.npz', **out)\n")
     env = {**os.environ, "SPECTER_CPU_VECTORS": "none"}
     subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, check=True)
@@ -235,7 +239,10 @@ def test_the_vector_path_gives_the_scalar_bits(tmp_path: Path) -> None:
 
     for t, k in ks.items():
         w = kernels.QuantizedTensor.from_numpy(mats[t], int(t), (mats[t].shape[0], k))
-        assert_bitwise_equal(got[f"y{int(t)}"], kernels.qmatmul(torch.from_numpy(xs[t]), w).numpy())
+        alone = np.concatenate([kernels.qmatmul(torch.from_numpy(xs[t][i:i + 1]), w).numpy() for i in range(9)])
+        for m in ms:
+            assert_bitwise_equal(got[f"y{int(t)}_{m}"], kernels.qmatmul(torch.from_numpy(xs[t][:m]), w).numpy())
+            assert_bitwise_equal(got[f"y{int(t)}_{m}"], alone[:m])
 
 
 def test_gguf_reader_layout_3d(ggml_base: ctypes.CDLL, rng: np.random.Generator) -> None:

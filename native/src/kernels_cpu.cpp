@@ -1,9 +1,10 @@
 // CPU reference implementation of specter_kernels.h: row gather, Y = X.W^T and the grouped MoE
 // feed-forward over GGUF-typed weights, and the fused ops of a decode step. Each weight row is
 // dequantized (bit-exact with ggml) into a float buffer once per call and dotted with every row of X
-// that needs it, in float32 with a fixed summation order, so results do not depend on the thread count;
-// a row that meets one row of X only is decoded in registers instead where the type and the CPU allow
-// (F16, BF16, Q8_0, Q4_K and Q6_K with AVX2: `RowDots`), with the same bits.
+// that needs it, in float32 with a fixed summation order, so results do not depend on the thread count
+// or on how many rows of X a call has; a row that meets four rows of X or fewer is decoded in registers
+// instead where the type and the CPU allow (F16, BF16, Q8_0, Q4_K and Q6_K with AVX2: `RowDots`), with
+// the same bits.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -46,77 +47,99 @@ float dot_f32(const float * a, const float * b, int64_t k) {
     return fold16(acc);
 }
 
-// ---- one weight row dotted with one row of x, decoded in registers ------------------------------------------
-// dot_f32 of the dequantized row, bit for bit (the same lanes, order and rounding), without writing the row out:
-// F16, BF16, Q8_0, Q4_K and Q6_K rows with AVX2. A step covers the 16 lanes with two 8-lane sums.
+// ---- one weight row dotted with up to four rows of x, decoded in registers --------------------------------
+// For each row of x, dot_f32 of the dequantized row bit for bit (the same lanes, order and rounding), without
+// writing the row out: F16, BF16, Q8_0, Q4_K and Q6_K with AVX2. A step covers x row t's 16 lanes with two 8-lane
+// sums acc[t][0..1]; each decoded group of 8 weights serves all N rows of x.
 #ifdef SPECTER_X86_VECTORS
 __attribute__((target("avx2,f16c"))) inline __m256 halfs8_avx2(const uint16_t * h, bool bf) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i *>(h));
     return bf ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)) : _mm256_cvtph_ps(raw);
 }
 
-__attribute__((target("avx2,f16c"))) float dot_f16_avx2(const uint8_t * w, const float * x, int64_t k, bool bf) {
-    const uint16_t * h = reinterpret_cast<const uint16_t *>(w);
-    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= k; i += 16) {
-        lo = _mm256_add_ps(lo, _mm256_mul_ps(halfs8_avx2(h + i, bf), _mm256_loadu_ps(x + i)));
-        hi = _mm256_add_ps(hi, _mm256_mul_ps(halfs8_avx2(h + i + 8, bf), _mm256_loadu_ps(x + i + 8)));
-    }
-    float lanes[16];
-    _mm256_storeu_ps(lanes, lo);
-    _mm256_storeu_ps(lanes + 8, hi);
-    for (int64_t j = 0; i + j < k; ++j)
-        lanes[j] += (bf ? bits_to_float(uint32_t(h[i + j]) << 16) : half_to_float(h[i + j])) * x[i + j];
-    return fold16(lanes);
+// acc += w * x, the product rounded before it is added (no FMA: dot_f32's rounding).
+__attribute__((target("avx2"))) inline void add_product(__m256 & acc, __m256 w, const float * x) {
+    acc = _mm256_add_ps(acc, _mm256_mul_ps(w, _mm256_loadu_ps(x)));
 }
 
-// fold16 of the 16 lanes of two 8-lane sums.
-__attribute__((target("avx2"))) inline float fold16_avx2(const __m256 (&acc)[2]) {
+// fold16 of the 16 lanes of two 8-lane sums, after the products of the elements past the last full step
+// (`tail`: their decoded weights, `x` from there on, n of them) went into lanes 0, 1, ...
+__attribute__((target("avx2"))) inline float fold16_avx2(const __m256 (&acc)[2], const float * tail = nullptr,
+                                                        const float * x = nullptr, int64_t n = 0) {
     float lanes[16];
     _mm256_storeu_ps(lanes, acc[0]);
     _mm256_storeu_ps(lanes + 8, acc[1]);
+    for (int64_t j = 0; j < n; ++j) lanes[j] += tail[j] * x[j];
     return fold16(lanes);
 }
 
+template <int N>
+__attribute__((target("avx2,f16c"))) void dot_f16_avx2(const uint8_t * w, const float * const * xs, int64_t k,
+                                                       bool bf, float * out) {
+    const uint16_t * h = reinterpret_cast<const uint16_t *>(w);
+    __m256 acc[N][2];
+    for (int t = 0; t < N; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= k; i += 16) {
+        const __m256 lo = halfs8_avx2(h + i, bf), hi = halfs8_avx2(h + i + 8, bf);
+        for (int t = 0; t < N; ++t) {
+            add_product(acc[t][0], lo, xs[t] + i);
+            add_product(acc[t][1], hi, xs[t] + i + 8);
+        }
+    }
+    float tail[16];
+    for (int64_t j = 0; i + j < k; ++j)
+        tail[j] = bf ? bits_to_float(uint32_t(h[i + j]) << 16) : half_to_float(h[i + j]);
+    for (int t = 0; t < N; ++t) out[t] = fold16_avx2(acc[t], tail, xs[t] + i, k - i);
+}
+
 // Q8_0: a block's 32 weights (quant times the block's scale, as the decoder rounds it) are two 16-lane steps.
-__attribute__((target("avx2"))) float dot_q8_0_avx2(const uint8_t * w, const float * x, int64_t k) {
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+template <int N>
+__attribute__((target("avx2"))) void dot_q8_0_avx2(const uint8_t * w, const float * const * xs, int64_t k,
+                                                   float * out) {
+    __m256 acc[N][2];
+    for (int t = 0; t < N; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     for (int64_t i = 0; i < k; i += 32, w += 34) {
         const __m256 d = _mm256_set1_ps(load_half(w));
         for (int j = 0; j < 4; ++j) {
             const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(w + 2 + 8 * j));
             const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
-            acc[j & 1] = _mm256_add_ps(acc[j & 1], _mm256_mul_ps(v, _mm256_loadu_ps(x + i + 8 * j)));
+            for (int t = 0; t < N; ++t) add_product(acc[t][j & 1], v, xs[t] + i + 8 * j);
         }
     }
-    return fold16_avx2(acc);
+    for (int t = 0; t < N; ++t) out[t] = fold16_avx2(acc[t]);
 }
 
 // Q4_K: per sub-block of 32 the scale and offset as the decoder computes them, each weight d1 * q - m1 rounded
 // twice as there (a multiply, then a subtraction); a sub-block is two 16-lane steps.
-__attribute__((target("avx2"))) float dot_q4_k_avx2(const uint8_t * w, const float * x, int64_t k) {
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+template <int N>
+__attribute__((target("avx2"))) void dot_q4_k_avx2(const uint8_t * w, const float * const * xs, int64_t k,
+                                                   float * out) {
+    __m256 acc[N][2];
+    for (int t = 0; t < N; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     for (int64_t i = 0; i < k; i += 256, w += 144) {
         const float d = load_half(w), dmin = load_half(w + 2);
         for (int c = 0; c < 4; ++c)
             for (int h = 0; h < 2; ++h) {
                 __m256 d1, m1;
                 q4_k_sub_block(w, c, h, d, dmin, d1, m1);
-                const float * xs = x + i + c * 64 + h * 32;
+                const int64_t at = i + c * 64 + h * 32;
                 for (int part = 0; part < 4; ++part) {
                     const __m256 wv = q4_k_weights8(w, c, h, part, d1, m1);
-                    acc[part & 1] = _mm256_add_ps(acc[part & 1], _mm256_mul_ps(wv, _mm256_loadu_ps(xs + 8 * part)));
+                    for (int t = 0; t < N; ++t) add_product(acc[t][part & 1], wv, xs[t] + at + 8 * part);
                 }
             }
     }
-    return fold16_avx2(acc);
+    for (int t = 0; t < N; ++t) out[t] = fold16_avx2(acc[t]);
 }
 
 // Q6_K: each weight the sub-block's d * scale times (q - 32), one multiply as the decoder does; one triple of byte
 // loads gives the quants of 8 consecutive l in each quarter of a half block, taken in the row's order.
-__attribute__((target("avx2"))) float dot_q6_k_avx2(const uint8_t * w, const float * x, int64_t k) {
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+template <int N>
+__attribute__((target("avx2"))) void dot_q6_k_avx2(const uint8_t * w, const float * const * xs, int64_t k,
+                                                   float * out) {
+    __m256 acc[N][2];
+    for (int t = 0; t < N; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     for (int64_t i = 0; i < k; i += 256, w += 210) {
         const int8_t * sc = reinterpret_cast<const int8_t *>(w + 192);
         const float d = load_half(w + 208);
@@ -126,75 +149,83 @@ __attribute__((target("avx2"))) float dot_q6_k_avx2(const uint8_t * w, const flo
             for (int quarter = 0; quarter < 4; ++quarter)
                 for (int l8 = 0; l8 < 4; ++l8) {
                     const __m256 wv = q6_k_weights8(q[l8][quarter], d * float(sc[j * 8 + l8 / 2 + 2 * quarter]));
-                    const float * xs = x + i + j * 128 + quarter * 32 + 8 * l8;
-                    acc[l8 & 1] = _mm256_add_ps(acc[l8 & 1], _mm256_mul_ps(wv, _mm256_loadu_ps(xs)));
+                    const int64_t at = i + j * 128 + quarter * 32 + 8 * l8;
+                    for (int t = 0; t < N; ++t) add_product(acc[t][l8 & 1], wv, xs[t] + at);
                 }
         }
     }
-    return fold16_avx2(acc);
+    for (int t = 0; t < N; ++t) out[t] = fold16_avx2(acc[t]);
 }
 
-// dot_f32 of a decoded row `a` with four rows of x, bit for bit (each x row's 16 lanes as two 8-lane sums, products
-// rounded before they are added): one load of the row's elements serves four x rows.
-__attribute__((target("avx2"))) void dot_f32_x4_avx2(const float * a, const float * const * xs, int64_t k,
-                                                     float * out) {
-    __m256 lo[4], hi[4];
-    for (int t = 0; t < 4; ++t) lo[t] = hi[t] = _mm256_setzero_ps();
+// A decoded row `a` (dot_f32's own input) dotted with N rows of x: one load of the row's elements serves them all.
+template <int N>
+__attribute__((target("avx2"))) void dot_f32_avx2(const float * a, const float * const * xs, int64_t k, float * out) {
+    __m256 acc[N][2];
+    for (int t = 0; t < N; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 16 <= k; i += 16) {
-        const __m256 al = _mm256_loadu_ps(a + i), ah = _mm256_loadu_ps(a + i + 8);
-        for (int t = 0; t < 4; ++t) {
-            lo[t] = _mm256_add_ps(lo[t], _mm256_mul_ps(al, _mm256_loadu_ps(xs[t] + i)));
-            hi[t] = _mm256_add_ps(hi[t], _mm256_mul_ps(ah, _mm256_loadu_ps(xs[t] + i + 8)));
+        const __m256 lo = _mm256_loadu_ps(a + i), hi = _mm256_loadu_ps(a + i + 8);
+        for (int t = 0; t < N; ++t) {
+            add_product(acc[t][0], lo, xs[t] + i);
+            add_product(acc[t][1], hi, xs[t] + i + 8);
         }
     }
-    for (int t = 0; t < 4; ++t) {
-        float lanes[16];
-        _mm256_storeu_ps(lanes, lo[t]);
-        _mm256_storeu_ps(lanes + 8, hi[t]);
-        for (int64_t j = 0; i + j < k; ++j) lanes[j] += a[i + j] * xs[t][i + j];
-        out[t] = fold16(lanes);
+    for (int t = 0; t < N; ++t) out[t] = fold16_avx2(acc[t], a + i, xs[t] + i, k - i);
+}
+
+// The fused dot of a weight row of type `type` with N rows of x; false where the type has none.
+template <int N>
+bool dot_row_avx2(int type, const uint8_t * w, const float * const * xs, int64_t k, float * out) {
+    switch (type) {
+        case SPECTER_TYPE_F16: dot_f16_avx2<N>(w, xs, k, false, out); return true;
+        case SPECTER_TYPE_BF16: dot_f16_avx2<N>(w, xs, k, true, out); return true;
+        case SPECTER_TYPE_Q8_0: dot_q8_0_avx2<N>(w, xs, k, out); return true;
+        case SPECTER_TYPE_Q4_K: dot_q4_k_avx2<N>(w, xs, k, out); return true;
+        case SPECTER_TYPE_Q6_K: dot_q6_k_avx2<N>(w, xs, k, out); return true;
+        default: return false;
     }
 }
 #endif
 
-// out[t] = dot_f32(a, xs[t], k) for t < 4.
-void dot_f32_x4(const float * a, const float * const * xs, int64_t k, float * out) {
+// Rows of x handled by one pass over a weight row.
+constexpr int kRowsPerPass = 4;
+
+// out[t] = dot_f32(a, xs[t], k) for t < n <= kRowsPerPass.
+void dot_f32_rows(const float * a, const float * const * xs, int n, int64_t k, float * out) {
 #ifdef SPECTER_X86_VECTORS
-    if (cpu_avx2()) return dot_f32_x4_avx2(a, xs, k, out);
+    if (cpu_avx2()) {
+        switch (n) {
+            case 1: return dot_f32_avx2<1>(a, xs, k, out);
+            case 2: return dot_f32_avx2<2>(a, xs, k, out);
+            case 3: return dot_f32_avx2<3>(a, xs, k, out);
+            default: return dot_f32_avx2<4>(a, xs, k, out);
+        }
+    }
 #endif
-    for (int t = 0; t < 4; ++t) out[t] = dot_f32(a, xs[t], k);
+    for (int t = 0; t < n; ++t) out[t] = dot_f32(a, xs[t], k);
 }
 
-// false when neither the type nor the CPU has a path (the caller dequantizes the row).
-bool dot_row_f32(const TypeInfo & t, const uint8_t * w, const float * x, int64_t k, float * out) {
+// The fused dot of a weight row with n <= kRowsPerPass rows of x; false when neither the type nor the CPU has a
+// path (the caller dequantizes the row).
+bool dot_row_fused(const TypeInfo & t, const uint8_t * w, const float * const * xs, int n, int64_t k, float * out) {
 #ifdef SPECTER_X86_VECTORS
     if (!cpu_avx2()) return false;
-    if (t.type == SPECTER_TYPE_F16 || t.type == SPECTER_TYPE_BF16) {
-        *out = dot_f16_avx2(w, x, k, t.type == SPECTER_TYPE_BF16);
-        return true;
-    }
-    if (t.type == SPECTER_TYPE_Q8_0) {
-        *out = dot_q8_0_avx2(w, x, k);
-        return true;
-    }
-    if (t.type == SPECTER_TYPE_Q4_K) {
-        *out = dot_q4_k_avx2(w, x, k);
-        return true;
-    }
-    if (t.type == SPECTER_TYPE_Q6_K) {
-        *out = dot_q6_k_avx2(w, x, k);
-        return true;
+    switch (n) {
+        case 1: return dot_row_avx2<1>(t.type, w, xs, k, out);
+        case 2: return dot_row_avx2<2>(t.type, w, xs, k, out);
+        case 3: return dot_row_avx2<3>(t.type, w, xs, k, out);
+        default: return dot_row_avx2<4>(t.type, w, xs, k, out);
     }
 #endif
-    (void)t, (void)w, (void)x, (void)k, (void)out;
+    (void)t, (void)w, (void)xs, (void)n, (void)k, (void)out;
     return false;
 }
 
-// One weight row at a time, dotted with the rows of x that need it: each product is dot_f32 of the dequantized
-// row. When the row meets one row of x only (`alone`: one token, or an expert one token chose), the fused
-// `dot_row_f32` takes it where it can; otherwise the row is dequantized once into `buf` and dotted with the rows of x
-// four at a time where it meets four or more (`dot4`: the MoE feed-forward's experts in a verification).
+// One weight row at a time, dotted with the rows of x that need it, up to kRowsPerPass of them in one pass: each
+// product is dot_f32 of the dequantized row. `dot_row_fused` decodes the row in registers in every pass where it
+// can if the row is F16 or BF16 (one conversion per 8 weights) or meets no more than kRowsPerPass rows of x in all
+// (a decode step, or an expert few tokens chose); a quantized row that meets more is dequantized once into `buf`
+// for all its passes (measured faster from 8 rows of x on: 2026-12-05, Q4_K, two cores).
 struct RowDots {
     const TypeInfo & t;
     int64_t k;
@@ -204,18 +235,12 @@ struct RowDots {
 
     RowDots(const TypeInfo & type, int64_t row_len) : t(type), k(row_len), buf(size_t(row_len) + 1) {}
     void start(const uint8_t * w) { row = w, decoded = false; }
-    float dot(const float * x, bool alone) {
-        float r;
-        if (alone && dot_row_f32(t, row, x, k, &r)) return r;
-        return dot_f32(decode(), x, k);
-    }
-    // dot(xs[i], false) for i < 4, in one pass over the decoded row
-    void dot4(const float * const * xs, float * out) { dot_f32_x4(decode(), xs, k, out); }
-
-  private:
-    const float * decode() {
+    // out[i] = the row's dot with xs[i] for i < n <= kRowsPerPass; `meets`: the rows of x this row meets in all
+    void dot(const float * const * xs, int n, int64_t meets, float * out) {
+        const bool halfs = t.type == SPECTER_TYPE_F16 || t.type == SPECTER_TYPE_BF16;
+        if ((halfs || meets <= kRowsPerPass) && dot_row_fused(t, row, xs, n, k, out)) return;
         if (!decoded) dequantize_rows_f32(t, row, buf.data(), 1, k), decoded = true;
-        return buf.data();
+        dot_f32_rows(buf.data(), xs, n, k, out);
     }
 };
 
@@ -268,9 +293,14 @@ int qmatmul(int w_type, const void * w, int64_t n, int64_t k, int x_type, const 
             for (int64_t r = b; r < e; ++r) {
                 gate.start(ws + r * rb);
                 if (swiglu) up.start(ws + (n + r) * rb);
-                for (int64_t i = 0; i < m; ++i) {
-                    const float g = gate.dot(xs + i * k, m == 1);
-                    y[i * n + r] = swiglu ? silu(g) * up.dot(xs + i * k, m == 1) : g;
+                for (int64_t i0 = 0; i0 < m; i0 += kRowsPerPass) {
+                    const int c = int(std::min<int64_t>(kRowsPerPass, m - i0));
+                    const float * x_rows[kRowsPerPass];
+                    for (int j = 0; j < c; ++j) x_rows[j] = xs + (i0 + j) * k;
+                    float g[kRowsPerPass], u[kRowsPerPass];
+                    gate.dot(x_rows, c, m, g);
+                    if (swiglu) up.dot(x_rows, c, m, u);
+                    for (int j = 0; j < c; ++j) y[(i0 + j) * n + r] = swiglu ? silu(g[j]) * u[j] : g[j];
                 }
             }
         });
@@ -393,19 +423,14 @@ int specter_moe_ffn(const float * x, int64_t n_tokens, int64_t d_model, const in
                 const int64_t q0 = count[size_t(ex)], q1 = count[size_t(ex) + 1];
                 gate.start(reinterpret_cast<const uint8_t *>(uintptr_t(gate_ptrs[ex])) + r * rb_g);
                 up.start(reinterpret_cast<const uint8_t *>(uintptr_t(up_ptrs[ex])) + r * rb_u);
-                int64_t q = q0;
-                for (; q + 4 <= q1; q += 4) {
-                    const float * x4[4];
-                    for (int j = 0; j < 4; ++j) x4[j] = x + (perm[size_t(q + j)] / top_k) * d_model;
-                    float g[4], u[4];
-                    gate.dot4(x4, g);
-                    up.dot4(x4, u);
-                    for (int j = 0; j < 4; ++j) act[perm[size_t(q + j)] * d_ff + r] = silu(g[j]) * u[j];
-                }
-                for (; q < q1; ++q) {
-                    const int64_t p = perm[size_t(q)];
-                    const float * xt = x + (p / top_k) * d_model;
-                    act[p * d_ff + r] = silu(gate.dot(xt, q1 - q0 == 1)) * up.dot(xt, q1 - q0 == 1);
+                for (int64_t q = q0; q < q1; q += kRowsPerPass) {
+                    const int c = int(std::min<int64_t>(kRowsPerPass, q1 - q));
+                    const float * x_rows[kRowsPerPass];
+                    for (int j = 0; j < c; ++j) x_rows[j] = x + (perm[size_t(q + j)] / top_k) * d_model;
+                    float g[kRowsPerPass], u[kRowsPerPass];
+                    gate.dot(x_rows, c, q1 - q0, g);
+                    up.dot(x_rows, c, q1 - q0, u);
+                    for (int j = 0; j < c; ++j) act[perm[size_t(q + j)] * d_ff + r] = silu(g[j]) * u[j];
                 }
             }
         });
@@ -416,17 +441,13 @@ int specter_moe_ffn(const float * x, int64_t n_tokens, int64_t d_model, const in
                 const int64_t gi = it / d_model, r = it % d_model, ex = groups[size_t(gi)];
                 const int64_t q0 = count[size_t(ex)], q1 = count[size_t(ex) + 1];
                 down.start(reinterpret_cast<const uint8_t *>(uintptr_t(down_ptrs[ex])) + r * rb_d);
-                int64_t q = q0;
-                for (; q + 4 <= q1; q += 4) {
-                    const float * a4[4];
-                    for (int j = 0; j < 4; ++j) a4[j] = act + perm[size_t(q + j)] * d_ff;
-                    float y[4];
-                    down.dot4(a4, y);
-                    for (int j = 0; j < 4; ++j) ypair[perm[size_t(q + j)] * d_model + r] = y[j];
-                }
-                for (; q < q1; ++q) {
-                    const int64_t p = perm[size_t(q)];
-                    ypair[p * d_model + r] = down.dot(act + p * d_ff, q1 - q0 == 1);
+                for (int64_t q = q0; q < q1; q += kRowsPerPass) {
+                    const int c = int(std::min<int64_t>(kRowsPerPass, q1 - q));
+                    const float * act_rows[kRowsPerPass];
+                    for (int j = 0; j < c; ++j) act_rows[j] = act + perm[size_t(q + j)] * d_ff;
+                    float y[kRowsPerPass];
+                    down.dot(act_rows, c, q1 - q0, y);
+                    for (int j = 0; j < c; ++j) ypair[perm[size_t(q + j)] * d_model + r] = y[j];
                 }
             }
         });
