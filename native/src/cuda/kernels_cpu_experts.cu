@@ -71,10 +71,24 @@ __global__ void await_kernel(const volatile MailboxHeader * h, long long timeout
     __threadfence_system();
 }
 
-__global__ void add_kernel(const volatile MailboxHeader * h, const volatile float * result, float * out, int n) {
+// A CTA per token (striding over them): the row of a token with a pair on the CPU is added; the others' rows are
+// zero in the result and are not read over PCIe.
+__global__ void add_kernel(const volatile MailboxHeader * h, const volatile int32_t * hids,
+                           const volatile float * result, float * out, int T, int d, int k) {
     start_after_prior_kernels();
     if (h->n_pairs == 0) return;
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) out[i] += result[i];
+    __shared__ bool needed;
+    for (int t = blockIdx.x; t < T; t += gridDim.x) {
+        if (threadIdx.x == 0) {
+            bool any = false;
+            for (int j = 0; j < k; ++j) any |= hids[t * k + j] >= 0;
+            needed = any;
+        }
+        __syncthreads();
+        if (needed)
+            for (int i = threadIdx.x; i < d; i += blockDim.x) out[size_t(t) * d + i] += result[size_t(t) * d + i];
+        __syncthreads();
+    }
 }
 
 // One CTA, a thread per expert: each ranks its own miss among the layer's by (tokens, expert) and applies cpu_takes.
@@ -144,11 +158,13 @@ int specter_cuda_cpu_experts_collect(specter_cpu_experts * w, float * out, int64
     const int rc = check_collect(w, out, n_tokens);
     if (rc != SPECTER_OK) return rc;
     const auto * h = reinterpret_cast<const volatile MailboxHeader *>(w->mailbox);
-    const int n = int(n_tokens * w->d_model);
+    const int T = int(n_tokens);
     cudaGetLastError();
     launch(await_kernel, 1, 1, cudaStream_t(stream), h, (long long)timeout_ns);
-    launch(add_kernel, unsigned((n + 255) / 256 < 64 ? (n + 255) / 256 : 64), 256, cudaStream_t(stream), h,
-           reinterpret_cast<const volatile float *>(w->mailbox + w->layout.result), out, n);
+    launch(add_kernel, unsigned(T < 64 ? T : 64), 256, cudaStream_t(stream), h,
+           reinterpret_cast<const volatile int32_t *>(w->mailbox + w->layout.ids),
+           reinterpret_cast<const volatile float *>(w->mailbox + w->layout.result), out, T, int(w->d_model),
+           int(w->top_k));
     return launch_status();
 }
 
