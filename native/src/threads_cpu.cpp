@@ -138,29 +138,9 @@ Pool * pool() {
     return p;
 }
 
-// Jobs on threads started for them (the pool is busy or cannot be had), the calling thread taking the last.
-void run_on_new_threads(int n_jobs, const std::function<void(int)> & job) {
-    std::vector<std::thread> threads;
-    std::exception_ptr error;
-    std::mutex m;
-    auto guarded = [&](int i) {
-        try {
-            job(i);
-        } catch (...) {
-            std::lock_guard<std::mutex> lk(m);
-            if (!error) error = std::current_exception();
-        }
-    };
-    for (int i = 0; i + 1 < n_jobs; ++i) {
-        try {
-            threads.emplace_back(guarded, i);
-        } catch (...) {
-            guarded(i);  // could not start a thread: this job runs here
-        }
-    }
-    guarded(n_jobs - 1);
-    for (std::thread & t : threads) t.join();
-    if (error) std::rethrow_exception(error);
+// Jobs on the calling thread, in order.
+void run_here(int n_jobs, const std::function<void(int)> & job) {
+    for (int i = 0; i < n_jobs; ++i) job(i);
 }
 
 }  // namespace
@@ -174,7 +154,10 @@ void run_jobs(int n_jobs, const std::function<void(int)> & job) {
     if (n_jobs <= 0) return;
     if (n_jobs == 1) return job(0);
     Pool * p = pool();
-    if (!p || !p->try_run(n_jobs, job)) run_on_new_threads(n_jobs, job);
+    // A busy pool means another call (the CPU experts' worker beside a forward on the CPU) has the cores already:
+    // threads started for this one would only take turns with the pool's, and starting them costs more than a
+    // small product.
+    if (!p || !p->try_run(n_jobs, job)) run_here(n_jobs, job);
 }
 
 }  // namespace specter
