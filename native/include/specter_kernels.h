@@ -306,7 +306,7 @@ SPECTER_API int specter_cpu_experts_mailbox_size(int64_t max_tokens, int64_t top
                                                  size_t * out_bytes);
 SPECTER_API int specter_cpu_experts_new(int64_t n_layer, int64_t n_expert, int64_t d_model, int64_t d_ff,
                                         int64_t top_k, int64_t max_tokens, void * mailbox, size_t mailbox_bytes,
-                                        int n_threads, specter_cpu_experts ** out);
+                                        int n_threads, int64_t hot_ns, specter_cpu_experts ** out);
 SPECTER_API int specter_cpu_experts_set_layer(specter_cpu_experts * w, int64_t layer,
                                               const uint64_t * gate_ptrs, int gate_type,
                                               const uint64_t * up_ptrs, int up_type,
@@ -317,8 +317,9 @@ SPECTER_API int specter_cpu_experts_free(specter_cpu_experts * w);
 SPECTER_API int specter_cpu_experts_status(const specter_cpu_experts * w);
 /* *out_ns = the time the worker has spent computing answers since it started (a utilisation figure). */
 SPECTER_API int specter_cpu_experts_busy_ns(const specter_cpu_experts * w, int64_t * out_ns);
-/* Keep the worker polling without pause for the next ~50 ms (call before enqueueing forwards that post: after
- * that long without a post it polls every 100 us, so that an idle process does not hold a core). */
+/* Keep the worker polling without pause for the next hot_ns (specter_cpu_experts_new's; call before enqueueing
+ * forwards that post; a post, and an answer, keep it so as long again). A worker that is not hot sleeps: it looks
+ * every 100 us, a CPU post wakes it. hot_ns = 0 for a forward on the CPU itself, whose products need every core. */
 SPECTER_API int specter_cpu_experts_arm(specter_cpu_experts * w);
 /* Which of a MoE layer's experts the CPU computes in one forward: of the experts the forward routes tokens to
  * (routed[e] > 0, int32 [n_expert]) that have no slot on the device (slot_of[e] < 0, int64), the ones with the

@@ -27,6 +27,7 @@ struct CpuExpertsWorker {
     unsigned char * workspace = nullptr;
     size_t workspace_size = 0;
     int n_threads = 0;
+    int64_t hot_ns = 0;  // how long the worker polls without pause after a post, an answer or `arm`
     std::atomic<bool> stop{false};
     std::atomic<int64_t> armed_until_ns{0};
     std::atomic<int64_t> busy_ns{0};  // time spent computing answers (specter_cpu_experts_busy_ns)
@@ -37,9 +38,7 @@ struct CpuExpertsWorker {
 
 namespace {
 
-// After a post or `arm`, the worker polls without pause this long: a forward's layers post a few hundred
-// microseconds apart, and the host enqueues forwards milliseconds ahead of the GPU reaching them.
-constexpr int64_t kHotNs = 50'000'000;
+// A worker that is not hot sleeps this long at most between looks at the mailbox (a CPU post also wakes it).
 constexpr auto kColdPoll = std::chrono::microseconds(100);
 
 int64_t now_ns() {
@@ -89,13 +88,13 @@ void answer(specter_cpu_experts * w, int64_t seq) {
 void run(specter_cpu_experts * w) {
     MailboxHeader * h = header(w);
     CpuExpertsWorker & k = *w->worker;
-    int64_t answered = load(&h->answer), hot_until = now_ns() + kHotNs;
+    int64_t answered = load(&h->answer), hot_until = now_ns() + k.hot_ns;
     while (!k.stop.load(std::memory_order_acquire)) {
         const int64_t seq = load(&h->request);
         if (seq != answered) {
             answer(w, seq);
             answered = seq;
-            hot_until = now_ns() + kHotNs;
+            hot_until = now_ns() + k.hot_ns;
             continue;
         }
         const int64_t t = now_ns();
@@ -105,7 +104,8 @@ void run(specter_cpu_experts * w) {
         }
         std::unique_lock<std::mutex> lock(k.mutex);
         k.wake.wait_for(lock, kColdPoll, [&] {
-            return k.stop.load() || k.armed_until_ns.load(std::memory_order_relaxed) > now_ns();
+            return k.stop.load() || k.armed_until_ns.load(std::memory_order_relaxed) > now_ns() ||
+                   load(&h->request) != answered;
         });
     }
 }
@@ -124,10 +124,10 @@ int specter_cpu_experts_mailbox_size(int64_t max_tokens, int64_t top_k, int64_t 
 }
 
 int specter_cpu_experts_new(int64_t n_layer, int64_t n_expert, int64_t d_model, int64_t d_ff, int64_t top_k,
-                            int64_t max_tokens, void * mailbox, size_t mailbox_bytes, int n_threads,
+                            int64_t max_tokens, void * mailbox, size_t mailbox_bytes, int n_threads, int64_t hot_ns,
                             specter_cpu_experts ** out) {
     if (!out || !mailbox || n_layer < 1 || n_expert < 1 || d_model < 1 || d_ff < 1 || top_k < 1 || top_k > n_expert ||
-        max_tokens < 1 || n_threads < 0)
+        max_tokens < 1 || n_threads < 0 || hot_ns < 0)
         return SPECTER_ERR_INVALID_ARG;
     const MailboxLayout layout = mailbox_layout(max_tokens, top_k, d_model);
     if (mailbox_bytes < layout.total || reinterpret_cast<uintptr_t>(mailbox) % kWsAlign != 0) return SPECTER_ERR_INVALID_ARG;
@@ -150,6 +150,7 @@ int specter_cpu_experts_new(int64_t n_layer, int64_t n_expert, int64_t d_model, 
         k->workspace = k->workspace_bytes.data() + (kWsAlign - at % kWsAlign) % kWsAlign;
         k->workspace_size = workspace;
         k->n_threads = n_threads;
+        k->hot_ns = hot_ns;
         k->thread = std::thread(run, w);
     } catch (...) {
         delete k;
@@ -205,7 +206,10 @@ int specter_cpu_experts_busy_ns(const specter_cpu_experts * w, int64_t * out_ns)
 
 int specter_cpu_experts_arm(specter_cpu_experts * w) {
     if (!w) return SPECTER_ERR_INVALID_ARG;
-    w->worker->armed_until_ns.store(now_ns() + kHotNs, std::memory_order_relaxed);
+    w->worker->armed_until_ns.store(now_ns() + w->worker->hot_ns, std::memory_order_relaxed);
+    {
+        std::lock_guard<std::mutex> lock(w->worker->mutex);  // a worker about to sleep sees the post or the wake
+    }
     w->worker->wake.notify_one();
     return SPECTER_OK;
 }

@@ -39,6 +39,10 @@ MEASURED_TOKENS = 8  # the start-up measurement times an expert for one token an
 # auto measures only experts of at least this size: a smaller one crosses PCIe in tens of microseconds, where the
 # measurement is mostly latency on both sides and its outcome a coin toss from load to load
 AUTO_MIN_RECORD_BYTES = 1 << 20
+# beside a GPU, the worker polls without pause this long after a post (an answer, an `arm`): a forward's layers post
+# a few hundred microseconds apart and the host enqueues forwards milliseconds ahead of the GPU reaching them. Beside
+# a forward on the CPU it sleeps between posts instead: a spinning thread would take a core from the products.
+HOT_NS = 50_000_000
 
 
 def check_mode(mode: str) -> None:
@@ -65,7 +69,8 @@ class CpuExperts:
         handle = f.new("specter_cpu_experts **")
         native.check(lb.specter_cpu_experts_new(cfg.n_layer, cfg.n_expert, cfg.n_embd, cfg.n_ff_exp, cfg.n_expert_used,
                                                 max_tokens, _ptr(self.mailbox), self.mailbox.numel(), n_threads,
-                                                handle), "starting the CPU experts' worker")
+                                                HOT_NS if device.type == "cuda" else 0, handle),
+                     "starting the CPU experts' worker")
         self._handle = handle[0]
         # the worker stops before its mailbox is freed: when this object goes, or at the interpreter's exit
         self._stop = weakref.finalize(self, _free, lb, self._handle, self._buffer)
