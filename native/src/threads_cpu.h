@@ -8,9 +8,10 @@
 namespace specter {
 
 // Runs job(i) for i in [0, n_jobs), the calling thread taking jobs too, and returns when all are done; an
-// exception of a job is rethrown here once every job has ended. The jobs go to a pool of worker threads started
-// once per process (starting threads in every call cost tens of µs a call); a call made while another holds the
-// pool (another thread's, or from inside a job) starts threads of its own.
+// exception of a job is rethrown here (once every job has ended, or at once when the caller runs them all). The
+// jobs go to a pool of worker threads started once per process (starting threads in every call cost tens of µs a
+// call); a call made while another holds the pool (another thread's, or from inside a job) runs its jobs on the
+// calling thread, in order: the pool's threads have the cores already.
 void run_jobs(int n_jobs, const std::function<void(int)> & job);
 
 // The cores the pool is sized for (at least 1).
