@@ -29,7 +29,7 @@ from specter_gguf.bench.plots import write_plots
 from specter_gguf.bench.prompts import (PROMPTS_FILE, load_prompts, server_tokenizer, stored_token_ids,
                                         tokenize_prompts, vocab_fingerprint)
 from specter_gguf.bench.report import SPEC_COLUMNS, SPEC_KEYS, append_report, format_size, merge_docs, render_markdown
-from specter_gguf.bench.runner import BenchContext, RunSettings, run_system
+from specter_gguf.bench.runner import BenchContext, RunSettings, _slug, run_system
 from specter_gguf.engine import tpot_ms
 from specter_gguf.errors import SpecterError
 from specter_gguf.sizes import parse_size
@@ -260,6 +260,8 @@ def test_build_matrix_and_parts():
         if runs:
             assert len(runs) == (1 if not mode.budget_bound else 2 * (2 if mode.synthetic else 1)), name
             assert all((s.budget is None) == (not mode.budget_bound) for s in runs)
+    # every system keeps its own logs and results, long settings included (the hybrid keys are cut before L=)
+    assert len({_slug(s) for s in specs}) == len(specs)
     assert len(split_part(specs, "1/2")) + len(split_part(specs, "2/2")) == len(specs)
     assert set(map(id, split_part(specs, "1/2"))).isdisjoint(map(id, split_part(specs, "2/2")))
     for bad in ("0/2", "3/2", "x"):

@@ -293,7 +293,9 @@ def test_hybrid_on_the_gpu_agrees_with_the_target_alone(tiny_models) -> None:
     decode steps over the same tokens (max relative difference of the logits <= 5e-3: the CPU's sums round
     differently from the GPU's, and the activations' float16 roundings can then fall apart; the tiny models on
     the GPU against the CPU are held to 1e-2), and greedy output, plain and speculative, is the target's, except
-    where the target's own top two logits lie within 1e-3 of the largest logit."""
+    where the target's own top two logits lie within 1e-3 of the largest logit. The link is paced to 0.1 GB/s:
+    the tiny model's experts cross PCIe in microseconds, faster than a hand-off to the CPU, so that the split would
+    otherwise hand the CPU nothing."""
     target, draft = tiny_models[("qwen2moe", "f16")], tiny_models[("qwen2moe", "q4_k_m")]
     plan = plan_memory(GGUFFile(target), 1 << 40, CTX, "cuda", draft=GGUFFile(draft))
     budget = plan.minimum + plan.n_moe_layers * plan.slot_bytes
@@ -304,6 +306,9 @@ def test_hybrid_on_the_gpu_agrees_with_the_target_alone(tiny_models) -> None:
                       offload="lru", n_draft=4, hybrid="on")
     h = lru.offload.hybrid
     assert h.on and h.cpu_us_per_expert + h.cpu_us_per_token > 0 and h.copy_us > 0
+    for m in (lru, spec):
+        m.offload.pace_transfers(0.1)
+    assert h.link_us > 2 * (h.cpu_us_per_expert + h.cpu_us_per_token), h.describe()
 
     def steps(m: Model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
         """Logits of eager decode steps over `tokens` after the prompt."""
@@ -329,7 +334,8 @@ def test_hybrid_on_the_gpu_agrees_with_the_target_alone(tiny_models) -> None:
     assert pairs > 0 and busy > 0
     lru.offload.cpu_experts.check()
     # `plan` measures as the load did
-    r = CliRunner().invoke(cli, ["plan", str(target), "-c", str(CTX), "--gpu-budget", str(budget), "--hybrid", "on"])
+    r = CliRunner().invoke(cli, ["plan", str(target), "--draft", str(draft), "-c", str(CTX),
+                                 "--gpu-budget", str(budget), "--hybrid", "on"])
     line = r.output.splitlines()[-1]
     assert r.exit_code == 0 and "on the CPU" in line and "its copy to the device" in line, r.output
 

@@ -118,6 +118,8 @@ OURS_MODES: dict[str, OursMode] = {m.name: m for m in [
     # --hybrid on: the misses of decode steps and verifications computed on the CPU (the rows above: off)
     OursMode("ours-lru-hybrid", "LRU expert cache, missed experts on the CPU (--hybrid on)",
              _load_offload("lru", "on"), budget_bound=True),
+    OursMode("ours-spec-hybrid", "speculative decoding with the draft's experts, depth auto, missed experts on the "
+             "CPU (--hybrid on)", _load_spec_hybrid, budget_bound=True, needs_draft=True, prepare=_spec_acceptance),
     OursMode("ours-spec-synth-fixed-hybrid", "speculative decoding, synthetic acceptance, llama.cpp's depth, missed "
              "experts on the CPU (--hybrid on)", _load_spec_hybrid, budget_bound=True, synthetic=True,
              needs_draft=True, prepare=_spec_acceptance),

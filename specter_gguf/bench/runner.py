@@ -8,6 +8,7 @@ its error and the matrix goes on."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -180,7 +181,12 @@ def _clip_settings(ctx: BenchContext, budget_s: float, t_start: float) -> RunSet
 
 
 def _slug(spec: SystemSpec) -> str:
-    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", spec.key)[:120]
+    """A file name for the system's logs and results: its key, with a hash of the whole key where the name is cut
+    (two long settings that differ only at the end, e.g. in L=, would share one otherwise)."""
+    slug = re.sub(r"[^A-Za-z0-9_.=-]+", "_", spec.key)
+    if len(slug) <= 120:
+        return slug
+    return f"{slug[:111]}-{hashlib.sha1(spec.key.encode()).hexdigest()[:8]}"
 
 
 def _run_ours(specs: Sequence[SystemSpec], ctx: BenchContext, results: list[dict[str, Any]]) -> None:

@@ -13,7 +13,8 @@ float32 rounding (different summation orders); on the CPU device both are the sa
 `--hybrid auto` measures at start-up, on CUDA and for experts of at least 1 MiB, one expert's
 feed-forward for one token on the CPU against copying the expert's record to the device, and turns hybrid on when
 the CPU is no slower; `on` turns it on whatever the measurement (the split still weighs it), `off` keeps every miss
-on PCIe (the default, until the whole path has been checked on a GPU: tests/test_hybrid.py).
+on PCIe: the default, because on the GPU host of 2026-12-05 hybrid was faster where the expert cache missed often
+and slower where it hit 98.5% (docs/BENCHMARKS.md), and `auto` does not yet tell the two apart.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from specter_gguf.runtime.budget import RecordLayout, moe_layers, record_layout
 from specter_gguf.runtime.store import ExpertStore
 
 HYBRID_CHOICES = ("auto", "on", "off")
-DEFAULT_HYBRID = "off"  # until the whole path has been checked on a GPU (module docstring)
+DEFAULT_HYBRID = "off"  # until `auto` weighs what a layer pays for the hand-off (module docstring)
 MEASURED_TOKENS = 8  # the start-up measurement times an expert for one token and for this many
 # auto measures only experts of at least this size: a smaller one crosses PCIe in tens of microseconds, where the
 # measurement is mostly latency on both sides and its outcome a coin toss from load to load
