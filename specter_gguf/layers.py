@@ -33,10 +33,11 @@ _FLOAT_GEMV_MAX_ROWS = 8  # one pass of the native GEMV; past it cuBLAS, which r
 def _gemv(x: torch.Tensor, w: torch.Tensor | QuantizedTensor) -> bool:
     """Whether x @ w.T runs on the native GEMV: a quantized weight at the rows the native kernels give it, a float
     one for one GEMV pass on CUDA (where cuBLAS would run a GEMM plus a split-K reduction: 14 us for the reduction
-    of a 60-expert router alone, measured on the H200)."""
+    of a 60-expert router alone, measured on the H200), and on the CPU always, as F16 matrices there (torch's
+    threads would take turns with ours on the cores: README, limits)."""
     if isinstance(w, QuantizedTensor):
         return x.numel() <= GEMV_MAX_ROWS * x.shape[-1]
-    return x.numel() <= _FLOAT_GEMV_MAX_ROWS * x.shape[-1] and w.is_cuda
+    return not w.is_cuda or x.numel() <= _FLOAT_GEMV_MAX_ROWS * x.shape[-1]
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor | QuantizedTensor) -> torch.Tensor:
@@ -357,8 +358,10 @@ class Attention:
     all heads at once (weight of heads*head_dim), as the weight's size says. The q/k/v biases, per-head norms, RoPE
     and the KV cache store run in one kernel (`rope_kv`); norms over all heads run before it, the biases with the
     projections then. On CUDA one query (decode and draft steps), or a few over more than `_SDPA_MAX_KEYS` keys
-    (verifications later in a sequence), attend in the native `decode_attention`; more queries (prefill), a few
-    over a short window, and every query on the CPU in torch's SDPA (`attend`)."""
+    (verifications later in a sequence), attend in the native `decode_attention`, and on the CPU up to
+    DECODE_ATTN_MAX_TOKENS queries (its threads are ours: torch's SDPA there took 86% of a decode step's time on a
+    2-core machine, its threads contending with the native kernels'); more queries (prefill) and, on CUDA, a few over
+    a short window in torch's SDPA (`attend`)."""
 
     n_head: int
     n_head_kv: int
@@ -393,7 +396,7 @@ class Attention:
         q = rope_kv(q, k, v, self.bias, cos, sin, at.ids, self.head_dim, self.rope.dim, self.rope.neox, k_store,
                     v_store, head_norms)  # [n_head, T, head_dim] in the cache's dtype
         scale = 1.0 / math.sqrt(self.head_dim)
-        if q.is_cuda and decode_attention_supported(T, self.head_dim) and (T == 1 or at.keys > _SDPA_MAX_KEYS):
+        if decode_attention_supported(T, self.head_dim) and (not q.is_cuda or T == 1 or at.keys > _SDPA_MAX_KEYS):
             # query t sees keys <= at.ids[t], what the mask of `Positions.window` says (and `Positions.at` with one
             # query: ids = [keys - 1], no mask)
             out = decode_attention(q, k_store, v_store, at.keys, at.ids, scale)
