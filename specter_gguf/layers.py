@@ -42,11 +42,10 @@ def _gemv(x: torch.Tensor, w: torch.Tensor | QuantizedTensor) -> bool:
 
 def matmul(x: torch.Tensor, w: torch.Tensor | QuantizedTensor) -> torch.Tensor:
     """x @ w.T in float32 out; w is [out, in] as GGUF stores it. A quantized weight runs on the native kernels
-    in its GGUF encoding (fp32 accumulation), a float one through torch unless `_gemv` says otherwise."""
+    in its GGUF encoding (fp32 accumulation), a float one through torch (cuBLAS) unless `_gemv` says otherwise."""
     if isinstance(w, QuantizedTensor) or _gemv(x, w):
         return qmatmul(x, w)
-    dtype = w.dtype if w.is_cuda else torch.float32
-    return F.linear(x.to(dtype), w.to(dtype)).float()
+    return F.linear(x.to(w.dtype), w).float()
 
 
 @dataclass
