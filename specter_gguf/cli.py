@@ -232,7 +232,8 @@ def load_options(f: Any = None, *, depth: bool = True) -> Any:
         click.option("--hybrid", type=click.Choice(HYBRID_CHOICES), default=DEFAULT_HYBRID, show_default=True,
                      help="Offloaded experts that a decode step, a verification or a short prefill misses: split "
                      "between the CPU and PCIe by their costs measured at load (on), or all read over PCIe (off); "
-                     "auto turns it on where the CPU computes an expert for one token no slower than its copy. "
+                     "auto turns it on where the CPU computes an expert for one token in less than two copies' "
+                     "time (then the split can give it some). "
                      "Experimental on GPUs: not yet the default."),
         click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
                      help="Replay each decode step, draft step and verification as a CUDA graph (CUDA; not with "

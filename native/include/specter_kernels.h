@@ -284,14 +284,16 @@ SPECTER_API int specter_cuda_pace(const int64_t * n_bytes, int64_t extra_bytes, 
 
 /* A worker thread on the host that computes the routed experts a forward hands it, one MoE layer at a time, and
  * gives back their weighted sum, without a host synchronisation or a host node: it works inside a CUDA graph.
- * The forward writes the layer's hidden states, its routing (the pairs whose expert on_cpu marks; the others -1)
- * and a sequence number into a mailbox in pinned host memory (specter_cuda_cpu_experts_post: one kernel); the
- * worker, polling the mailbox, runs specter_moe_ffn over the experts' host copies into the mailbox and answers
- * with the same number; specter_cuda_cpu_experts_collect waits for the answer (one thread polls; past timeout_ns
- * it traps, a CUDA error at the caller's next synchronisation) and adds the sum into the layer's output. Work
- * enqueued between the two (the GPU's own experts) runs meanwhile. A post that marks no pair hands nothing over
- * and its collect adds nothing. On the H200 a hand-off of this kind cost 3.9 us a layer, a host node 22.7
- * (docs/BENCHMARKS.md, 2026-12-04). The CPU entry points do the same from the calling thread (host memory).
+ * A MoE layer's hand-off is two calls, each one kernel on CUDA. specter_cuda_cpu_experts_post chooses which of the
+ * layer's missed experts the CPU computes (the split below), takes them out of the GPU's pointer table, and writes
+ * the layer's hidden states, its routing (the pairs of those experts; the others -1) and a sequence number into a
+ * mailbox in pinned host memory; the worker, polling the mailbox, runs specter_moe_ffn over the experts' host
+ * copies into the mailbox and answers with the same number; specter_cuda_cpu_experts_collect waits for the answer
+ * (one thread a CTA polls; past timeout_ns it traps, a CUDA error at the caller's next synchronisation) and adds
+ * the sum into the rows of the layer's output whose tokens have a pair on the CPU. Work enqueued between the two
+ * (the GPU's own experts) runs meanwhile. A post that gives the CPU no pair hands nothing over, and its collect
+ * reads only device memory and adds nothing. The CPU entry points do the same from the calling thread (host
+ * memory).
  *
  * Layout: the mailbox holds specter_cpu_experts_mailbox_size bytes (pinned and mapped for CUDA: under unified
  * addressing any cudaHostAlloc'd memory is), owned by the caller and kept alive until specter_cpu_experts_free.
@@ -301,6 +303,15 @@ SPECTER_API int specter_cuda_pace(const int64_t * n_bytes, int64_t extra_bytes, 
  * A worker error (a type it cannot run) is kept: the answer is then zeros and specter_cpu_experts_status returns
  * the error until the handle is freed. */
 typedef struct specter_cpu_experts specter_cpu_experts;
+
+/* The costs (ns) by which a post splits a layer's missed experts between the CPU and the link: an expert of t
+ * tokens takes the CPU cpu_ns_per_expert + t * cpu_ns_per_token, one expert read over the link link_ns (>= 1).
+ * {0, 0, 1} gives the CPU every miss. */
+typedef struct specter_hybrid_costs {
+    int64_t cpu_ns_per_expert;
+    int64_t cpu_ns_per_token;
+    int64_t link_ns;
+} specter_hybrid_costs;
 
 SPECTER_API int specter_cpu_experts_mailbox_size(int64_t max_tokens, int64_t top_k, int64_t d_model,
                                                  size_t * out_bytes);
@@ -321,33 +332,33 @@ SPECTER_API int specter_cpu_experts_busy_ns(const specter_cpu_experts * w, int64
  * forwards that post; a post, and an answer, keep it so as long again). A worker that is not hot sleeps: it looks
  * every 100 us, a CPU post wakes it. hot_ns = 0 for a forward on the CPU itself, whose products need every core. */
 SPECTER_API int specter_cpu_experts_arm(specter_cpu_experts * w);
-/* Which of a MoE layer's experts the CPU computes in one forward: of the experts the forward routes tokens to
+/* Hand the CPU a MoE layer's pairs (ids [n_tokens, top_k] int32, weights f32, x [n_tokens, d_model] f32;
+ * 1 <= n_tokens <= max_tokens) whose experts it computes: of the experts the layer routes tokens to
  * (routed[e] > 0, int32 [n_expert]) that have no slot on the device (slot_of[e] < 0, int64), the ones with the
- * fewest tokens, as many as make the later of the CPU's finish (cpu_ns_per_expert + routed[e] * cpu_ns_per_token
- * for each it takes) and the link's (link_ns for each expert it reads) the earliest: the two work at the same time.
- * on_cpu[e] = 1 for those, else 0 (uint8 or bool); cpu_routed[e] = routed[e] for those, else 0. Ties rank by
- * expert id; the CPU and CUDA versions choose alike (integer costs). 1 <= n_expert <= 1024; device memory for
- * CUDA (n_threads: unused, one thread decides). */
-SPECTER_API int specter_hybrid_split(const int64_t * slot_of, const int32_t * routed, int64_t n_expert,
-                                     int64_t cpu_ns_per_expert, int64_t cpu_ns_per_token, int64_t link_ns,
-                                     uint8_t * on_cpu, int32_t * cpu_routed, int n_threads);
-SPECTER_API int specter_cuda_hybrid_split(const int64_t * slot_of, const int32_t * routed, int64_t n_expert,
-                                          int64_t cpu_ns_per_expert, int64_t cpu_ns_per_token, int64_t link_ns,
-                                          uint8_t * on_cpu, int32_t * cpu_routed, void * stream);
-/* Hand layer `layer`'s pairs (ids [n_tokens, top_k] int32, weights f32, x [n_tokens, d_model] f32; device memory
- * for CUDA) whose expert e has on_cpu[e] != 0 (uint8 [n_expert]) to the worker; 1 <= n_tokens <= max_tokens. */
+ * fewest tokens, as many as make the later of the CPU's finish and the link's the earliest by `costs` (the two
+ * work at the same time); ties rank by expert id, and the CPU and CUDA versions choose alike (integer costs).
+ * Writes on_cpu[e] = 1 for those, else 0 (uint8 [n_expert]), cpu_routed[e] = routed[e] for those, else 0; where
+ * gpu_ptrs is not NULL (int64 [3, n_expert]: the GPU's gate, up and down pointers), sets the entries of those
+ * experts to 0, so that the GPU's grouped kernel skips them. n_expert <= 1024. Device memory for CUDA, except
+ * `costs`: host memory, read by the call (a CUDA graph keeps the costs it was captured with). */
 SPECTER_API int specter_cpu_experts_post(specter_cpu_experts * w, int64_t layer, const float * x, const int32_t * ids,
-                                         const float * weights, int64_t n_tokens, const uint8_t * on_cpu,
-                                         int n_threads);
+                                         const float * weights, int64_t n_tokens, const int64_t * slot_of,
+                                         const int32_t * routed, const specter_hybrid_costs * costs,
+                                         uint8_t * on_cpu, int32_t * cpu_routed, int64_t * gpu_ptrs, int n_threads);
 SPECTER_API int specter_cuda_cpu_experts_post(specter_cpu_experts * w, int64_t layer, const float * x,
                                               const int32_t * ids, const float * weights, int64_t n_tokens,
-                                              const uint8_t * on_cpu, void * stream);
-/* out [n_tokens, d_model] f32 += the worker's answer to the last post, once it has come. CPU: waits up to
- * timeout_ns (SPECTER_ERR_TIMEOUT past it) and returns the worker's error if it met one. */
-SPECTER_API int specter_cpu_experts_collect(specter_cpu_experts * w, float * out, int64_t n_tokens,
-                                            int64_t timeout_ns, int n_threads);
-SPECTER_API int specter_cuda_cpu_experts_collect(specter_cpu_experts * w, float * out, int64_t n_tokens,
-                                                 int64_t timeout_ns, void * stream);
+                                              const int64_t * slot_of, const int32_t * routed,
+                                              const specter_hybrid_costs * costs, uint8_t * on_cpu,
+                                              int32_t * cpu_routed, int64_t * gpu_ptrs, void * stream);
+/* out [n_tokens, d_model] f32 += the worker's answer to the last post, once it has come, in the rows of the tokens
+ * with a pair on the CPU (ids and on_cpu: the post's, on_cpu as it wrote it). CPU: waits up to timeout_ns
+ * (SPECTER_ERR_TIMEOUT past it) and returns the worker's error if it met one. */
+SPECTER_API int specter_cpu_experts_collect(specter_cpu_experts * w, float * out, const int32_t * ids,
+                                            const uint8_t * on_cpu, int64_t n_tokens, int64_t timeout_ns,
+                                            int n_threads);
+SPECTER_API int specter_cuda_cpu_experts_collect(specter_cpu_experts * w, float * out, const int32_t * ids,
+                                                 const uint8_t * on_cpu, int64_t n_tokens, int64_t timeout_ns,
+                                                 void * stream);
 
 /* SPECTER_CDEF_END */
 

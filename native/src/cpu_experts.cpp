@@ -214,48 +214,42 @@ int specter_cpu_experts_arm(specter_cpu_experts * w) {
     return SPECTER_OK;
 }
 
-int specter_hybrid_split(const int64_t * slot_of, const int32_t * routed, int64_t n_expert, int64_t cpu_ns_per_expert,
-                         int64_t cpu_ns_per_token, int64_t link_ns, uint8_t * on_cpu, int32_t * cpu_routed,
-                         int n_threads) {
+int specter_cpu_experts_post(specter_cpu_experts * w, int64_t layer, const float * x, const int32_t * ids,
+                             const float * weights, int64_t n_tokens, const int64_t * slot_of, const int32_t * routed,
+                             const specter_hybrid_costs * costs, uint8_t * on_cpu, int32_t * cpu_routed,
+                             int64_t * gpu_ptrs, int n_threads) {
     (void)n_threads;
-    const int rc =
-        check_split(slot_of, routed, n_expert, cpu_ns_per_expert, cpu_ns_per_token, link_ns, on_cpu, cpu_routed);
+    const int rc = check_post(w, layer, x, ids, weights, n_tokens, slot_of, routed, costs, on_cpu, cpu_routed);
     if (rc != SPECTER_OK) return rc;
-    std::vector<std::pair<int32_t, int64_t>> misses;  // (tokens, expert): the ranking
-    for (int64_t e = 0; e < n_expert; ++e) {
+    MailboxHeader * h = header(w);
+    if (load(&h->answer) != h->issued) return SPECTER_ERR_INVALID_ARG;  // the last post was not collected
+    // the split: the misses ranked by (tokens, expert); the CPU takes the prefix cpu_takes accepts
+    const int64_t E = w->n_expert;
+    std::vector<std::pair<int32_t, int64_t>> misses;
+    for (int64_t e = 0; e < E; ++e) {
         on_cpu[e] = 0, cpu_routed[e] = 0;
         if (routed[e] > 0 && slot_of[e] < 0) misses.emplace_back(routed[e], e);
     }
     std::sort(misses.begin(), misses.end());
     const int64_t m = int64_t(misses.size());
     int64_t before = 0;
-    for (int64_t r = 0;
-         r < m && cpu_takes(r, before, misses[size_t(r)].first, m, cpu_ns_per_expert, cpu_ns_per_token, link_ns); ++r) {
+    for (int64_t r = 0; r < m && cpu_takes(r, before, misses[size_t(r)].first, m, *costs); ++r) {
         const auto [tokens, e] = misses[size_t(r)];
         on_cpu[e] = 1, cpu_routed[e] = tokens, before += tokens;
+        if (gpu_ptrs)
+            for (int64_t part = 0; part < 3; ++part) gpu_ptrs[part * E + e] = 0;
     }
-    return SPECTER_OK;
-}
-
-int specter_cpu_experts_post(specter_cpu_experts * w, int64_t layer, const float * x, const int32_t * ids,
-                             const float * weights, int64_t n_tokens, const uint8_t * on_cpu, int n_threads) {
-    (void)n_threads;
-    const int rc = check_post(w, layer, x, ids, weights, n_tokens, on_cpu);
-    if (rc != SPECTER_OK) return rc;
-    MailboxHeader * h = header(w);
-    if (load(&h->answer) != h->issued) return SPECTER_ERR_INVALID_ARG;  // the last post was not collected
+    // the pairs of those experts
     const int64_t P = n_tokens * w->top_k;
     int32_t * pair_ids = at<int32_t>(w, w->layout.ids);
     float * pair_weights = at<float>(w, w->layout.weights);
     int64_t n_pairs = 0;
     for (int64_t p = 0; p < P; ++p) {
-        const int32_t e = ids[p];
-        const bool cpu = e >= 0 && e < w->n_expert && on_cpu[e];
-        pair_ids[p] = cpu ? e : -1;
+        const bool cpu = has_cpu_pair(ids + p, 1, E, on_cpu);
+        pair_ids[p] = cpu ? ids[p] : -1;
         pair_weights[p] = weights[p];
         n_pairs += cpu;
     }
-    store(&h->n_pairs, n_pairs);
     if (n_pairs == 0) return SPECTER_OK;
     std::memcpy(at<float>(w, w->layout.x), x, size_t(n_tokens * w->d_model) * sizeof(float));
     store(&h->layer, layer);
@@ -265,13 +259,16 @@ int specter_cpu_experts_post(specter_cpu_experts * w, int64_t layer, const float
     return specter_cpu_experts_arm(w);
 }
 
-int specter_cpu_experts_collect(specter_cpu_experts * w, float * out, int64_t n_tokens, int64_t timeout_ns,
-                                int n_threads) {
+int specter_cpu_experts_collect(specter_cpu_experts * w, float * out, const int32_t * ids, const uint8_t * on_cpu,
+                                int64_t n_tokens, int64_t timeout_ns, int n_threads) {
     (void)n_threads;
-    const int rc = check_collect(w, out, n_tokens);
+    const int rc = check_collect(w, out, ids, on_cpu, n_tokens);
     if (rc != SPECTER_OK) return rc;
     MailboxHeader * h = header(w);
-    if (load(&h->n_pairs) == 0) return SPECTER_OK;
+    const int64_t k = w->top_k, d = w->d_model;
+    bool handed = false;  // the post handed pairs over
+    for (int64_t t = 0; t < n_tokens && !handed; ++t) handed = has_cpu_pair(ids + t * k, k, w->n_expert, on_cpu);
+    if (!handed) return SPECTER_OK;
     if (load(&h->n_tokens) != n_tokens) return SPECTER_ERR_INVALID_ARG;
     const int64_t t0 = now_ns();
     while (load(&h->answer) != h->issued) {
@@ -281,7 +278,9 @@ int specter_cpu_experts_collect(specter_cpu_experts * w, float * out, int64_t n_
     const int error = specter_cpu_experts_status(w);
     if (error != SPECTER_OK) return error;
     const float * result = at<float>(w, w->layout.result);
-    for (int64_t i = 0, n = n_tokens * w->d_model; i < n; ++i) out[i] += result[i];
+    for (int64_t t = 0; t < n_tokens; ++t)
+        if (has_cpu_pair(ids + t * k, k, w->n_expert, on_cpu))
+            for (int64_t i = t * d; i < (t + 1) * d; ++i) out[i] += result[i];
     return SPECTER_OK;
 }
 

@@ -1,20 +1,23 @@
 """Hybrid expert execution: a forward's routed experts that have no slot on the device, computed by the host's
 CPU from the expert store instead of read over PCIe (the native `specter_cpu_experts_*`).
 
-A MoE layer of a small batch (decoding, verification) hands the host the (token, expert) pairs of the experts it
-marks `on_cpu` (`HybridChoice.split`): of its experts without a slot, the ones with the fewest tokens (a CPU pays
-per token, a read over PCIe once per expert), as many as make the CPU and the link finish their shares about
-together, by the costs measured at start-up. The marking is done on the device from the residency table and the
-layer's own routing, so it works inside a CUDA graph. The layer posts those pairs to the worker thread (one
-kernel writes them to pinned host memory), runs the other experts on the GPU meanwhile, then waits for the
-worker's sum and adds it (`OffloadRuntime.from_residency`). The CPU's sum of an expert agrees with the GPU's to
+A MoE layer of a small batch (decoding, verification) hands the host the (token, expert) pairs of some of its
+experts without a slot: the ones with the fewest tokens (a CPU pays per token, a read over PCIe once per expert),
+as many as make the CPU and the link finish their shares about together, by the costs measured at start-up
+(`HybridChoice.costs_ns`). One kernel chooses them on the device from the residency table and the layer's own
+routing, takes them out of the GPU's pointer table and writes their pairs to pinned host memory for the worker
+thread (`CpuExperts.post`), so it works inside a CUDA graph; the GPU runs the other experts meanwhile, then one
+kernel waits for the worker's sum and adds it (`CpuExperts.collect`, `OffloadRuntime.from_residency`). A layer
+that hands nothing over pays for the two kernels only: the second reads no host memory then. The CPU's sum of an expert agrees with the GPU's to
 float32 rounding (different summation orders); on the CPU device both are the same native function.
 
 `--hybrid auto` measures at start-up, on CUDA and for experts of at least 1 MiB, one expert's
-feed-forward for one token on the CPU against copying the expert's record to the device, and turns hybrid on when
-the CPU is no slower; `on` turns it on whatever the measurement (the split still weighs it), `off` keeps every miss
-on PCIe: the default, because on the GPU host of 2026-12-05 hybrid was faster where the expert cache missed often
-and slower where it hit 98.5% (docs/BENCHMARKS.md), and `auto` does not yet tell the two apart.
+feed-forward for one token on the CPU (hand-off included) against copying the expert's record to the device, and
+turns hybrid on where the split would ever give the CPU an expert: where the CPU's one-token expert takes less than
+two copies (of a layer's two one-token misses, the CPU then takes one; the GPU host of 2026-12-05 measured 379 µs
+against 319, and hybrid on was 8-11% faster there where the cache missed). `on` turns it on whatever the
+measurement (the split still weighs it), `off` keeps every miss on PCIe: the default, because on that host hybrid
+was slower where the cache hit 98.5% (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from specter_gguf.runtime.store import ExpertStore
 
 HYBRID_CHOICES = ("auto", "on", "off")
 DEFAULT_HYBRID = "off"  # until `auto` weighs what a layer pays for the hand-off (module docstring)
+EVERY_MISS = (0, 0, 1)  # split costs (ns) under which the CPU computes every missed expert
 MEASURED_TOKENS = 8  # the start-up measurement times an expert for one token and for this many
 # auto measures only experts of at least this size: a smaller one crosses PCIe in tens of microseconds, where the
 # measurement is mostly latency on both sides and its outcome a coin toss from load to load
@@ -95,20 +99,32 @@ class CpuExperts:
         """Keep the worker polling without pause: forwards that post are about to be enqueued."""
         native.check(native.lib().specter_cpu_experts_arm(self.handle), "arming the CPU experts' worker")
 
-    def post(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-             on_cpu: torch.Tensor) -> None:
-        """Hand layer `layer`'s pairs whose expert `on_cpu` (bool or uint8 [n_expert]) marks to the worker."""
+    def post(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slot_of: torch.Tensor,
+             routed: torch.Tensor, costs: tuple[int, int, int], on_cpu: torch.Tensor, cpu_routed: torch.Tensor,
+             gpu_ptrs: torch.Tensor | None = None) -> None:
+        """Hand the worker layer `layer`'s pairs of the missed experts that the CPU computes (native
+        `specter_cpu_experts_post`, on the device: no host synchronisation): of those the layer routes `routed`
+        (int32 [n_expert]) tokens to that have no slot (`slot_of` < 0, int64), the fewest-token ones, as many as make
+        the later of the CPU's and the link's finish the earliest by `costs` (ns: an expert's part paid once, a
+        token's, the link's per expert; EVERY_MISS gives the CPU every miss). Writes those experts into `on_cpu`
+        (bool [n_expert]) and their token counts into `cpu_routed` (int32), and zeroes their pointers in `gpu_ptrs`
+        (int64 [3, n_expert], the GPU's table) when given."""
         T = x.shape[0]
         x32 = _aligned(x.float())
         ids32, w32 = ids.to(torch.int32).contiguous(), weights.float().contiguous()
-        mask = on_cpu.bool().contiguous().view(torch.uint8)  # 0 or 1 each (no copy of a contiguous bool mask)
+        ptrs = native.ffi().NULL if gpu_ptrs is None else _ptr(gpu_ptrs, "int64_t *")
         args = (self.handle, layer, _ptr(x32, "float *"), _ptr(ids32, "int32_t *"), _ptr(w32, "float *"), T,
-                _ptr(mask, "uint8_t *"))
+                _ptr(slot_of, "int64_t *"), _ptr(routed, "int32_t *"),
+                native.ffi().new("specter_hybrid_costs *", costs),
+                _ptr(on_cpu, "uint8_t *"), _ptr(cpu_routed, "int32_t *"), ptrs)
         _call("cpu_experts_post", args, self.device, f"handing layer {layer}'s experts to the CPU")
 
-    def collect(self, out: torch.Tensor) -> None:
-        """`out` [T, n_embd] float32 += the worker's sum for the last post, once it has come."""
-        args = (self.handle, _ptr(out, "float *"), out.shape[0], WAIT_TIMEOUT_NS)
+    def collect(self, out: torch.Tensor, ids: torch.Tensor, on_cpu: torch.Tensor) -> None:
+        """`out` [T, n_embd] float32 += the worker's sum for the last post (of `ids`, which wrote `on_cpu`), once it
+        has come, in the rows of the tokens with a pair on the CPU."""
+        ids32 = ids.to(torch.int32).contiguous()
+        args = (self.handle, _ptr(out, "float *"), _ptr(ids32, "int32_t *"), _ptr(on_cpu, "uint8_t *"), out.shape[0],
+                WAIT_TIMEOUT_NS)
         _call("cpu_experts_collect", args, self.device, "the CPU experts' answer")
 
     def busy_s(self) -> float:
@@ -133,7 +149,7 @@ def _free(lib: Any, handle: Any, mailbox: torch.Tensor) -> None:
 @dataclass
 class HybridChoice:
     """What `--hybrid` decided at start-up, the measurement behind it (µs), and the costs by which each MoE layer
-    splits its missed experts between the CPU and the link (`split`). The CPU's time for an expert of t tokens is
+    splits its missed experts between the CPU and the link (`costs_ns`). The CPU's time for an expert of t tokens is
     modelled as `cpu_us_per_expert + t * cpu_us_per_token` (its weights are read once, then each token adds its
     products), from the times measured for one token and for MEASURED_TOKENS."""
 
@@ -141,23 +157,15 @@ class HybridChoice:
     cpu_us_per_expert: float | None = None  # an expert's feed-forward on the CPU: the part paid once
     cpu_us_per_token: float | None = None   # ... and the part paid per token
     copy_us: float | None = None  # one expert's record copied to the device, measured
-    link_us: float | None = None  # the link's time for one expert that `split` weighs: copy_us, or a paced link's
+    link_us: float | None = None  # the link's time for one expert that the split weighs: copy_us, or a paced link's
     why: str = ""  # the reason, where nothing was measured
 
-    def split(self, slot_of: torch.Tensor, routed: torch.Tensor, on_cpu: torch.Tensor,
-              cpu_routed: torch.Tensor) -> None:
-        """Mark in `on_cpu` (bool [n_expert]) the experts of a layer's forward that the CPU computes: of those it
-        routes `routed` (int32) tokens to that have no slot (`slot_of` < 0, int64), the fewest-token ones, as many
-        as make the later of the CPU's and the link's finish the earliest (native `specter_hybrid_split`, on the
-        device: no host synchronisation); `cpu_routed` (int32) gets their token counts. Unmeasured (the CPU
-        device): the CPU takes every miss."""
-        def ns(us: float | None) -> int:
-            return 0 if us is None else round(1000 * us)
-
-        link_ns = max(1, ns(self.link_us))
-        args = (_ptr(slot_of, "int64_t *"), _ptr(routed, "int32_t *"), slot_of.numel(), ns(self.cpu_us_per_expert),
-                ns(self.cpu_us_per_token), link_ns, _ptr(on_cpu, "uint8_t *"), _ptr(cpu_routed, "int32_t *"))
-        _call("hybrid_split", args, slot_of.device, "splitting a layer's missed experts between the CPU and the link")
+    def costs_ns(self) -> tuple[int, int, int]:
+        """The split's costs for `CpuExperts.post` (ns); unmeasured (the CPU device), EVERY_MISS."""
+        if self.cpu_us_per_token is None:
+            return EVERY_MISS
+        return (round(1000 * self.cpu_us_per_expert), round(1000 * self.cpu_us_per_token),
+                max(1, round(1000 * self.link_us)))
 
     def describe(self) -> str:
         if self.cpu_us_per_token is None:
@@ -166,7 +174,8 @@ class HybridChoice:
         measured = (f"an expert on the CPU {self.cpu_us_per_expert:.0f} µs + {self.cpu_us_per_token:.0f} µs a token, "
                     f"its copy to the device {self.copy_us:.0f} µs{paced}")
         if not self.on:
-            return f"hybrid off ({measured})"
+            return (f"hybrid off ({measured}: the CPU takes two copies' time or more for one token, so the split "
+                    "would never give it an expert)")
         return (f"hybrid on ({measured}: each MoE layer of a decode step, a verification or a short prefill splits "
                 "its missed experts between the CPU, fewest tokens first, and the link, so that both finish together)")
 
@@ -182,18 +191,28 @@ def measure(cpu: CpuExperts, store: ExpertStore, layer: int, reps: int = 5) -> t
         ids = torch.full((T, cpu.top_k), -1, dtype=torch.int32, device=dev)
         ids[:, 0] = 0
         weights = torch.ones(ids.shape, device=dev)
-        on_cpu = torch.ones(store.n_expert, dtype=torch.bool, device=dev)
+        no_slot = torch.full((store.n_expert,), -1, dtype=torch.int64, device=dev)
+        routed = torch.zeros(store.n_expert, dtype=torch.int32, device=dev)
+        routed[0] = T
+        on_cpu = torch.zeros(store.n_expert, dtype=torch.bool, device=dev)
+        cpu_routed = torch.zeros_like(routed)
         out = torch.zeros(T, cpu.d_model, device=dev)
         seconds = []
         for _ in range(reps + 1):
             t0 = time.perf_counter()
-            cpu.post(layer, x, ids, weights, on_cpu)
-            cpu.collect(out)
+            cpu.post(layer, x, ids, weights, no_slot, routed, EVERY_MISS, on_cpu, cpu_routed)
+            cpu.collect(out, ids, on_cpu)
             torch.cuda.synchronize(dev)
             seconds.append(time.perf_counter() - t0)
         times.append(sorted(seconds[1:])[reps // 2] * 1e6)
     cpu.check()
     return times[0], times[1], store.copy_us(layer, dev)
+
+
+def worth_it(cpu_one_token_us: float, link_us: float) -> bool:
+    """Whether the split would ever give the CPU an expert: of a layer's two one-token misses it takes one when the
+    CPU's time for it is under the link's for both (`cpu_takes` in native/src/cpu_experts.h)."""
+    return cpu_one_token_us < 2 * link_us
 
 
 def start_hybrid(mode: str, store: ExpertStore, layouts: dict[int, RecordLayout], cfg: ModelConfig,
@@ -202,7 +221,7 @@ def start_hybrid(mode: str, store: ExpertStore, layouts: dict[int, RecordLayout]
     HYBRID_CHOICES: `runtime.offload.load_offloaded` checks it before loading). On the CPU device `auto` is off (the
     experts run on the CPU either way) and `on` hands every missed expert to the worker (the same algorithm as on a
     GPU, which the CPU build tests); `auto` is off too for experts under AUTO_MIN_RECORD_BYTES, and wherever the
-    CPU is slower than the copy for one token."""
+    CPU takes two copies' time or more for one token (`worth_it`)."""
     if mode == "off":
         return None, HybridChoice(False)
     if mode == "auto" and device.type != "cuda":
@@ -220,7 +239,8 @@ def start_hybrid(mode: str, store: ExpertStore, layouts: dict[int, RecordLayout]
         cpu.close()
         raise
     per_token = max(0.0, (many - one) / (MEASURED_TOKENS - 1))
-    choice = HybridChoice(mode == "on" or one <= copy_us, max(0.0, one - per_token), per_token, copy_us, copy_us)
+    choice = HybridChoice(mode == "on" or worth_it(one, copy_us), max(0.0, one - per_token), per_token, copy_us,
+                          copy_us)
     if not choice.on:
         cpu.close()
         return None, choice

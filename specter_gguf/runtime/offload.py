@@ -252,12 +252,12 @@ class OffloadRuntime:
             out = moe_ffn(x, ids, weights, self.expert_table(layer))
             self._pace_reads(layer, routed, None)
             return out
-        on_cpu = self._on_cpu[layer]
-        self.hybrid.split(self.cache.table[layer], routed, on_cpu, self.cpu_routed[layer])
-        cpu.post(layer, x, ids, weights, on_cpu)
-        out = moe_ffn(x, ids, weights, self.expert_table(layer, skip=on_cpu))
+        on_cpu, table = self._on_cpu[layer], self.expert_table(layer)
+        cpu.post(layer, x, ids, weights, self.cache.table[layer], routed, self.hybrid.costs_ns(), on_cpu,
+                 self.cpu_routed[layer], table.ptrs)
+        out = moe_ffn(x, ids, weights, table)
         self._pace_reads(layer, routed, on_cpu)  # the CPU works on meanwhile, as it would beside a slower link
-        cpu.collect(out)
+        cpu.collect(out, ids, on_cpu)
         return out
 
     def _pace_reads(self, layer: int, routed: torch.Tensor, on_cpu: torch.Tensor | None) -> None:
@@ -287,14 +287,12 @@ class OffloadRuntime:
             self.hybrid.link_us = nbytes / (1000 * gbps)
         return measured
 
-    def expert_table(self, layer: int, skip: torch.Tensor | None = None) -> ExpertTable:
-        """The grouped kernel's pointer table of `layer`, computed on the device from the residency table; the
-        experts `skip` marks (bool [n_expert]) get none (they contribute nothing)."""
+    def expert_table(self, layer: int) -> ExpertTable:
+        """The grouped kernel's pointer table of `layer`, computed on the device from the residency table (a fresh
+        tensor: a hand-off to the CPU zeroes its experts' pointers in it, and then the kernel skips them)."""
         host, offsets = self._pointers[layer] if layer in self._pointers else self._layer_pointers(layer)
         slots = self.cache.table[layer]
         ptrs = torch.where(slots >= 0, offsets + slots * self.plan.slot_bytes, host)  # [3, n_expert]
-        if skip is not None:
-            ptrs = ptrs.masked_fill(skip, 0)
         return ExpertTable(ptrs, self.experts[layer].types, self.cfg.n_embd, self.cfg.n_ff_exp, (self.cache.pool,))
 
     def _layer_pointers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

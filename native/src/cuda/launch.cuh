@@ -23,14 +23,20 @@ __device__ __forceinline__ void wait_for_prior_kernels() {
 #endif
 }
 
-// First statement of every kernel launched by `launch`: wait for the previous kernel, then let the next one begin
-// launching (it waits for this one in its own first statement). A kernel that may wait for work on another stream
-// (wait_counter_kernel) only waits: the next kernel's CTAs, resident and waiting, could hold the SMs that work needs.
-__device__ __forceinline__ void start_after_prior_kernels() {
-    wait_for_prior_kernels();
+// Let the next kernel on the stream begin launching (it waits for this one in its own first statement).
+__device__ __forceinline__ void let_next_kernel_launch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+}
+
+// First statement of every kernel launched by `launch`: wait for the previous kernel, then let the next one begin
+// launching. A kernel that may wait for work on another stream or on the host (wait_counter_kernel, the CPU
+// experts' collect) lets it launch only once that wait is over: the next kernel's CTAs, resident and waiting,
+// could hold the SMs that work needs.
+__device__ __forceinline__ void start_after_prior_kernels() {
+    wait_for_prior_kernels();
+    let_next_kernel_launch();
 }
 
 // The GPU's global timer in nanoseconds (the timeouts of kernels that poll).
