@@ -233,8 +233,7 @@ def load_options(f: Any = None, *, depth: bool = True) -> Any:
                      help="Offloaded experts that a decode step, a verification or a short prefill misses: split "
                      "between the CPU and PCIe by their costs measured at load (on), or all read over PCIe (off); "
                      "auto turns it on where the CPU computes an expert for one token in less than two copies' "
-                     "time (then the split can give it some). "
-                     "Experimental on GPUs: not yet the default."),
+                     "time (then the split can give it some); off on the CPU device and for experts under 1 MiB."),
         click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
                      help="Replay each decode step, draft step and verification as a CUDA graph (CUDA; not with "
                      "--offload gate-prefetch)."),

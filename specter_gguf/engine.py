@@ -372,7 +372,7 @@ class Model:
         the host). `hybrid` ("auto", "on", "off"; offloaded experts): the experts a decode step, a verification or a
         short prefill misses are split between the CPU and PCIe by their measured costs (`runtime.hybrid`); auto
         turns it on where a measurement at load says the CPU computes an expert for one token in less than two
-        copies' time; default off (slower on a GPU where the expert cache hits, `runtime.hybrid`).
+        copies' time (the default; off on the CPU device and for experts under 1 MiB).
         `draft`: a quantized copy of the model (e.g. `specter-gguf quantize MODEL --type q4_k_m`), or a type
         ("q2_k", "q3_k_m", "q4_k_m", "q8_0", ...: the draft is made from the model on first use and kept,
         `speculation.draft_files`), whose routed experts share the device and draft `n_draft` tokens per

@@ -336,8 +336,9 @@ def test_plan_says_what_hybrid_would_choose(shipped_model) -> None:
         return r.output.splitlines()[-1]
 
     budget = ["--gpu-budget", str(_budget(shipped_model)), "--device", "cpu"]
-    assert plan(*budget) == "hybrid off: the experts a forward misses are read over PCIe"
-    assert "on the CPU device every expert runs on the CPU either way" in plan(*budget, "--hybrid", "auto")
+    assert plan(*budget, "--hybrid", "off") == "hybrid off: the experts a forward misses are read over PCIe"
+    auto = "hybrid off (auto: on the CPU device every expert runs on the CPU either way)"
+    assert plan(*budget) == plan(*budget, "--hybrid", "auto") == auto  # auto is the default
     most = residency_max_tokens(ModelConfig.from_gguf(GGUFFile(shipped_model)))
     assert plan(*budget, "--hybrid", "on").startswith(f"hybrid on (--hybrid on: every missed expert of a batch of "
                                                       f"up to {most} tokens")

@@ -11,13 +11,13 @@ kernel waits for the worker's sum and adds it (`CpuExperts.collect`, `OffloadRun
 that hands nothing over pays for the two kernels only: the second reads no host memory then. The CPU's sum of an expert agrees with the GPU's to
 float32 rounding (different summation orders); on the CPU device both are the same native function.
 
-`--hybrid auto` measures at start-up, on CUDA and for experts of at least 1 MiB, one expert's
+`--hybrid auto`, the default, measures at start-up, on CUDA and for experts of at least 1 MiB, one expert's
 feed-forward for one token on the CPU (hand-off included) against copying the expert's record to the device, and
 turns hybrid on where the split would ever give the CPU an expert: where the CPU's one-token expert takes less than
-two copies (of a layer's two one-token misses, the CPU then takes one; the GPU host of 2026-12-05 measured 379 µs
-against 319, and hybrid on was 8-11% faster there where the cache missed). `on` turns it on whatever the
-measurement (the split still weighs it), `off` keeps every miss on PCIe: the default, because on that host hybrid
-was slower where the cache hit 98.5% (docs/BENCHMARKS.md).
+two copies (of a layer's two one-token misses, the CPU then takes one; an H100 host measured 379 µs against 319).
+On that host hybrid on was 5-34% faster than transfers alone in every row of 2026-12-06 but one, 4% slower where
+the cache hit 99.2% (docs/BENCHMARKS.md). `on` turns it on whatever the measurement (the split still weighs it),
+`off` keeps every miss on PCIe.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from specter_gguf.runtime.budget import RecordLayout, moe_layers, record_layout
 from specter_gguf.runtime.store import ExpertStore
 
 HYBRID_CHOICES = ("auto", "on", "off")
-DEFAULT_HYBRID = "off"  # until `auto` weighs what a layer pays for the hand-off (module docstring)
+DEFAULT_HYBRID = "auto"
 EVERY_MISS = (0, 0, 1)  # split costs (ns) under which the CPU computes every missed expert
 MEASURED_TOKENS = 8  # the start-up measurement times an expert for one token and for this many
 # auto measures only experts of at least this size: a smaller one crosses PCIe in tens of microseconds, where the
