@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import resource
+import time
 
 import pytest
 import torch
@@ -160,6 +162,24 @@ def test_the_hand_off_replays_in_a_cuda_graph(tiny_models) -> None:
             want = moe_ffn(hx, hids, hw, table)
             assert float((out.cpu() - want).abs().max()) <= 1e-5 * float(want.abs().max())
         cpu.check()
+    finally:
+        cpu.close()
+        store.close()
+
+
+def test_an_idle_worker_sleeps(tiny_models) -> None:
+    """A worker with nothing to do stops looking at its mailbox every 100 µs a second after it was last busy: an idle
+    process (a server between requests) wakes up about a hundred times a second, not thousands."""
+    dev = torch.device("cpu")
+    store, layouts, cfg = _store(tiny_models[("qwen2moe", "f16")], dev)
+    cpu = CpuExperts(store, layouts, cfg, dev, 1)
+    try:
+        cpu.arm()
+        time.sleep(1.5)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
+        time.sleep(1.0)
+        wakeups = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - before
+        assert wakeups < 1000, f"{wakeups} voluntary context switches in an idle second"
     finally:
         cpu.close()
         store.close()

@@ -330,7 +330,8 @@ SPECTER_API int specter_cpu_experts_status(const specter_cpu_experts * w);
 SPECTER_API int specter_cpu_experts_busy_ns(const specter_cpu_experts * w, int64_t * out_ns);
 /* Keep the worker polling without pause for the next hot_ns (specter_cpu_experts_new's; call before enqueueing
  * forwards that post; a post, and an answer, keep it so as long again). A worker that is not hot sleeps: it looks
- * every 100 us, a CPU post wakes it. hot_ns = 0 for a forward on the CPU itself, whose products need every core. */
+ * every 100 us for a second, then every 10 ms (a forward should arm it, not rely on that); `arm` and a CPU post
+ * wake it. hot_ns = 0 for a forward on the CPU itself, whose products need every core. */
 SPECTER_API int specter_cpu_experts_arm(specter_cpu_experts * w);
 /* Hand the CPU a MoE layer's pairs (ids [n_tokens, top_k] int32, weights f32, x [n_tokens, d_model] f32;
  * 1 <= n_tokens <= max_tokens) whose experts it computes: of the experts the layer routes tokens to
