@@ -8,15 +8,16 @@ as many as make the CPU and the link finish their shares about together, by the 
 routing, takes them out of the GPU's pointer table and writes their pairs to pinned host memory for the worker
 thread (`CpuExperts.post`), so it works inside a CUDA graph; the GPU runs the other experts meanwhile, then one
 kernel waits for the worker's sum and adds it (`CpuExperts.collect`, `OffloadRuntime.from_residency`). A layer
-that hands nothing over pays for the two kernels only: the second reads no host memory then. The CPU's sum of an expert agrees with the GPU's to
-float32 rounding (different summation orders); on the CPU device both are the same native function.
+that hands nothing over pays for the two kernels only: the second reads no host memory then. The CPU's sum of an
+expert agrees with the GPU's to float32 rounding (different summation orders); on the CPU device both are the same
+native function.
 
 `--hybrid auto`, the default, measures at start-up, on CUDA and for experts of at least 1 MiB, one expert's
 feed-forward for one token on the CPU (hand-off included) against copying the expert's record to the device, and
 turns hybrid on where the split would ever give the CPU an expert: where the CPU's one-token expert takes less than
 two copies (of a layer's two one-token misses, the CPU then takes one; an H100 host measured 379 µs against 319).
-On that host hybrid on was 5-34% faster than transfers alone in every row of 2026-12-06 but one, 4% slower where
-the cache hit 99.2% (docs/BENCHMARKS.md). `on` turns it on whatever the measurement (the split still weighs it),
+On that host hybrid on was 5-34% faster than transfers alone in every row of 2026-12-05 23:51 but one, 4% slower
+where the cache hit 99.2% (docs/BENCHMARKS.md). `on` turns it on whatever the measurement (the split still weighs it),
 `off` keeps every miss on PCIe.
 """
 
@@ -198,6 +199,7 @@ def measure(cpu: CpuExperts, store: ExpertStore, layer: int, reps: int = 5) -> t
         cpu_routed = torch.zeros_like(routed)
         out = torch.zeros(T, cpu.d_model, device=dev)
         seconds = []
+        cpu.arm()
         for _ in range(reps + 1):
             t0 = time.perf_counter()
             cpu.post(layer, x, ids, weights, no_slot, routed, EVERY_MISS, on_cpu, cpu_routed)

@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(1024) post_kernel(volatile MailboxHeader * h, 
 // A CTA per token (striding over them). Which tokens have a pair on the CPU is read from the post's own inputs in
 // device memory: a CTA with such a token waits for the worker's answer (its first thread polls) and adds their rows;
 // the other rows are zero in the result and are not read over PCIe, and a layer that handed nothing over reads no
-// host memory at all. The next kernel launches once this one's waits are over (start_after_prior_kernels).
+// host memory at all. The next kernel may launch once this one's waits are over (launch.cuh).
 __global__ void collect_kernel(const volatile MailboxHeader * h, const int32_t * __restrict__ ids,
                                const uint8_t * __restrict__ on_cpu, const volatile float * result, float * out,
                                int T, int d, int k, int n_expert, long long timeout_ns) {
