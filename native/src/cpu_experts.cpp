@@ -44,7 +44,7 @@ namespace {
 // 2-core development machine: 16,000 wake-ups in 3 s).
 constexpr auto kColdPoll = std::chrono::microseconds(100);
 constexpr int64_t kIdleAfterNs = 1'000'000'000;
-constexpr auto kIdlePoll = std::chrono::milliseconds(10);
+constexpr std::chrono::microseconds kIdlePoll = std::chrono::milliseconds(10);
 
 int64_t now_ns() {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
@@ -108,9 +108,7 @@ void run(specter_cpu_experts * w) {
             continue;
         }
         std::unique_lock<std::mutex> lock(k.mutex);
-        const auto poll = t - hot < kIdleAfterNs ? std::chrono::duration_cast<std::chrono::microseconds>(kColdPoll)
-                                                 : std::chrono::duration_cast<std::chrono::microseconds>(kIdlePoll);
-        k.wake.wait_for(lock, poll, [&] {
+        k.wake.wait_for(lock, t - hot < kIdleAfterNs ? kColdPoll : kIdlePoll, [&] {
             return k.stop.load() || k.armed_until_ns.load(std::memory_order_relaxed) > now_ns() ||
                    load(&h->request) != answered;
         });

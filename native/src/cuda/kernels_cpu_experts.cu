@@ -58,8 +58,7 @@ __global__ void __launch_bounds__(1024) post_kernel(volatile MailboxHeader * h, 
     }
     __syncthreads();
     for (int p = threadIdx.x; p < T * k; p += blockDim.x) {
-        const int ep = ids[p];
-        if (ep >= 0 && ep < n_expert && taken[ep]) {
+        if (has_cpu_pair(ids + p, 1, n_expert, taken)) {
             atomicAdd(&n_pairs, 1);
             if (flags) needed[p / k] = 1;
         }
@@ -67,8 +66,7 @@ __global__ void __launch_bounds__(1024) post_kernel(volatile MailboxHeader * h, 
     __syncthreads();
     if (n_pairs == 0) return;  // nothing for the CPU: no write over PCIe
     for (int p = threadIdx.x; p < T * k; p += blockDim.x) {
-        const int ep = ids[p];
-        hids[p] = ep >= 0 && ep < n_expert && taken[ep] ? ep : -1;
+        hids[p] = has_cpu_pair(ids + p, 1, n_expert, taken) ? ids[p] : -1;
         hweights[p] = weights[p];
     }
     for (int i = threadIdx.x; i < T * d; i += blockDim.x)
