@@ -19,7 +19,7 @@ import torch
 
 from specter_gguf.layers import KVCache
 from specter_gguf.sampling import Sampler, SamplingParams, chain_candidates
-from specter_gguf.steps import Steps, make_steps
+from specter_gguf.steps import PhaseClock, Steps, make_steps
 
 if TYPE_CHECKING:
     from specter_gguf.engine import GenerationStats, Model
@@ -88,23 +88,31 @@ class StepDecoder:
             yield from PlainDecoder().tokens(model, logits, cache, sampler, history, stats, n_wanted)
             return
         token = sampler.sample(logits, history)
-        if on_device:
-            yield from self._ahead(model, token, cache, steps, None if p.greedy else sampler)
-            return
-        while True:
-            yield token
-            if cache.length + 1 > model.ctx_size:
+        clock = PhaseClock(model.device)
+        try:
+            if on_device:
+                yield from self._ahead(model, token, cache, steps, clock, None if p.greedy else sampler)
                 return
-            token = sampler.sample(steps.step(history[-1:])[0], history)
+            while True:
+                yield token
+                if cache.length + 1 > model.ctx_size:
+                    return
+                clock.mark()
+                logits = steps.step(history[-1:])[0]
+                clock.mark("step")
+                token = sampler.sample(logits, history)
+        finally:
+            stats.gpu_s = clock.total("step") if clock.cuda else None
 
     @staticmethod
-    def _ahead(model: Model, token: int, cache: KVCache, steps: Steps, sampler: Sampler | None) -> Iterator[int]:
+    def _ahead(model: Model, token: int, cache: KVCache, steps: Steps, clock: PhaseClock,
+               sampler: Sampler | None) -> Iterator[int]:
         """Decoding from its first `token` where each step chooses the next token (its verdict: the argmax, or
         with `sampler` a draw from the uniform the sampler's generator gives it, as the host's draw would take it)
         and feeds it to the next step, and the step of a token is enqueued before the token is read back, so the
         device computes while the host handles a token. The step of the last token yielded is thus computed even
         when the caller stops there; `cache.length` then leaves it out, as without running ahead (its keys, past
-        the length, are overwritten before any query may see them)."""
+        the length, are overwritten before any query may see them). `clock` times each step."""
         chosen: Callable[[], int] = lambda: token  # the first token is on the host already
         feed: int | None = token  # the token the next step appends; None: the previous step's choice
         asked = cache.length  # the cache's length without the step ahead
@@ -112,7 +120,9 @@ class StepDecoder:
             while cache.length + 1 <= model.ctx_size:
                 if sampler is not None:
                     steps.verdict.take_uniforms(sampler)
+                clock.mark()
                 ahead = steps.step_ahead(feed)
+                clock.mark("step")
                 yield chosen()
                 asked, chosen, feed = cache.length, ahead, None  # the caller asked past the step of that token
             yield chosen()

@@ -170,6 +170,7 @@ class GenerationStats:
     hybrid: bool | None = None          # missed experts of small batches computed on the CPU (runtime.hybrid)
     cpu_expert_pairs: int | None = None  # ... the (token, expert) pairs it computed
     cpu_expert_s: float | None = None    # ... the time its worker spent on them
+    cpu_wait_s: float | None = None      # ... the time forwards waited for its answers (on CUDA the GPU's)
     copy_s: float | None = None         # time copies took on the copy stream
     copy_exposed_s: float | None = None  # time compute waited for copies
     copy_hidden_s: float | None = None   # copy_s - copy_exposed_s: overlapped with compute
@@ -179,6 +180,8 @@ class GenerationStats:
     draft_accepted: int | None = None   # drafted tokens the target accepted and the generation handed out (a stop
                                         # string may end it among an iteration's accepted ones)
     draft_rounds: int | None = None     # verification passes
+    gpu_s: float | None = None          # the GPU's time in the decode forwards (CUDA events around the steps, or
+                                        # drafting and verification: their waits for copies and the CPU included)
     draft_s: float | None = None        # time spent drafting (GPU time on CUDA)
     verify_s: float | None = None       # time spent verifying, the lookahead's prefetch planning included
     depth_rounds: dict[int, int] | None = None       # verification passes per draft depth
@@ -281,7 +284,8 @@ class GenerationStats:
                      f"{100 * (self.hidden_copy_share or 0):.0f}% of copy time hidden")
             if self.hybrid:
                 text += (f", {self.cpu_expert_pairs} (token, expert) pairs computed on the CPU in "
-                         f"{1000 * (self.cpu_expert_s or 0):.1f} ms")
+                         f"{1000 * (self.cpu_expert_s or 0):.1f} ms (the forwards waited "
+                         f"{1000 * (self.cpu_wait_s or 0):.1f} ms for them)")
         if self.draft_rounds:
             plain = (self.depth_rounds or {}).get(0, 0)
             accepted = (f"{self.draft_accepted} of {self.draft_tokens} drafted tokens accepted "
@@ -297,6 +301,8 @@ class GenerationStats:
             if self.prefetch_precision is not None:
                 text += (f", prefetch precision {100 * self.prefetch_precision:.0f}% recall "
                          f"{100 * (self.prefetch_recall or 0):.0f}%")
+        if self.gpu_s is not None and self.generated_tokens > 1:
+            text += f"; the GPU {1000 * self.gpu_s / (self.generated_tokens - 1):.2f} ms a decode step"
         if self.peak_gpu_bytes is not None:
             text += f"; peak GPU memory {format_size(self.peak_gpu_bytes)}"
         return text
@@ -644,7 +650,7 @@ class Model:
         stats.cache_evictions, stats.prefetches, stats.bytes_copied = c.cache_evictions, c.prefetches, c.bytes_copied
         stats.zero_copy_bytes = c.zero_copy_bytes
         stats.hybrid, stats.cpu_expert_pairs = self.offload.hybrid.on, c.cpu_expert_pairs
-        stats.cpu_expert_s = c.cpu_expert_s
+        stats.cpu_expert_s, stats.cpu_wait_s = c.cpu_expert_s, c.cpu_wait_s
         stats.copy_s, stats.copy_exposed_s = c.copy_s, min(c.copy_exposed_s, c.copy_s)
         stats.copy_hidden_s = c.copy_s - stats.copy_exposed_s
 

@@ -497,6 +497,32 @@ def pace(n_bytes: torch.Tensor | None, extra_bytes: int, ns_per_byte: float, dev
     native.check(code, "pacing a transfer")
 
 
+@dataclass(frozen=True)
+class SlotPool:
+    """Where an offload cache's slots lie on the device: from address `base`, `slot_bytes` each, an expert record's
+    gate, up and down parts `part_offsets` bytes into its slot."""
+
+    base: int
+    slot_bytes: int
+    part_offsets: tuple[int, int, int]
+
+
+def residency_pointers(slot_of: torch.Tensor, host_ptrs: torch.Tensor, pool: SlotPool, ids: torch.Tensor,
+                       routed: torch.Tensor) -> torch.Tensor:
+    """A MoE layer's pointer table for `moe_ffn` (int64 [3, n_expert], a fresh tensor): expert e from its slot in
+    `pool` where `slot_of[e]` >= 0 (int64 [n_expert], the residency table's row), else from its record in host
+    memory (`host_ptrs`, int64 [3, n_expert]: read in place); and `routed` (int32 [n_expert]) += the layer's
+    routing `ids` (int32), counted per expert. One kernel on CUDA (native `specter_expert_table`)."""
+    n_expert = slot_of.shape[0]
+    ids32 = ids.to(torch.int32).contiguous()
+    ptrs = torch.empty((3, n_expert), dtype=torch.int64, device=slot_of.device)
+    args = (_ptr(slot_of, "int64_t *"), _ptr(host_ptrs, "int64_t *"),
+            _ffi().new("specter_slot_pool *", (pool.base, pool.slot_bytes, list(pool.part_offsets))), n_expert,
+            _ptr(ids32, "int32_t *"), ids32.numel(), _ptr(routed, "int32_t *"), _ptr(ptrs, "int64_t *"))
+    _call("expert_table", args, slot_of.device, "the layer's pointer table")
+    return ptrs
+
+
 @dataclass
 class ExpertTable:
     """A layer's experts as addresses: `ptrs[0|1|2, e]` is the address of expert e's gate | up | down matrix

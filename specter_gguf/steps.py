@@ -8,11 +8,13 @@ token is its argmax) or speculative sampling (`speculation.accept.SampledVerdict
 from the previous step's `next`, one fed a device tensor [tokens, position] takes it as it is (a verification's
 `next`, drafted tokens): decoding and drafting then chain on the device with no host round trip. `read_choice`
 brings `choice` to the host without waiting. `EagerSteps` launches the forward kernel by kernel (the CPU, or
-CUDA without graphs); `cuda_graphs.StepGraphs` replays it as a CUDA graph.
+CUDA without graphs); `cuda_graphs.StepGraphs` replays it as a CUDA graph. `PhaseClock` times the decoders' phases
+(steps, drafting, verification) on the device.
 """
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -137,3 +139,44 @@ def make_steps(model: Model, cache: KVCache, n_tokens: int, experts: ExpertSourc
         return StepGraphs(model.transformer, cache, n_tokens, experts, observe, model.offload if offload else None,
                           verdict)
     return EagerSteps(model, cache, n_tokens, experts, observe, offload, verdict)
+
+
+class PhaseClock:
+    """Time per phase of the iterations: CUDA events on the compute stream (GPU time, read once at the end),
+    wall time on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._marks: list[tuple[str | None, object]] = []
+
+    def mark(self, phase: str | None = None) -> None:
+        """The end of `phase` (None: the start of the next one)."""
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks.append((phase, event))
+        else:
+            self._marks.append((phase, time.perf_counter()))
+
+    def last(self, phase: str, back: int = 0) -> float:
+        """Seconds of the latest `phase`, or of the one `back` before it (on CUDA its end must have completed: read
+        after the iteration's verdict)."""
+        for (_, begin), (name, end) in zip(reversed(self._marks[:-1]), reversed(self._marks)):
+            if name == phase:
+                if not back:
+                    return begin.elapsed_time(end) / 1000 if self.cuda else end - begin
+                back -= 1
+        raise KeyError(phase)
+
+    def total(self, phase: str) -> float:
+        """Seconds spent in `phase` (waits for the device on CUDA: call it at the end)."""
+        total = 0.0
+        for (_, begin), (name, end) in zip(self._marks, self._marks[1:]):
+            if name != phase:
+                continue
+            if self.cuda:
+                end.synchronize()
+                total += begin.elapsed_time(end) / 1000
+            else:
+                total += end - begin
+        return total

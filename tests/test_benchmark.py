@@ -105,10 +105,11 @@ def test_summarize_runs_speculation_and_data_movement():
     spec = [  # two prompts of a speculative system: 32 prompt + 128 generated tokens each
         _run("greedy", 10.0, draft_tokens=100, draft_rounds=25, draft_s=0.5, verify_s=1.0, other_s=0.25,
              copy_exposed_s=0.1, prefetched=40, prefetched_used=30, verify_missing=60, bytes_copied=1000,
-             zero_copy_bytes=600, prefetch_precision=0.75, draft_step_ms=5.0, cpu_expert_s=0.064, copy_s=0.128),
+             zero_copy_bytes=600, prefetch_precision=0.75, draft_step_ms=5.0, cpu_expert_s=0.064, copy_s=0.128,
+             cpu_wait_s=0.032, gpu_s=1.27),
         _run("greedy", 20.0, draft_tokens=60, draft_rounds=15, draft_s=0.3, verify_s=0.6, other_s=0.15,
              copy_exposed_s=0.3, prefetched=10, prefetched_used=2, verify_missing=40, bytes_copied=2000,
-             prefetch_precision=0.2, draft_step_ms=5.0, cpu_expert_s=0.0, copy_s=0.128),
+             prefetch_precision=0.2, draft_step_ms=5.0, cpu_expert_s=0.0, copy_s=0.128, cpu_wait_s=0.0, gpu_s=0.635),
     ]
     g = summarize_runs(spec)["greedy"]
     assert g["prefetch_precision"] == pytest.approx(32 / 50)  # not the median 0.475 of the per-prompt ratios
@@ -120,6 +121,9 @@ def test_summarize_runs_speculation_and_data_movement():
     assert g["iter_other_ms"] == pytest.approx(10.0) and g["iter_copy_exposed_ms"] == pytest.approx(10.0)
     # utilisation per generated token: 64 ms of CPU experts and 256 ms of copies over 256 tokens
     assert g["cpu_experts_ms_per_token"] == pytest.approx(0.25) and g["copy_ms_per_token"] == pytest.approx(1.0)
+    assert g["cpu_wait_ms_per_token"] == pytest.approx(0.125)
+    # the GPU's time per decode step, as TPOT: 1.905 s over 2 × 127 steps
+    assert g["gpu_ms_per_token"] == pytest.approx(7.5)
     # rates only (no counts): medians; other_s derived from the decode time when the stats lack it
     rates = [dict(_run("sampled", 10.0, prefetch_precision=p, prefetch_recall=0.5, draft_step_ms=d,
                        bytes_moved_per_token=b, draft_rounds=10, draft_s=0.2, verify_s=0.5), decode_ms=900.0)
@@ -129,6 +133,7 @@ def test_summarize_runs_speculation_and_data_movement():
     assert m["draft_step_ms"] == pytest.approx(6.0) and m["bytes_moved_per_token"] == pytest.approx(200.0)
     assert m["iter_other_ms"] == pytest.approx(1000 * 3 * 0.2 / 30)  # (0.9 - 0.2 - 0.5) s per prompt, 10 rounds
     assert "iter_copy_exposed_ms" not in m and "bytes_per_token" not in m and "copy_ms_per_token" not in m
+    assert "gpu_ms_per_token" not in m and "cpu_wait_ms_per_token" not in m
     # a system without any of it (llama.cpp): no such keys at all
     assert not set(SPEC_KEYS) & set(summarize_runs([_run("greedy", 5.0)])["greedy"])
 

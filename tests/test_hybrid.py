@@ -233,7 +233,8 @@ def test_hybrid_decoding_equals_the_target_alone(tiny_models, arch: str) -> None
             got = m.generate(prompt, 64, GREEDY).wait()
             assert got.tokens == want, (name, prompt)
             s = got.stats
-            assert s.hybrid and s.cache_misses > 0
+            assert s.hybrid and s.cache_misses > 0 and s.gpu_s is None  # no GPU to time
+            assert (s.cpu_wait_s > 0) == (s.cpu_expert_pairs > 0) and s.cpu_wait_s <= s.prefill_s + s.decode_s
             pairs[name] += s.cpu_expert_pairs
     assert pairs["lru"] > 0 and pairs["spec"] > 0
     # a prefill the residency path serves hands its misses over too: one generated token, the prefill's pairs only
@@ -406,6 +407,8 @@ def test_hybrid_on_the_gpu_agrees_with_the_target_alone(tiny_models) -> None:
         for m in (lru, spec):
             got = m.generate(prompt, 32, GREEDY).wait()
             pairs, busy = pairs + got.stats.cpu_expert_pairs, busy + got.stats.cpu_expert_s
+            s = got.stats  # the GPU's time in the decode forwards, and its waits for the CPU, within the wall time
+            assert 0 < s.gpu_s <= s.decode_s * 1.05 and 0 <= s.cpu_wait_s <= s.prefill_s + s.decode_s
             if got.tokens != want:
                 i = next(i for i, (x, y) in enumerate(zip(got.tokens, want)) if x != y)
                 cache = whole.transformer.new_cache(CTX)

@@ -486,6 +486,30 @@ def test_moe_pointer_tables(device: str) -> None:
         assert np.array_equal(alone[0], y3[t])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n_expert", [6, 300])
+def test_residency_pointers(device: str, n_expert: int) -> None:
+    """Each expert's three addresses from its slot (pool base + slot * slot bytes + the part's offset) or, without a
+    slot, from host memory; the routing counted into `routed` on top of what it held, ids out of range not counted;
+    the CPU and CUDA kernels alike (more experts than a CTA's threads: 300)."""
+    rng = np.random.default_rng(5)
+    slot_of = torch.from_numpy(np.where(rng.random(n_expert) < 0.5, rng.integers(0, 50, n_expert), -1))
+    host = torch.from_numpy(rng.integers(1 << 40, 1 << 41, (3, n_expert)))
+    pool = kernels.SlotPool(1 << 36, 3 << 20, (0, 1 << 20, 2 << 20))
+    ids = torch.from_numpy(rng.integers(-1, n_expert + 2, (9, 4)).astype(np.int32))
+    routed = torch.from_numpy(rng.integers(0, 3, n_expert).astype(np.int32))
+    expect_routed = routed.clone()
+    for e in ids.flatten().tolist():
+        if 0 <= e < n_expert:
+            expect_routed[e] += 1
+    expect = torch.stack([torch.where(slot_of >= 0, pool.base + slot_of * pool.slot_bytes + off, host[part])
+                          for part, off in enumerate(pool.part_offsets)])
+    routed_dev = routed.to(device)
+    ptrs = kernels.residency_pointers(slot_of.to(device), host.to(device), pool, ids.to(device), routed_dev)
+    assert torch.equal(ptrs.cpu(), expect)
+    assert torch.equal(routed_dev.cpu(), expect_routed)
+
+
 # ---------------------------------------------------------------------------------------------
 # engine integration
 

@@ -216,6 +216,30 @@ SPECTER_API int specter_cuda_moe_ffn(const float * x, int64_t n_tokens, int64_t 
                                      void * workspace, size_t workspace_bytes,
                                      float * out, int accumulate, void * stream);
 
+/* ---- a MoE layer's pointer table from the residency table ------------------------------------------------ */
+
+/* Where an offloaded model's expert slots lie on the device: the pool starts at `base`, each slot is `slot_bytes`
+ * long and holds one expert's record, whose gate, up and down parts start `part_offset[0|1|2]` bytes into it. */
+typedef struct specter_slot_pool {
+    int64_t base;
+    int64_t slot_bytes;
+    int64_t part_offset[3];
+} specter_slot_pool;
+
+/* One MoE layer's pointer tables for specter_moe_ffn and its routing counted, in one call (one kernel on CUDA): for
+ * each expert e < n_expert, ptrs[part * n_expert + e] (int64 [3, n_expert]) = pool->base + slot_of[e] *
+ * pool->slot_bytes + pool->part_offset[part] where slot_of[e] >= 0 (int64 [n_expert]: the expert's slot, or -1),
+ * else host_ptrs[part * n_expert + e] (the record's parts in host memory, read in place by the kernel); and
+ * routed[e] += how many of the n_pairs ids (int32) are e (ids outside [0, n_expert) are not counted). Device memory
+ * for CUDA, except `pool`: host memory, read by the call (a CUDA graph keeps the pool it was
+ * captured with). */
+SPECTER_API int specter_expert_table(const int64_t * slot_of, const int64_t * host_ptrs,
+                                     const specter_slot_pool * pool, int64_t n_expert, const int32_t * ids,
+                                     int64_t n_pairs, int32_t * routed, int64_t * ptrs, int n_threads);
+SPECTER_API int specter_cuda_expert_table(const int64_t * slot_of, const int64_t * host_ptrs,
+                                          const specter_slot_pool * pool, int64_t n_expert, const int32_t * ids,
+                                          int64_t n_pairs, int32_t * routed, int64_t * ptrs, void * stream);
+
 /* ---- the sampling chain (speculative sampling on the device) ------------------------------------------------ */
 
 enum specter_sample_chain_limits {
@@ -352,14 +376,16 @@ SPECTER_API int specter_cuda_cpu_experts_post(specter_cpu_experts * w, int64_t l
                                               const specter_hybrid_costs * costs, uint8_t * on_cpu,
                                               int32_t * cpu_routed, int64_t * gpu_ptrs, void * stream);
 /* out [n_tokens, d_model] f32 += the worker's answer to the last post, once it has come, in the rows of the tokens
- * with a pair on the CPU (ids and on_cpu: the post's, on_cpu as it wrote it). CPU: waits up to timeout_ns
- * (SPECTER_ERR_TIMEOUT past it) and returns the worker's error if it met one. */
+ * with a pair on the CPU (ids and on_cpu: the post's, on_cpu as it wrote it). Where waited_ns is not NULL (int64,
+ * device memory for CUDA), the nanoseconds spent waiting for the answer are added to it (on CUDA those of the first
+ * CTA, which waits whenever any does). CPU: waits up to timeout_ns (SPECTER_ERR_TIMEOUT past it) and returns the
+ * worker's error if it met one. */
 SPECTER_API int specter_cpu_experts_collect(specter_cpu_experts * w, float * out, const int32_t * ids,
                                             const uint8_t * on_cpu, int64_t n_tokens, int64_t timeout_ns,
-                                            int n_threads);
+                                            int64_t * waited_ns, int n_threads);
 SPECTER_API int specter_cuda_cpu_experts_collect(specter_cpu_experts * w, float * out, const int32_t * ids,
                                                  const uint8_t * on_cpu, int64_t n_tokens, int64_t timeout_ns,
-                                                 void * stream);
+                                                 int64_t * waited_ns, void * stream);
 
 /* SPECTER_CDEF_END */
 

@@ -265,7 +265,7 @@ int specter_cpu_experts_post(specter_cpu_experts * w, int64_t layer, const float
 }
 
 int specter_cpu_experts_collect(specter_cpu_experts * w, float * out, const int32_t * ids, const uint8_t * on_cpu,
-                                int64_t n_tokens, int64_t timeout_ns, int n_threads) {
+                                int64_t n_tokens, int64_t timeout_ns, int64_t * waited_ns, int n_threads) {
     (void)n_threads;
     const int rc = check_collect(w, out, ids, on_cpu, n_tokens);
     if (rc != SPECTER_OK) return rc;
@@ -280,6 +280,7 @@ int specter_cpu_experts_collect(specter_cpu_experts * w, float * out, const int3
         if (timeout_ns > 0 && now_ns() - t0 > timeout_ns) return SPECTER_ERR_TIMEOUT;
         std::this_thread::yield();
     }
+    if (waited_ns) *waited_ns += now_ns() - t0;
     const int error = specter_cpu_experts_status(w);
     if (error != SPECTER_OK) return error;
     const float * result = at<float>(w, w->layout.result);

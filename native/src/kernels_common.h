@@ -61,6 +61,24 @@ inline int check_topk(const float * logits, int64_t n_tokens, int64_t n_expert, 
     return SPECTER_OK;
 }
 
+inline int check_expert_table(const int64_t * slot_of, const int64_t * host_ptrs, const specter_slot_pool * pool,
+                              int64_t n_expert, const int32_t * ids, int64_t n_pairs, const int32_t * routed,
+                              const int64_t * ptrs) {
+    if (!slot_of || !host_ptrs || !pool || !ptrs || n_expert < 1 || n_expert > (int64_t(1) << 24) || n_pairs < 0 ||
+        n_pairs > (int64_t(1) << 30) || pool->slot_bytes < 0)
+        return SPECTER_ERR_INVALID_ARG;
+    if (n_pairs > 0 && (!ids || !routed)) return SPECTER_ERR_INVALID_ARG;
+    return SPECTER_OK;
+}
+
+// specter_expert_table's entry of expert e, part `part`: its slot's part, or its record's part in host memory.
+SPECTER_HOST_DEVICE inline int64_t expert_address(const int64_t * slot_of, const int64_t * host_ptrs,
+                                                  const specter_slot_pool & pool, int64_t n_expert, int part,
+                                                  int64_t e) {
+    const int64_t slot = slot_of[e];
+    return slot >= 0 ? pool.base + slot * pool.slot_bytes + pool.part_offset[part] : host_ptrs[part * n_expert + e];
+}
+
 // specter_moe_route: the product's (x float32, logits [n_tokens, n_rows]) and the top-k's of its first n_expert columns.
 inline int check_route(int w_type, const void * w, int64_t n_rows, int64_t k, const float * x, int64_t n_tokens,
                        int64_t n_expert, int64_t top_k, const float * logits, const int32_t * ids,

@@ -744,6 +744,20 @@ int specter_sample_chain(const float * logits, int64_t n_rows, int64_t n_vocab, 
     });
 }
 
+int specter_expert_table(const int64_t * slot_of, const int64_t * host_ptrs, const specter_slot_pool * pool,
+                         int64_t n_expert, const int32_t * ids, int64_t n_pairs, int32_t * routed, int64_t * ptrs,
+                         int n_threads) {
+    (void)n_threads;
+    const int rc = check_expert_table(slot_of, host_ptrs, pool, n_expert, ids, n_pairs, routed, ptrs);
+    if (rc != SPECTER_OK) return rc;
+    for (int part = 0; part < 3; ++part)
+        for (int64_t e = 0; e < n_expert; ++e)
+            ptrs[part * n_expert + e] = expert_address(slot_of, host_ptrs, *pool, n_expert, part, e);
+    for (int64_t p = 0; p < n_pairs; ++p)
+        if (ids[p] >= 0 && ids[p] < n_expert) ++routed[ids[p]];
+    return SPECTER_OK;
+}
+
 int specter_wait_counter(const int64_t * counter, const int64_t * base, int64_t offset, int64_t timeout_ns,
                          int64_t * waited_ns, int n_threads) {
     (void)timeout_ns, (void)waited_ns, (void)n_threads;

@@ -47,6 +47,10 @@ int specter_cuda_sample_chain(const float *, int64_t, int64_t, int64_t, int64_t,
     return SPECTER_ERR_NO_CUDA;
 }
 
+int specter_cuda_expert_table(const int64_t *, const int64_t *, const specter_slot_pool *, int64_t, const int32_t *,
+                              int64_t, int32_t *, int64_t *, void *) {
+    return SPECTER_ERR_NO_CUDA;
+}
 int specter_cuda_wait_counter(const int64_t *, const int64_t *, int64_t, int64_t, int64_t *, void *) {
     return SPECTER_ERR_NO_CUDA;
 }
@@ -57,7 +61,7 @@ int specter_cuda_cpu_experts_post(specter_cpu_experts *, int64_t, const float *,
     return SPECTER_ERR_NO_CUDA;
 }
 int specter_cuda_cpu_experts_collect(specter_cpu_experts *, float *, const int32_t *, const uint8_t *, int64_t,
-                                     int64_t, void *) {
+                                     int64_t, int64_t *, void *) {
     return SPECTER_ERR_NO_CUDA;
 }
 

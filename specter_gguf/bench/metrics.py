@@ -23,7 +23,9 @@ how a system's runs are summarized:
   draft step time (drafting time / drafted tokens) and the speculative iteration in ms per verification
   pass: drafting, verification, the exposed copy time (compute waiting for copies) and the other decode time
   (outside drafting and verification); and, per generated token, the time the CPU computed missed experts
-  (hybrid) and the time the copy stream copied experts: beside TPOT, the CPU's and the link's busy shares.
+  (hybrid) and the time the copy stream copied experts: beside TPOT, the CPU's and the link's busy shares; the
+  GPU's time in the decode forwards per decode step (beside TPOT its busy share, its waits included) and the
+  time it waited for the CPU's experts.
 
 Our engine's statistics contract: a ``Generation.stats`` object may carry, besides the timings, any of the
 count fields of :data:`STAT_COUNTS`, :data:`STAT_MS`, :data:`STAT_MS_PER_TOKEN` and :data:`STAT_BYTES` (summed over
@@ -65,8 +67,12 @@ STAT_MS = {
     "iter_other_ms": ("other_s", "draft_rounds"),
 }
 # ... seconds -> milliseconds per generated token, utilisation beside TPOT: the CPU's worker computing missed experts
-# (hybrid), the copy stream busy with expert copies (the whole generation, prefill included)
-STAT_MS_PER_TOKEN = {"cpu_experts_ms_per_token": "cpu_expert_s", "copy_ms_per_token": "copy_s"}
+# (hybrid), the copy stream busy with expert copies, the forwards waiting for the CPU's answers (the whole
+# generation, prefill included)
+STAT_MS_PER_TOKEN = {"cpu_experts_ms_per_token": "cpu_expert_s", "copy_ms_per_token": "copy_s",
+                     "cpu_wait_ms_per_token": "cpu_wait_s"}
+# ... per decode step (generated tokens after each prompt's first, as TPOT): the GPU's time in the decode forwards
+STAT_MS_PER_STEP = {"gpu_ms_per_token": "gpu_s"}
 # ... or ready-made per-generation rates (median over prompts).
 STAT_RATES = {
     "acceptance": "acceptance_rate",
@@ -152,6 +158,10 @@ def summarize_runs(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         for metric, secs in STAT_MS_PER_TOKEN.items():
             if any(e.get(secs) is not None for e in extra) and s["generated_tokens"]:
                 s[metric] = 1000.0 * _total(extra, secs) / s["generated_tokens"]
+        steps = sum(max(0, int(r.get("generated_tokens") or 0) - 1) for r in rs)
+        for metric, secs in STAT_MS_PER_STEP.items():
+            if any(e.get(secs) is not None for e in extra) and steps:
+                s[metric] = 1000.0 * _total(extra, secs) / steps
         processed = sum(int(r.get("prompt_tokens") or 0) + int(r.get("generated_tokens") or 0) for r in rs)
         for metric, keys in STAT_BYTES.items():  # per processed token, as GenerationStats.bytes_*_per_token
             if any(keys[0] in e for e in extra):

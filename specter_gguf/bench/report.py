@@ -99,6 +99,8 @@ SPEC_COLUMNS = (
     ("Other ms/iter", "iter_other_ms", {}),
     ("CPU experts ms/token", "cpu_experts_ms_per_token", {}),
     ("Copies ms/token", "copy_ms_per_token", {}),
+    ("CPU wait ms/token", "cpu_wait_ms_per_token", {}),
+    ("GPU ms/token", "gpu_ms_per_token", {}),
 )
 SPEC_KEYS = tuple(key for _, key, _ in SPEC_COLUMNS
                   if key not in ("mean_accepted_len", "drafted_per_iter", "depths"))
@@ -126,7 +128,10 @@ def _speculation_table(res: Sequence[dict[str, Any]], decs: Sequence[str]) -> li
          "steps); copy wait: compute waiting for expert copies (whole generation, prefill included), mostly inside "
          "verification. Utilisation per generated token: CPU experts, the time the CPU spent computing missed "
          "experts (--hybrid); copies, the time the copy stream spent on expert copies (prefill included); beside "
-         "TPOT they are the CPU's and the link's busy shares (reads in place are in Moved/token, not timed)."),
+         "TPOT they are the CPU's and the link's busy shares (reads in place are in Moved/token, not timed); CPU "
+         "wait, the time the GPU's forwards waited for the CPU's experts; GPU, the GPU's time in the decode forwards "
+         "per decode step (CUDA events around its steps, or its drafting and verification), beside TPOT its busy "
+         "share, its waits for copies and the CPU included."),
         "",
         "| System | Setting | Budget | " + " | ".join(h for h, _, _ in SPEC_COLUMNS) + " |",
         "|---|---|---|" + "---|" * len(SPEC_COLUMNS),

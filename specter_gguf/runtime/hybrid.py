@@ -78,6 +78,7 @@ class CpuExperts:
                                                 HOT_NS if device.type == "cuda" else 0, handle),
                      "starting the CPU experts' worker")
         self._handle = handle[0]
+        self.waited_ns = torch.zeros(1, dtype=torch.int64, device=device)  # collects' waits for answers (`waited_s`)
         # the worker stops before its mailbox is freed: when this object goes, or at the interpreter's exit
         self._stop = weakref.finalize(self, _free, lb, self._handle, self._buffer)
         try:
@@ -122,10 +123,11 @@ class CpuExperts:
 
     def collect(self, out: torch.Tensor, ids: torch.Tensor, on_cpu: torch.Tensor) -> None:
         """`out` [T, n_embd] float32 += the worker's sum for the last post (of `ids`, which wrote `on_cpu`), once it
-        has come, in the rows of the tokens with a pair on the CPU."""
+        has come, in the rows of the tokens with a pair on the CPU; the time spent waiting for it is counted
+        (`waited_s`)."""
         ids32 = ids.to(torch.int32).contiguous()
         args = (self.handle, _ptr(out, "float *"), _ptr(ids32, "int32_t *"), _ptr(on_cpu, "uint8_t *"), out.shape[0],
-                WAIT_TIMEOUT_NS)
+                WAIT_TIMEOUT_NS, _ptr(self.waited_ns, "int64_t *"))
         _call("cpu_experts_collect", args, self.device, "the CPU experts' answer")
 
     def busy_s(self) -> float:
@@ -133,6 +135,11 @@ class CpuExperts:
         ns = native.ffi().new("int64_t *")
         native.check(native.lib().specter_cpu_experts_busy_ns(self.handle, ns), "the CPU experts' busy time")
         return ns[0] / 1e9
+
+    def waited_s(self) -> float:
+        """The time collects have waited for the worker's answers since it started: on CUDA the GPU's (reads the
+        device: at the end of a generation)."""
+        return int(self.waited_ns.item()) / 1e9
 
     def check(self) -> None:
         """Raise the first error the worker met (it answers zeros after one)."""

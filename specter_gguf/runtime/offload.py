@@ -36,7 +36,7 @@ from gguf import GGMLQuantizationType as T
 from specter_gguf.config import ModelConfig
 from specter_gguf.errors import SpecterError
 from specter_gguf.gguf_file import EXPERT_PARTS, GGUFFile, expert_tensor_name
-from specter_gguf.kernels import ExpertTable, QuantizedTensor, moe_ffn, pace
+from specter_gguf.kernels import ExpertTable, QuantizedTensor, SlotPool, moe_ffn, pace, residency_pointers
 from specter_gguf.layers import FeedForward, MoE, ResidentExperts, Router, Transformer
 from specter_gguf.runtime.budget import (FIT_MARGIN, MemoryPlan, RecordLayout, fitted_budget, moe_layers,
                                          plan_memory, record_layout, slots_after_load)
@@ -204,7 +204,7 @@ class OffloadRuntime:
         self.cpu_experts: CpuExperts | None = None  # with hybrid on (`start`)
         self.hybrid = HybridChoice(False)
         self.experts: dict[int, OffloadedExperts] = {}
-        self._pointers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pointers: dict[int, tuple[torch.Tensor, SlotPool]] = {}
 
     def make_experts(self, cfg: ModelConfig, layer: int, w: Any) -> OffloadedExperts:
         """The `ExpertsFactory` given to `load_transformer`: nothing of the experts goes to the device."""
@@ -244,15 +244,13 @@ class OffloadRuntime:
     def from_residency(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Layer `layer`'s routed experts for a small batch, each from its slot or from host memory, or with hybrid
         on computed by the CPU (`runtime.hybrid`): those are handed over first, and the GPU's run meanwhile."""
-        flat = ids.reshape(-1)
-        routed = self.routed[layer]
-        routed.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        routed, table = self.routed[layer], self.expert_table(layer, ids)
         cpu = self.cpu_experts
         if cpu is None or x.shape[0] > cpu.max_tokens:
-            out = moe_ffn(x, ids, weights, self.expert_table(layer))
+            out = moe_ffn(x, ids, weights, table)
             self._pace_reads(layer, routed, None)
             return out
-        on_cpu, table = self._on_cpu[layer], self.expert_table(layer)
+        on_cpu = self._on_cpu[layer]
         cpu.post(layer, x, ids, weights, self.cache.table[layer], routed, self.hybrid.costs_ns(), on_cpu,
                  self.cpu_routed[layer], table.ptrs)
         out = moe_ffn(x, ids, weights, table)
@@ -287,21 +285,21 @@ class OffloadRuntime:
             self.hybrid.link_us = nbytes / (1000 * gbps)
         return measured
 
-    def expert_table(self, layer: int) -> ExpertTable:
-        """The grouped kernel's pointer table of `layer`, computed on the device from the residency table (a fresh
-        tensor: a hand-off to the CPU zeroes its experts' pointers in it, and then the kernel skips them)."""
-        host, offsets = self._pointers[layer] if layer in self._pointers else self._layer_pointers(layer)
-        slots = self.cache.table[layer]
-        ptrs = torch.where(slots >= 0, offsets + slots * self.plan.slot_bytes, host)  # [3, n_expert]
+    def expert_table(self, layer: int, ids: torch.Tensor) -> ExpertTable:
+        """The grouped kernel's pointer table of `layer` for a forward routed `ids`, computed on the device from the
+        residency table (a fresh tensor: a hand-off to the CPU zeroes its experts' pointers in it, and then the
+        kernel skips them); the same kernel adds the routing into `routed`."""
+        host, pool = self._pointers[layer] if layer in self._pointers else self._layer_pointers(layer)
+        ptrs = residency_pointers(self.cache.table[layer], host, pool, ids, self.routed[layer])
         return ExpertTable(ptrs, self.experts[layer].types, self.cfg.n_embd, self.cfg.n_ff_exp, (self.cache.pool,))
 
-    def _layer_pointers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(host addresses [3, n_expert], slot-pool address of each part [3, 1]) of `layer`, made once (before
-        a CUDA graph reads them: `prepare_graphs`)."""
-        base = self.cache.pool.data_ptr()
+    def _layer_pointers(self, layer: int) -> tuple[torch.Tensor, SlotPool]:
+        """(host addresses [3, n_expert] on the device, where the layer's records lie in the slot pool) of `layer`,
+        made once (before a CUDA graph reads them: `prepare_graphs`)."""
         host = torch.tensor(self.store.addresses(layer), dtype=torch.int64)
-        offsets = torch.tensor([[base + p.offset] for p in self.layouts[layer].parts], dtype=torch.int64)
-        self._pointers[layer] = (host.to(self.device), offsets.to(self.device))
+        gate, up, down = (p.offset for p in self.layouts[layer].parts)
+        pool = SlotPool(self.cache.pool.data_ptr(), self.plan.slot_bytes, (gate, up, down))
+        self._pointers[layer] = (host.to(self.device), pool)
         return self._pointers[layer]
 
     def prepare_graphs(self) -> None:
@@ -376,6 +374,7 @@ class OffloadRuntime:
         if self.cpu_experts is not None:
             self.cpu_experts.check()
             self.counters.cpu_expert_s = self.cpu_experts.busy_s()
+            self.counters.cpu_wait_s = self.cpu_experts.waited_s()
         return self.counters.since(start)
 
     def close(self) -> None:

@@ -30,7 +30,7 @@ from specter_gguf.speculation.agreement import Observers, RoutingAgreement
 from specter_gguf.speculation.depth import MAX_DEPTH, DepthChooser, parse_depth
 from specter_gguf.speculation.draft import load_draft_experts
 from specter_gguf.speculation.lookahead import ExpertLookahead, after_copies, chunk_ends
-from specter_gguf.steps import Steps, make_steps
+from specter_gguf.steps import PhaseClock, Steps, make_steps
 
 if TYPE_CHECKING:
     from specter_gguf.engine import GenerationStats, Model
@@ -248,6 +248,7 @@ class SpeculativeDecoder:
                     n_yielded += 1
         finally:
             stats.draft_s, stats.verify_s = clock.total("draft"), clock.total("verify")
+            stats.gpu_s = stats.draft_s + stats.verify_s if clock.cuda else None
             stats.expert_agreement, stats.expert_agreement_layers = self.agreement.read()
             if stats.draft_tokens:
                 self._step_s = stats.draft_s / stats.draft_tokens
@@ -405,44 +406,3 @@ class SpeculativeDecoder:
         stats.prefetch_refused += self.lookahead.refused
         # what the verification would have missed without the lookahead: its misses and what was prefetched for it
         stats.verify_missing += prefetched_used + int(missed.sum()) - late
-
-
-class PhaseClock:
-    """Time per phase of the iterations: CUDA events on the compute stream (GPU time, read once at the end),
-    wall time on the CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self._marks: list[tuple[str | None, object]] = []
-
-    def mark(self, phase: str | None = None) -> None:
-        """The end of `phase` (None: the start of the next one)."""
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self._marks.append((phase, event))
-        else:
-            self._marks.append((phase, time.perf_counter()))
-
-    def last(self, phase: str, back: int = 0) -> float:
-        """Seconds of the latest `phase`, or of the one `back` before it (on CUDA its end must have completed: read
-        after the iteration's verdict)."""
-        for (_, begin), (name, end) in zip(reversed(self._marks[:-1]), reversed(self._marks)):
-            if name == phase:
-                if not back:
-                    return begin.elapsed_time(end) / 1000 if self.cuda else end - begin
-                back -= 1
-        raise KeyError(phase)
-
-    def total(self, phase: str) -> float:
-        """Seconds spent in `phase` (waits for the device on CUDA: call it at the end)."""
-        total = 0.0
-        for (_, begin), (name, end) in zip(self._marks, self._marks[1:]):
-            if name != phase:
-                continue
-            if self.cuda:
-                end.synchronize()
-                total += begin.elapsed_time(end) / 1000
-            else:
-                total += end - begin
-        return total

@@ -85,24 +85,30 @@ __global__ void __launch_bounds__(1024) post_kernel(volatile MailboxHeader * h, 
 // A CTA per token (striding over them). Which tokens have a pair on the CPU is read from the post's own inputs in
 // device memory: a CTA with such a token waits for the worker's answer (its first thread polls) and adds their rows;
 // the other rows are zero in the result and are not read over PCIe, and a layer that handed nothing over reads no
-// host memory at all. The next kernel may launch once this one's waits are over (launch.cuh).
+// host memory at all. The first CTA waits whenever any does and counts its wait into `waited_ns`. The next kernel
+// may launch once this one's waits are over (launch.cuh).
 __global__ void collect_kernel(const volatile MailboxHeader * h, const int32_t * __restrict__ ids,
                                const uint8_t * __restrict__ on_cpu, const volatile float * result, float * out,
-                               int T, int d, int k, int n_expert, long long timeout_ns) {
+                               int T, int d, int k, int n_expert, long long timeout_ns,
+                               unsigned long long * waited_ns) {
     wait_for_prior_kernels();
     __shared__ bool any;
     if (threadIdx.x == 0) {
         bool mine = false;
         for (int t = blockIdx.x; t < T && !mine; t += gridDim.x)
             mine = has_cpu_pair(ids + size_t(t) * k, k, n_expert, on_cpu);
-        if (mine) {
+        const bool first = blockIdx.x == 0;
+        if (mine || (first && has_cpu_pair(ids, (long long)T * k, n_expert, on_cpu))) {
             const long long want = h->request;
             const unsigned long long t0 = global_ns();
+            unsigned long long now = t0;
             while (h->answer != want) {
                 __nanosleep(128);
-                if (timeout_ns > 0 && global_ns() - t0 > (unsigned long long)timeout_ns) __trap();
+                now = global_ns();
+                if (timeout_ns > 0 && now - t0 > (unsigned long long)timeout_ns) __trap();
             }
             __threadfence_system();
+            if (first && waited_ns) atomicAdd(waited_ns, now - t0);
         }
         any = mine;
     }
@@ -139,7 +145,8 @@ int specter_cuda_cpu_experts_post(specter_cpu_experts * w, int64_t layer, const 
 }
 
 int specter_cuda_cpu_experts_collect(specter_cpu_experts * w, float * out, const int32_t * ids,
-                                     const uint8_t * on_cpu, int64_t n_tokens, int64_t timeout_ns, void * stream) {
+                                     const uint8_t * on_cpu, int64_t n_tokens, int64_t timeout_ns, int64_t * waited_ns,
+                                     void * stream) {
     const int rc = check_collect(w, out, ids, on_cpu, n_tokens);
     if (rc != SPECTER_OK) return rc;
     const int T = int(n_tokens);
@@ -147,7 +154,7 @@ int specter_cuda_cpu_experts_collect(specter_cpu_experts * w, float * out, const
     launch(collect_kernel, unsigned(T < 64 ? T : 64), 256, cudaStream_t(stream),
            reinterpret_cast<const volatile MailboxHeader *>(w->mailbox), ids, on_cpu,
            reinterpret_cast<const volatile float *>(w->mailbox + w->layout.result), out, T, int(w->d_model),
-           int(w->top_k), int(w->n_expert), (long long)timeout_ns);
+           int(w->top_k), int(w->n_expert), (long long)timeout_ns, reinterpret_cast<unsigned long long *>(waited_ns));
     return launch_status();
 }
 

@@ -238,6 +238,18 @@ void project(int type, const TypeInfo & t, const uint64_t * tab, int n_out, int 
     });
 }
 
+// One CTA: a thread per expert writes its three addresses, a thread per pair counts it (specter_expert_table).
+__global__ void expert_table_kernel(const int64_t * __restrict__ slot_of, const int64_t * __restrict__ host_ptrs,
+                                    specter_slot_pool pool, int n_expert, const int32_t * __restrict__ ids,
+                                    int n_pairs, int32_t * routed, int64_t * ptrs) {
+    start_after_prior_kernels();
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x)
+        for (int part = 0; part < 3; ++part)
+            ptrs[size_t(part) * n_expert + e] = expert_address(slot_of, host_ptrs, pool, n_expert, part, e);
+    for (int p = threadIdx.x; p < n_pairs; p += blockDim.x)
+        if (ids[p] >= 0 && ids[p] < n_expert) atomicAdd(routed + ids[p], 1);
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace specter
@@ -293,5 +305,16 @@ extern "C" int specter_cuda_moe_ffn(const float * x, int64_t n_tokens, int64_t d
     const long long n = (long long)T * D;
     launch(reduce_kernel, unsigned((n + 255) / 256), 256, st, ypair, ids, weights, K, E, gate_ptrs, up_ptrs,
            down_ptrs, T, D, out, accumulate);
+    return launch_status();
+}
+
+extern "C" int specter_cuda_expert_table(const int64_t * slot_of, const int64_t * host_ptrs,
+                                         const specter_slot_pool * pool, int64_t n_expert, const int32_t * ids,
+                                         int64_t n_pairs, int32_t * routed, int64_t * ptrs, void * stream) {
+    const int rc = check_expert_table(slot_of, host_ptrs, pool, n_expert, ids, n_pairs, routed, ptrs);
+    if (rc != SPECTER_OK) return rc;
+    cudaGetLastError();
+    launch(expert_table_kernel, 1, 256, cudaStream_t(stream), slot_of, host_ptrs, *pool, int(n_expert), ids,
+           int(n_pairs), routed, ptrs);
     return launch_status();
 }
