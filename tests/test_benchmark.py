@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from specter_gguf.bench import prompts
+from specter_gguf.bench.cache_replay import RoutingRecorder, replay
 from specter_gguf.bench.llamacpp import EXPERT_RE, ModelSizes, llama_server_args, smallest_ncmoe
 from specter_gguf.bench.matrix import (LLAMA_FAMILIES, Budget, MatrixConfig, SystemSpec, build_matrix, parse_budgets,
                                        select_families, split_part)
@@ -136,6 +137,37 @@ def test_summarize_runs_speculation_and_data_movement():
     assert "gpu_ms_per_token" not in m and "cpu_wait_ms_per_token" not in m
     # a system without any of it (llama.cpp): no such keys at all
     assert not set(SPEC_KEYS) & set(summarize_runs([_run("greedy", 5.0)])["greedy"])
+
+
+# ----------------------------------------------------------------------------------------- cache replay
+def test_replay_policies_and_delays():
+    """lru on a cycle longer than the cache misses every time, the best policy does not; a missed expert found from
+    the next forward on with delay 0, `delay` forwards later otherwise."""
+    cycle = [{0: frozenset({e})} for e in [0, 1, 2] * 20]
+    assert replay(cycle, 2, "lru") == 0.0
+    assert replay(cycle, 2, "optimal") >= 0.45 and replay(cycle, 3, "lru") > 0.9
+    same = [{0: frozenset({5}), 3: frozenset({1, 2})}] * 11  # 10 forwards after the prompt's
+    for delay in (0, 1, 3):
+        assert replay(same, 2, "lru", delay) == pytest.approx((10 - delay) / 10)
+    with pytest.raises(ValueError, match="policy"):
+        replay(same, 2, "fifo")
+
+
+def test_routing_recorder_keeps_each_forward(tiny_models):
+    from specter_gguf.engine import Model
+    from specter_gguf.sampling import SamplingParams
+
+    m = Model.load(tiny_models[("qwen2moe", "f16")], device="cpu", progress=False, ctx_size=128)
+    recorder = RoutingRecorder()
+    m.routing_observer = recorder
+    m.generate([1, 2, 3, 4, 5], 6, SamplingParams(temperature=0), ignore_eos=True).wait()
+    trace = recorder.take()
+    assert len(trace) == 6 and recorder.take() == []  # the prompt's forward and five decode steps
+    moe = sorted(trace[0])
+    assert moe and all(sorted(f) == moe for f in trace)
+    k = m.config.n_expert_used
+    assert all(len(f[layer]) == k for f in trace[1:] for layer in moe)  # one token: its k experts
+    assert all(k <= len(trace[0][layer]) <= min(5 * k, m.config.n_expert) for layer in moe)
 
 
 # ----------------------------------------------------------------------------------------- prompts

@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""Expert-cache hit rates over a model's own routing (`specter_gguf.bench.cache_replay`): the lru and lfu policies
+and the best possible (Belady's), each with a missed expert in a slot for the next forward (delay 0), the one after
+(1) and as the engine has it (3: it decodes one step ahead of the host), at the slots per MoE layer of each GPU
+budget's plan. Which misses a better policy could save and which only an earlier copy could.
+
+    python3 scripts/bench_cache.py MODEL.gguf [--budgets 12GiB,16GiB,20GiB] [--prompts 2] [-n 64] [--device cuda]
+
+Records the routing of the bench prompts (scripts/bench_prompts.json), greedy and sampled (temperature 1, top-k 40,
+top-p 0.95, min-p 0.05), with the whole model loaded (on the CPU when it does not fit the GPU: routing is the
+same); prints a Markdown table of decode hit rates, all prompts' lookups together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from specter_gguf.bench.cache_replay import ENGINE_DELAY, POLICIES, RoutingRecorder, replay  # noqa: E402
+from specter_gguf.bench.metrics import SAMPLED  # noqa: E402
+from specter_gguf.bench.prompts import load_prompts  # noqa: E402
+from specter_gguf.engine import Model  # noqa: E402
+from specter_gguf.gguf_file import GGUFFile  # noqa: E402
+from specter_gguf.runtime.budget import plan_memory  # noqa: E402
+from specter_gguf.sampling import SamplingParams  # noqa: E402
+
+DECODINGS = {"greedy": SamplingParams(temperature=0.0), "sampled": SamplingParams(**SAMPLED, seed=1234)}
+DELAYS = (0, 1, ENGINE_DELAY)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", type=Path)
+    ap.add_argument("--budgets", default="12GiB,16GiB,20GiB", help="GPU budgets whose plans give the slots")
+    ap.add_argument("--ctx-size", type=int, default=1024, help="the context the plans are made for")
+    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("-n", "--n-predict", type=int, default=64)
+    ap.add_argument("--device", default="cpu", help="where the model runs to record its routing")
+    args = ap.parse_args()
+    f = GGUFFile(args.model)
+    budgets = []
+    for b in args.budgets.split(","):
+        plan = plan_memory(f, b, args.ctx_size, "cuda")
+        budgets.append((b, plan.n_slots // plan.n_moe_layers, plan.n_experts_total // plan.n_moe_layers))
+    model = Model.load(args.model, device=args.device, progress=False, ctx_size=args.ctx_size)
+    recorder = RoutingRecorder()
+    model.routing_observer = recorder
+    traces = {}
+    for name, sampling in DECODINGS.items():
+        traces[name] = []
+        for p in load_prompts(n=args.prompts):
+            model.generate(p.ids or p.text, args.n_predict, sampling, ignore_eos=True).wait()
+            traces[name].append(recorder.take())
+    heads = [f"{policy} d{d}" for policy in POLICIES for d in DELAYS]
+    print(f"Decode hit rate, {args.model.name}, {args.prompts} prompts × {args.n_predict} tokens (dN: a missed expert "
+          f"is in a slot from the N+1-th forward after it on)\n")
+    print("| Decoding | Budget | Slots/layer | " + " | ".join(heads) + " |")
+    print("|---|---|---|" + "---|" * len(heads))
+    for name, runs in traces.items():
+        for budget, slots, experts in budgets:
+            rates = []
+            for policy in POLICIES:
+                for d in DELAYS:
+                    hits = sum(replay(t, slots, policy, d) * _lookups(t) for t in runs)
+                    rates.append(f"{100 * hits / sum(_lookups(t) for t in runs):.1f}%")
+            print(f"| {name} | {budget} | {slots} of {experts} | " + " | ".join(rates) + " |")
+    return 0
+
+
+def _lookups(trace: list) -> int:
+    return sum(len(experts) for forward in trace[1:] for experts in forward.values())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
