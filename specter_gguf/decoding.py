@@ -13,7 +13,7 @@ it has enough (at most `n_wanted`); a decoder ends when the context is full.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol, TypeVar
 
 import torch
 
@@ -23,6 +23,8 @@ from specter_gguf.steps import PhaseClock, Steps, make_steps
 
 if TYPE_CHECKING:
     from specter_gguf.engine import GenerationStats, Model
+
+T = TypeVar("T")
 
 
 class Decoder(Protocol):
@@ -97,9 +99,7 @@ class StepDecoder:
                 yield token
                 if cache.length + 1 > model.ctx_size:
                     return
-                clock.mark()
-                logits = steps.step(history[-1:])[0]
-                clock.mark("step")
+                logits = _timed(clock, steps, lambda: steps.step(history[-1:]))[0]
                 token = sampler.sample(logits, history)
         finally:
             stats.gpu_s = clock.total("step") if clock.cuda else None
@@ -112,7 +112,8 @@ class StepDecoder:
         and feeds it to the next step, and the step of a token is enqueued before the token is read back, so the
         device computes while the host handles a token. The step of the last token yielded is thus computed even
         when the caller stops there; `cache.length` then leaves it out, as without running ahead (its keys, past
-        the length, are overwritten before any query may see them). `clock` times each step."""
+        the length, are overwritten before any query may see them). `clock` times each step, the one ahead that no
+        token was asked of left out."""
         chosen: Callable[[], int] = lambda: token  # the first token is on the host already
         feed: int | None = token  # the token the next step appends; None: the previous step's choice
         asked = cache.length  # the cache's length without the step ahead
@@ -120,11 +121,21 @@ class StepDecoder:
             while cache.length + 1 <= model.ctx_size:
                 if sampler is not None:
                     steps.verdict.take_uniforms(sampler)
-                clock.mark()
-                ahead = steps.step_ahead(feed)
-                clock.mark("step")
+                ahead = _timed(clock, steps, lambda: steps.step_ahead(feed))
                 yield chosen()
                 asked, chosen, feed = cache.length, ahead, None  # the caller asked past the step of that token
             yield chosen()
         finally:
+            if cache.length > asked:
+                clock.drop_last()
             cache.truncate(asked)
+
+
+def _timed(clock: PhaseClock, steps: Steps, step: Callable[[], T]) -> T:
+    """`step()` between two marks of `clock`: phase "step", or "capture" where it captured a CUDA graph (the capture
+    is not decode time)."""
+    captures = steps.captures
+    clock.mark()
+    out = step()
+    clock.mark("step" if steps.captures == captures else "capture")
+    return out

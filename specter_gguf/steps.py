@@ -158,6 +158,10 @@ class PhaseClock:
         else:
             self._marks.append((phase, time.perf_counter()))
 
+    def drop_last(self) -> None:
+        """Forget the last phase (its two marks)."""
+        del self._marks[-2:]
+
     def last(self, phase: str, back: int = 0) -> float:
         """Seconds of the latest `phase`, or of the one `back` before it (on CUDA its end must have completed: read
         after the iteration's verdict)."""

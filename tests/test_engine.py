@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from specter_gguf.decoding import StepDecoder
 from specter_gguf.engine import Model, plan_budget
@@ -184,3 +185,17 @@ def test_api_arguments_of_the_wrong_type_are_one_error_line(shipped_model: Path)
     out = m.create_completion("Once", max_tokens=0, seed=-1)
     assert out["usage"]["completion_tokens"] >= 1
     assert (m.logits("import os") == m.logits(m.tokenize("import os"))).all()
+
+
+def test_phase_clock_totals_a_phase_and_forgets_the_last() -> None:
+    import time
+
+    from specter_gguf.steps import PhaseClock
+
+    clock = PhaseClock(torch.device("cpu"))  # wall time on the CPU
+    for phase, seconds in (("step", 0.02), ("capture", 0.05), ("step", 0.01), ("step", 0.2)):
+        clock.mark()
+        time.sleep(seconds)
+        clock.mark(phase)
+    clock.drop_last()
+    assert 0.03 <= clock.total("step") < 0.06 and clock.total("capture") >= 0.05
