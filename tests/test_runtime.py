@@ -348,6 +348,8 @@ def test_policies_match_the_plain_engine(tiny_models, tmp_path, policy: str) -> 
     g = m.generate(PROMPT, n_predict=N_TOKENS, sampling=GREEDY).wait()
     assert g.tokens == expected
     assert g.stats.cache_policy == policy and g.stats.cache_evictions > 0 and g.stats.cache_misses > 0
+    # lfu counts every lookup as a use: the prefill's waves and the decode steps' residency path alike
+    assert sum(m.offload.cache._uses.values()) == m.offload.counters.cache_lookups
 
 
 def test_long_prompt_is_prefilled_in_chunks(shipped_model) -> None:

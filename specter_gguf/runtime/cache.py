@@ -220,6 +220,11 @@ class ExpertCache:
             self.reserved |= taken
         return issued
 
+    def count_uses(self, keys: Iterable[Key]) -> None:
+        """A forward used `keys` (counted for lfu; `acquire` counts its own)."""
+        for key in keys:
+            self._uses[key] = self._uses.get(key, 0) + 1
+
     def resident(self, keys: Iterable[Key], include_in_flight: bool = False) -> list[bool]:
         """Which of `keys` are resident now: copy finished (or, with `include_in_flight`, at least issued).
         Queries events only, never waits."""

@@ -364,6 +364,7 @@ class OffloadRuntime:
             for layer in map(int, np.flatnonzero(used.any(1))):
                 keys = [(layer, int(e)) for e in np.flatnonzero(used[layer])]
                 c.zero_copy_bytes += self.layouts[layer].nbytes * int(read_in_place[layer].sum())
+                cache.count_uses(keys)
                 if bring_in:
                     cache.request(keys, prefetch=False)  # hits refreshed, misses brought in for next time
 
