@@ -170,6 +170,37 @@ def test_routing_recorder_keeps_each_forward(tiny_models):
     assert all(k <= len(trace[0][layer]) <= min(5 * k, m.config.n_expert) for layer in moe)
 
 
+def test_replay_at_delay_0_is_the_engines_lru_on_the_cpu(tiny_models):
+    """On the CPU a copy into a slot is done before the next forward: the engine's lru decode hit rate is the replay's
+    with delay 0 over the same routing (recorded on the whole model), lookup for lookup."""
+    from specter_gguf.engine import Model
+    from specter_gguf.gguf_file import GGUFFile
+    from specter_gguf.runtime.budget import plan_memory
+    from specter_gguf.sampling import SamplingParams
+
+    path, greedy, prompt = tiny_models[("qwen2moe", "f16")], SamplingParams(temperature=0), list(range(3, 40))
+    plan = plan_memory(GGUFFile(path), 1 << 40, 256, "cpu")
+    budget = plan.minimum + 3 * plan.n_moe_layers * plan.slot_bytes  # top_k + 3 slots a layer: it evicts
+
+    def offloaded(n: int):
+        m = Model.load(path, device="cpu", progress=False, ctx_size=256, gpu_budget=budget, offload="lru",
+                       hybrid="off")
+        return m, m.generate(prompt, n, greedy, ignore_eos=True).wait().stats
+
+    _, prefill = offloaded(1)
+    m, whole = offloaded(48)
+    lookups, hits = whole.cache_lookups - prefill.cache_lookups, whole.cache_hits - prefill.cache_hits
+    assert whole.cache_evictions > 0 and 0 < hits < lookups
+    plain = Model.load(path, device="cpu", progress=False, ctx_size=256)
+    plain.routing_observer = recorder = RoutingRecorder()
+    plain.generate(prompt, 48, greedy, ignore_eos=True).wait()
+    trace = recorder.take()
+    assert sum(len(e) for f in trace[1:] for e in f.values()) == lookups
+    slots = m.offload.cache.capacity(min(m.offload.layers))
+    assert replay(trace, slots, "lru", 0) == pytest.approx(hits / lookups)
+    assert replay(trace, slots, "lru", 3) < hits / lookups
+
+
 # ----------------------------------------------------------------------------------------- prompts
 def test_prompts_file_is_varied_and_round_robin():
     data = json.loads(PROMPTS_FILE.read_text())

@@ -5,9 +5,10 @@ A trace is a generation's forwards in order, each the experts every MoE layer us
 observer). `replay` plays the residency path's cache over it (`runtime.offload.OffloadRuntime`): each MoE layer has
 `slots` slots (the per-layer partition of lru); a forward's lookup of an expert hits when the expert is in a slot
 it can see; after the forward every expert it used is brought in (a resident one refreshed, a missing one evicting
-the policy's victim), and forward n sees what the forwards up to n - 1 - `delay` brought in. The engine decodes one
-step ahead of the host and copies into a slot only after the forward enqueued before the copy: forward n finds
-in slots the misses of forward n - 4 and earlier (`ENGINE_DELAY`). Policies: `lru`, `lfu` (uses so far; the engine's
+the policy's victim), and forward n sees what the forwards up to n - 1 - `delay` brought in. On CUDA the engine
+decodes one step ahead of the host and copies into a slot only after the forward enqueued before the copy: forward
+n finds in slots the misses of forward n - 4 and earlier (`ENGINE_DELAY`, read from the code's order). On the CPU a
+copy is done before the next forward: delay 0, where the engine's decode hit rate is the replay's (a test checks). Policies: `lru`, `lfu` (uses so far; the engine's
 lfu shares one partition among the layers, here each layer has its own), `optimal` (Belady's: the resident expert
 used again last, or never, goes; no policy that brings in every miss does better).
 """
