@@ -241,9 +241,13 @@ def run(args: argparse.Namespace, t_start: float, deadline: float | None) -> int
         raise SpecterError("nothing to run: check --systems and --budgets")
 
     prompts = load_prompts(args.prompts_file, args.prompts)
+    # the warm-ups run the next prompt of the file, not a measured one (`runner.run_prompt_set`)
+    warmup = next((p for p in load_prompts(args.prompts_file) if p.id not in {q.id for q in prompts}), None)
     with server_tokenizer(llama_bin, target, args.out / "logs" / "tokenize.log") as stok:
-        how = tokenize_prompts(prompts, target, args.prompts_file, stok if llama_bin else None)
-    log(f"{len(prompts)} prompts tokenized by {how}: {[len(p.ids) for p in prompts]} tokens")
+        how = tokenize_prompts(prompts + ([warmup] if warmup else []), target, args.prompts_file,
+                               stok if llama_bin else None)
+    log(f"{len(prompts)} prompts tokenized by {how}: {[len(p.ids) for p in prompts]} tokens; warm-ups on "
+        + (f"{warmup.id} ({len(warmup.ids)} tokens)" if warmup else f"{prompts[0].id}, a measured one"))
 
     decodings = tuple(d.strip() for d in args.decodings.split(",") if d.strip())
     bad = [d for d in decodings if d not in DECODINGS]
@@ -251,7 +255,7 @@ def run(args: argparse.Namespace, t_start: float, deadline: float | None) -> int
         raise SpecterError(f"--decodings: choose from {', '.join(DECODINGS)}")
     settings = RunSettings(args.n_predict, decodings, args.seed, args.seconds_per_system)
     ctx = BenchContext(str(target), _model_label(args, sizes), prompts, settings, args.out, args.ctx_size,
-                       args.device, llama_bin, args.threads, args.job_timeout, deadline, log, args.pcie_gbps)
+                       args.device, llama_bin, args.threads, args.job_timeout, deadline, log, args.pcie_gbps, warmup)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     meta = {
         "date": now_utc(), "stamp": stamp, "gpu": gpu_info(),
@@ -260,7 +264,7 @@ def run(args: argparse.Namespace, t_start: float, deadline: float | None) -> int
         "budgets": {b.label: b.bytes for b in budgets}, "n_prompts": len(prompts), "n_predict": args.n_predict,
         "decodings": list(decodings), "seed": args.seed, "ctx_size": args.ctx_size, "tokenized_by": how,
         "llama_version": llama_version(llama_bin) if llama_bin else None, "part": args.part,
-        "pcie_gbps": args.pcie_gbps,
+        "pcie_gbps": args.pcie_gbps, "warmup_prompt": warmup.id if warmup else None,
         "command": "python3 scripts/bench.py " + shlex.join(sys.argv[1:] if argv_is_cli() else []),
     }
     doc = {"meta": meta, "notes": notes, "results": []}

@@ -411,12 +411,12 @@ def fake_bin(tmp_path):
 
 
 def _ctx(tmp_path, llama_bin, prompts=3, **kw):
-    ps = load_prompts(n=prompts)
+    ps = load_prompts(n=prompts + 1)  # the last one warms up
     for i, p in enumerate(ps):
         p.ids = list(range(1, 10 + i))
     settings = RunSettings(n_predict=8, decodings=("greedy", "sampled"), seed=7, seconds_per_system=60)
-    return BenchContext("/m/t.gguf", "fake", ps, settings, tmp_path / "out", llama_bin=llama_bin,
-                          log=lambda s: None, **kw)
+    return BenchContext("/m/t.gguf", "fake", ps[:-1], settings, tmp_path / "out", llama_bin=llama_bin,
+                          log=lambda s: None, warmup=ps[-1], **kw)
 
 
 def test_llama_system_against_stand_in_server(tmp_path, fake_bin):
@@ -426,7 +426,11 @@ def test_llama_system_against_stand_in_server(tmp_path, fake_bin):
     assert r["status"] == "ok", r["error"]
     measured = [x for x in r["runs"] if not x.get("warmup")]
     assert len(measured) == 6 and r["runs"][0]["generated_tokens"] == 8
-    assert [(x["decoding"], x["warmup"]) for x in r["runs"][:2]] == [("greedy", True), ("sampled", True)]
+    # decoding by decoding, each after a warm-up on a prompt not measured: no run follows one of its own prompt
+    assert [(x["decoding"], x["warmup"]) for x in r["runs"]] == [("greedy", True)] + [("greedy", False)] * 3 + \
+        [("sampled", True)] + [("sampled", False)] * 3
+    ids = [x["prompt_id"] for x in r["runs"]]
+    assert ids[0] == ids[4] not in ids[1:4] and all(a != b for a, b in zip(ids, ids[1:]))
     assert r["summary"]["greedy"]["tpot_ms"] == 2.0 and r["summary"]["sampled"]["tpot_ms"] == 3.0
     assert r["summary"]["greedy"]["acceptance"] == pytest.approx(0.4)
     assert all(x["tokens"] == [] for x in measured if x["decoding"] == "sampled")
@@ -609,8 +613,10 @@ def test_bench_end_to_end_ours_on_cpu(tmp_path, preset):
     assert {x["decoding"] for x in measured} == {"greedy", "sampled"}
     assert all(x["tpot_ms"] > 0 for x in measured)
     assert r["summary"]["greedy"]["n_prompts"] == 2
+    warm = {x["prompt_id"] for x in r["runs"] if x["warmup"]}  # the file's third prompt warms up
+    assert warm == {doc["meta"]["warmup_prompt"]} and not warm & {x["prompt_id"] for x in measured}
     md = (out / "section.md").read_text()
-    assert "| ours |" in md and preset in md
+    assert "| ours |" in md and preset in md and "on a prompt not measured" in md
     assert "| ours |" in report.read_text()
     # the model is reused on a second run, which also exercises --from-results
     p2 = _bench("--from-results", str(out / "results.json"), "--out", str(tmp_path / "again"))

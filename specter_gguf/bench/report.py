@@ -143,6 +143,15 @@ def _speculation_table(res: Sequence[dict[str, Any]], decs: Sequence[str]) -> li
     return [*lines, ""]
 
 
+def _warmup_words(meta: dict[str, Any]) -> str:
+    """How the report names the warm-ups: on a prompt not measured, each decoding's prompts after it (from
+    2026-12-06); before, on the first measured prompt, each prompt's decodings in turn."""
+    if meta.get("warmup_prompt"):
+        return (f" on a prompt not measured (`{meta['warmup_prompt']}`), then each decoding's prompts in turn (no "
+                "generation follows one of its own prompt)")
+    return " on the first measured prompt, then each prompt under each decoding"
+
+
 def render_markdown(doc: dict[str, Any], images: Sequence[str] = ()) -> str:
     """One report section: a header (date, GPU, model, budgets, command), the main table, the speculation and
     data-movement table, notes and plots."""
@@ -158,8 +167,8 @@ def render_markdown(doc: dict[str, Any], images: Sequence[str] = ()) -> str:
         + (f"; draft: `{Path(m['draft']).name}` ({format_size(m.get('draft_bytes'))})" if m.get("draft") else ""),
         f"- Budgets: {', '.join(f'{b} ({format_size(v)})' for b, v in (m.get('budgets') or {}).items()) or 'none'}",
         f"- Prompts: {m.get('n_prompts')} (ids via {m.get('tokenized_by', '?')}), {m.get('n_predict')} generated "
-        f"tokens each, after one warm-up per decoding; decodings: {' / '.join(decs)} (sampled: temperature 1, top-k 40, "
-        f"top-p 0.95, min-p 0.05, seed {m.get('seed')} + prompt index)",
+        f"tokens each, after one warm-up per decoding{_warmup_words(m)}; decodings: {' / '.join(decs)} (sampled: "
+        f"temperature 1, top-k 40, top-p 0.95, min-p 0.05, seed {m.get('seed')} + prompt index)",
         f"- llama.cpp: {m.get('llama_version') or 'not run'}; context {m.get('ctx_size')} tokens",
         *([f"- **PCIe paced to {m['pcie_gbps']:g} GB/s** for ours (a wait after each expert copy and each layer's reads "
            "in place, for the bytes' time at that rate beyond this machine's: `--pcie-gbps`); llama.cpp unpaced (its "

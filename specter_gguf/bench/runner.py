@@ -42,21 +42,26 @@ class RunSettings:
 
 
 def run_prompt_set(generate: Callable[[list[int], int, str, int], dict[str, Any]], prompts: Sequence[Prompt],
-                   rs: RunSettings, log: Callable[[str], None] = lambda s: None) -> tuple[list[dict], str]:
-    """One warm-up generation per decoding (ours captures the CUDA graphs of each: sampled steps are other
-    graphs than greedy ones), then every prompt under every decoding, until the time allowance is spent (at
-    least one prompt always runs). Returns the run records and a note when prompts were left out."""
+                   rs: RunSettings, log: Callable[[str], None] = lambda s: None,
+                   warmup: Prompt | None = None) -> tuple[list[dict], str]:
+    """Decoding by decoding: one warm-up generation of `warmup` (ours captures the CUDA graphs of each decoding:
+    sampled steps are other graphs than greedy ones), then every prompt, until the decoding's share of the time
+    allowance is spent (at least one prompt always runs). A measured generation thus follows another prompt's, as
+    a new prompt meets an expert cache that served other text: never a generation of its own prompt, whose experts
+    it would find in place (`warmup` None: the first prompt warms up, and its measured runs are flattered).
+    Returns the run records and a note when prompts were left out."""
     runs: list[dict] = []
+    warm = prompts[0] if warmup is None else warmup
+    done = len(prompts)
     for dec in rs.decodings:
-        w = generate(prompts[0].ids, min(rs.n_predict, rs.warmup_tokens), dec, rs.seed)
-        w.update(prompt_id=prompts[0].id, decoding=dec, warmup=True, tokens=[])
+        w = generate(warm.ids, min(rs.n_predict, rs.warmup_tokens), dec, rs.seed)
+        w.update(prompt_id=warm.id, decoding=dec, warmup=True, tokens=[])
         runs.append(w)
-    start = time.monotonic()
-    done = 0
-    for i, p in enumerate(prompts):
-        if i > 0 and time.monotonic() - start > rs.seconds_per_system:
-            break
-        for dec in rs.decodings:
+        start = time.monotonic()
+        for i, p in enumerate(prompts):
+            if i > 0 and time.monotonic() - start > rs.seconds_per_system / len(rs.decodings):
+                done = min(done, i)
+                break
             seed = rs.seed + i
             r = generate(p.ids, rs.n_predict, dec, seed)
             r.update(prompt_id=p.id, decoding=dec, seed=seed, warmup=False)
@@ -64,7 +69,6 @@ def run_prompt_set(generate: Callable[[list[int], int, str, int], dict[str, Any]
                 r["tokens"] = []  # keep greedy outputs only (for cross-system checks)
             runs.append(r)
             log(f"    {p.id:<18} {dec:<8} {r['generated_tokens']:4d} tok  TPOT {r.get('tpot_ms') or 0:8.2f} ms")
-        done += 1
     note = "" if done == len(prompts) else f"time allowance: {done} of {len(prompts)} prompts"
     return runs, note
 
@@ -84,6 +88,7 @@ class BenchContext:
     deadline: float | None = None  # time.monotonic() value after which no system starts
     log: Callable[[str], None] = print
     pcie_gbps: float | None = None  # ours' expert transfers paced to this rate (OffloadRuntime.pace_transfers)
+    warmup: Prompt | None = None  # the warm-ups' prompt, one not measured (`run_prompt_set`)
 
     def remaining(self) -> float:
         return math.inf if self.deadline is None else self.deadline - time.monotonic()
@@ -165,7 +170,7 @@ def _run_llama(spec: SystemSpec, ctx: BenchContext, res: dict[str, Any]) -> None
                     raise SpecterError(f"job timeout ({ctx.job_timeout:.0f} s or the deadline) reached")
                 return srv.complete(ids, n, dec, seed, timeout=left)
 
-            runs, note = run_prompt_set(gen, ctx.prompts, _clip_settings(ctx, budget_s, t_start), ctx.log)
+            runs, note = run_prompt_set(gen, ctx.prompts, _clip_settings(ctx, budget_s, t_start), ctx.log, ctx.warmup)
             res["runs"] = runs
             if note:
                 res["note"] = "; ".join(x for x in (res["note"], note) if x)
@@ -203,6 +208,7 @@ def _run_ours(specs: Sequence[SystemSpec], ctx: BenchContext, results: list[dict
            "budget_bytes": first.budget.bytes if first.budget else None, "draft": first.params.get("draft"),
            "draft_n_max": first.params.get("draft_n_max"), "rows": rows,
            "prompts": [dataclasses.asdict(p) for p in ctx.prompts],
+           "warmup": dataclasses.asdict(ctx.warmup) if ctx.warmup else None,
            "settings": dataclasses.asdict(ctx.settings) | {"decodings": list(ctx.settings.decodings)},
            "time_budget_s": budget_s, "pcie_gbps": ctx.pcie_gbps}
     job_path = work / f"{_slug(first)}.job.json"

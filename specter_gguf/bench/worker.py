@@ -44,6 +44,7 @@ def ours_worker(job_path: str | Path) -> int:
         model = OURS_MODES[rows[0]["mode"]].load(job, IdsOnlyTokenizer() if forced else ids_only_unless_llama_cpp())
         load_s = time.monotonic() - t0
         prompts = [Prompt(**p) for p in job["prompts"]]
+        warmup = Prompt(**job["warmup"]) if job.get("warmup") else None
 
         def gen(ids: list[int], n: int, dec: str, seed: int) -> dict[str, Any]:
             sp = SamplingParams(**DECODINGS[dec], seed=seed)
@@ -64,7 +65,7 @@ def ours_worker(job_path: str | Path) -> int:
             settings = RunSettings(**{**job["settings"], "decodings": tuple(job["settings"]["decodings"])})
             left = (job["time_budget_s"] - (time.monotonic() - t_begin)) / (len(rows) - done)  # this row's share
             settings.seconds_per_system = min(settings.seconds_per_system, 0.5 * left)
-            runs, note = run_prompt_set(gen, prompts, settings, lambda s: print(s, flush=True))
+            runs, note = run_prompt_set(gen, prompts, settings, lambda s: print(s, flush=True), warmup)
             result = {"runs": runs, "note": note, "error": None, "load_s": load_s, "row_s": time.monotonic() - t_row}
             if cuda:  # the process's peak so far: its rows share the device
                 result["torch_peak_bytes"] = int(torch.cuda.max_memory_allocated())
