@@ -23,6 +23,7 @@ from specter_gguf.bench.cache_replay import ENGINE_DELAY, POLICIES, RoutingRecor
 from specter_gguf.bench.metrics import SAMPLED  # noqa: E402
 from specter_gguf.bench.prompts import load_prompts  # noqa: E402
 from specter_gguf.engine import Model  # noqa: E402
+from specter_gguf.errors import SpecterError  # noqa: E402
 from specter_gguf.gguf_file import GGUFFile  # noqa: E402
 from specter_gguf.runtime.budget import plan_memory  # noqa: E402
 from specter_gguf.sampling import SamplingParams  # noqa: E402
@@ -42,9 +43,13 @@ def main() -> int:
     args = ap.parse_args()
     f = GGUFFile(args.model)
     budgets = []
-    for b in args.budgets.split(","):
-        plan = plan_memory(f, b, args.ctx_size, "cuda")
-        budgets.append((b, plan.n_slots // plan.n_moe_layers, plan.n_experts_total // plan.n_moe_layers))
+    try:
+        for b in args.budgets.split(","):
+            plan = plan_memory(f, b, args.ctx_size, "cuda")
+            plan.check()  # a budget the engine would refuse has no slots to replay
+            budgets.append((b, plan.n_slots // plan.n_moe_layers, plan.n_experts_total // plan.n_moe_layers))
+    except SpecterError as e:
+        sys.exit(f"bench_cache.py: {e}")
     model = Model.load(args.model, device=args.device, progress=False, ctx_size=args.ctx_size)
     recorder = RoutingRecorder()
     model.routing_observer = recorder
@@ -52,7 +57,7 @@ def main() -> int:
     for name, sampling in DECODINGS.items():
         traces[name] = []
         for p in load_prompts(n=args.prompts):
-            model.generate(p.ids or p.text, args.n_predict, sampling, ignore_eos=True).wait()
+            model.generate(p.text, args.n_predict, sampling, ignore_eos=True).wait()
             traces[name].append(recorder.take())
     heads = [f"{policy} d{d}" for policy in POLICIES for d in DELAYS]
     print(f"Decode hit rate, {args.model.name}, {args.prompts} prompts × {args.n_predict} tokens (dN: a missed expert "

@@ -8,9 +8,10 @@ it can see; after the forward every expert it used is brought in (a resident one
 the policy's victim), and forward n sees what the forwards up to n - 1 - `delay` brought in. On CUDA the engine
 decodes one step ahead of the host and copies into a slot only after the forward enqueued before the copy: forward
 n finds in slots the misses of forward n - 4 and earlier (`ENGINE_DELAY`, read from the code's order). On the CPU a
-copy is done before the next forward: delay 0, where the engine's decode hit rate is the replay's (a test checks). Policies: `lru`, `lfu` (uses so far; the engine's
-lfu shares one partition among the layers, here each layer has its own), `optimal` (Belady's: the resident expert
-used again last, or never, goes; no policy that brings in every miss does better).
+copy is done before the next forward: delay 0, where the engine's decode hit rate is the replay's (a test checks).
+Policies: `lru`, `lfu` (uses so far; the engine's lfu shares one partition among the layers, here each layer has its
+own), `optimal` (Belady's: the resident expert used again last, or never, goes; no policy that brings in every miss
+does better).
 """
 
 from __future__ import annotations
