@@ -13,8 +13,9 @@ from typing import Any
 import click
 import numpy as np
 
-from specter_gguf.engine import (DEFAULT_HYBRID, DRAFT_TYPES, HYBRID_CHOICES, MAX_DEPTH, MAX_FIXED_DEPTH,
-                                 OFFLOAD_CHOICES, POLICIES, SHIPPED_DRAFT, draft_file_or_type, parse_depth)
+from specter_gguf.engine import (DEFAULT_HYBRID, DEFAULT_SPARE_SLOTS, DRAFT_TYPES, HYBRID_CHOICES, MAX_DEPTH,
+                                 MAX_FIXED_DEPTH, MAX_SPARES, OFFLOAD_CHOICES, POLICIES, SHIPPED_DRAFT,
+                                 draft_file_or_type, parse_depth)
 from specter_gguf.errors import ContextFullError, SpecterError
 from specter_gguf.outputs import check_output_file, check_output_folder
 from specter_gguf.quantize import FTYPES
@@ -203,7 +204,8 @@ def load_options(f: Any = None, *, depth: bool = True) -> Any:
 
     @functools.wraps(f)
     def command(*args: Any, device: str | None, ctx_size: int | None, gpu_budget: str | None, offload: str | None,
-                cache_policy: str | None, routing_profile: Path | None, hybrid: str, cuda_graphs: bool,
+                cache_policy: str | None, routing_profile: Path | None, hybrid: str, spare_slots: int | None,
+                cuda_graphs: bool,
                 draft: Path | str | None, n_draft: int | str | None = None, **kwargs: Any) -> Any:
         def load(model: Path | None, progress: bool) -> Any:
             from specter_gguf.engine import Model
@@ -213,7 +215,8 @@ def load_options(f: Any = None, *, depth: bool = True) -> Any:
             chosen = None if chosen == "none" else chosen
             return Model.load(model, device=device, ctx_size=ctx_size, progress=progress, gpu_budget=budget,
                               offload=offload, cache_policy=cache_policy, routing_profile=routing_profile,
-                              cuda_graphs=cuda_graphs, draft=chosen, n_draft=n_draft, hybrid=hybrid)
+                              cuda_graphs=cuda_graphs, draft=chosen, n_draft=n_draft, hybrid=hybrid,
+                              spare_slots=spare_slots)
 
         return f(*args, load=load, **kwargs)
 
@@ -234,6 +237,11 @@ def load_options(f: Any = None, *, depth: bool = True) -> Any:
                      "between the CPU and PCIe by their costs measured at load (on), or all read over PCIe (off); "
                      "auto turns it on where the CPU computes an expert for one token in less than two copies' "
                      "time (then the split can give it some); off on the CPU device and for experts under 1 MiB."),
+        click.option("--spare-slots", type=click.IntRange(0, MAX_SPARES), default=None,
+                     help=f"Expert-cache slots per MoE layer kept free for a forward to copy the experts it misses "
+                     f"into as it computes them, so that they cross PCIe once and the next token finds them "
+                     f"(--offload lru; default {DEFAULT_SPARE_SLOTS}; 0: misses are read in place and copied into "
+                     "the cache after the forward)."),
         click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
                      help="Replay each decode step, draft step and verification as a CUDA graph (CUDA; not with "
                      "--offload gate-prefetch)."),

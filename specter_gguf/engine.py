@@ -26,6 +26,7 @@ from specter_gguf.runtime.cache import POLICIES  # the values of Model.load's ca
 from specter_gguf.runtime.hybrid import DEFAULT_HYBRID, HYBRID_CHOICES, HybridChoice, probe_hybrid  # ... of its hybrid
 from specter_gguf.runtime.hybrid import check_mode as check_hybrid_mode
 from specter_gguf.runtime.offload import OFFLOAD_CHOICES, load_offloaded  # ... and of its offload
+from specter_gguf.runtime.offload import DEFAULT_SPARE_SLOTS, MAX_SPARES  # ... and of its spare_slots
 from specter_gguf.runtime.offload import residency_max_tokens
 from specter_gguf.runtime.routing import DeviceRoutingCounts, RoutingProfile
 from specter_gguf.sampling import Sampler, SamplingParams
@@ -38,6 +39,7 @@ from specter_gguf.tokenizer import IdsOnlyTokenizer, Tokenizer
 __all__ = ["Model", "Generation", "GenerationStats", "SHIPPED_MODEL", "SHIPPED_DRAFT", "resolve_device", "tpot_ms",
            "read_config", "FileSummary", "summarize_file", "plan_budget", "MemoryPlan", "ModelConfig",
            "RoutingProfile", "OFFLOAD_CHOICES", "POLICIES", "HYBRID_CHOICES", "DEFAULT_HYBRID", "plan_hybrid",
+           "DEFAULT_SPARE_SLOTS", "MAX_SPARES",
            "MAX_DEPTH", "MAX_FIXED_DEPTH", "parse_depth", "DRAFT_TYPES", "draft_file_or_type", "resolve_draft"]
 
 log = logging.getLogger(__name__)
@@ -167,6 +169,8 @@ class GenerationStats:
     prefetches: int | None = None
     bytes_copied: int | None = None     # host -> device, whole generation (prefill included)
     zero_copy_bytes: int | None = None  # experts read in place from host memory by the kernels
+    spare_slots: int | None = None      # slots per MoE layer kept for misses to be copied into as forwards run
+    spare_fetches: int | None = None    # ... missed experts copied into them (bytes counted in bytes_copied)
     hybrid: bool | None = None          # missed experts of small batches computed on the CPU (runtime.hybrid)
     cpu_expert_pairs: int | None = None  # ... the (token, expert) pairs it computed
     cpu_expert_s: float | None = None    # ... the time its worker spent on them
@@ -282,6 +286,8 @@ class GenerationStats:
                      f"{100 * (self.cache_hit_rate or 0):.1f}%, {format_size(self.bytes_moved_per_token or 0)} "
                      f"moved per token ({format_size(self.bytes_copied_per_token or 0)} copied), "
                      f"{100 * (self.hidden_copy_share or 0):.0f}% of copy time hidden")
+            if self.spare_slots:
+                text += f", {self.spare_fetches} misses copied into spare slots ({self.spare_slots} a layer)"
             if self.hybrid:
                 text += (f", {self.cpu_expert_pairs} (token, expert) pairs computed on the CPU in "
                          f"{1000 * (self.cpu_expert_s or 0):.1f} ms (the forwards waited "
@@ -363,7 +369,8 @@ class Model:
              offload: str | None = None, cache_policy: str | None = None,
              routing_profile: str | os.PathLike[str] | Any = None, cuda_graphs: bool = True,
              draft: str | os.PathLike[str] | None = None, n_draft: int | Literal["auto"] | None = None,
-             tokenizer: Tokenizer | IdsOnlyTokenizer | None = None, hybrid: str | None = None) -> Model:
+             tokenizer: Tokenizer | IdsOnlyTokenizer | None = None, hybrid: str | None = None,
+             spare_slots: int | None = None) -> Model:
         """Load `path` (default: the small model shipped in `models/`) onto `device` ("cpu", "cuda";
         default CUDA when present). `ctx_size`: tokens of context; default min(the model's training context,
         4096) as llama.cpp; 0: the model's training context.
@@ -378,7 +385,9 @@ class Model:
         the host). `hybrid` ("auto", "on", "off"; offloaded experts): the experts a decode step, a verification or a
         short prefill misses are split between the CPU and PCIe by their measured costs (`runtime.hybrid`); auto
         turns it on where a measurement at load says the CPU computes an expert for one token in less than two
-        copies' time (the default; off on the CPU device and for experts under 1 MiB).
+        copies' time (the default; off on the CPU device and for experts under 1 MiB). `spare_slots` (lru, 0 to
+        MAX_SPARES, default DEFAULT_SPARE_SLOTS): slots per MoE layer kept free for a forward to copy the experts it misses into as it computes them (0:
+        misses are read in place, and copied into the cache after the forward).
         `draft`: a quantized copy of the model (e.g. `specter-gguf quantize MODEL --type q4_k_m`), or a type
         ("q2_k", "q3_k_m", "q4_k_m", "q8_0", ...: the draft is made from the model on first use and kept,
         `speculation.draft_files`), whose routed experts share the device and draft `n_draft` tokens per
@@ -401,7 +410,8 @@ class Model:
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         transformer, runtime, plan = load_offloaded(f, dev, ctx, progress, gpu_budget, offload, cache_policy,
-                                                    routing_profile, draft=draft_file, hybrid=hybrid)
+                                                    routing_profile, draft=draft_file, hybrid=hybrid,
+                                                    spare_slots=spare_slots)
         model = cls(path, transformer, tokenizer if tokenizer is not None else Tokenizer.from_gguf(path), ctx)
         model.offload, model.memory_plan = runtime, plan
         model.cuda_graphs = cuda_graphs and dev.type == "cuda" and (runtime is None or runtime.mode != "gate-prefetch")
@@ -649,6 +659,7 @@ class Model:
         stats.cache_lookups, stats.cache_hits, stats.cache_misses = c.cache_lookups, c.cache_hits, c.cache_misses
         stats.cache_evictions, stats.prefetches, stats.bytes_copied = c.cache_evictions, c.prefetches, c.bytes_copied
         stats.zero_copy_bytes = c.zero_copy_bytes
+        stats.spare_slots, stats.spare_fetches = self.offload.cache.n_spare, c.spare_fetches
         stats.hybrid, stats.cpu_expert_pairs = self.offload.hybrid.on, c.cpu_expert_pairs
         stats.cpu_expert_s, stats.cpu_wait_s = c.cpu_expert_s, c.cpu_wait_s
         stats.copy_s, stats.copy_exposed_s = c.copy_s, min(c.copy_exposed_s, c.copy_s)

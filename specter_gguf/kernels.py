@@ -500,25 +500,47 @@ def pace(n_bytes: torch.Tensor | None, extra_bytes: int, ns_per_byte: float, dev
 @dataclass(frozen=True)
 class SlotPool:
     """Where an offload cache's slots lie on the device: from address `base`, `slot_bytes` each, an expert record's
-    gate, up and down parts `part_offsets` bytes into its slot."""
+    gate, up and down parts `part_offsets` bytes into its slot, `part_bytes` long."""
 
     base: int
     slot_bytes: int
     part_offsets: tuple[int, int, int]
+    part_bytes: tuple[int, int, int]
+
+
+MAX_SPARES = 8  # spare slots of one layer's table call, at most (native SPECTER_MAX_SPARES)
+
+
+@dataclass(frozen=True)
+class SpareSlots:
+    """Free slots that a layer's `residency_pointers` copies its missed experts into (native `specter_spare_slots`,
+    device tensors): `slots` (int64 [n_spare]: a free slot, or -1 once used), `fetched` (int32 [n_expert]: set to
+    slot + 1 for each expert copied), `arrivals` (int32 [1]: 0 between calls)."""
+
+    slots: torch.Tensor
+    fetched: torch.Tensor
+    arrivals: torch.Tensor
 
 
 def residency_pointers(slot_of: torch.Tensor, host_ptrs: torch.Tensor, pool: SlotPool, ids: torch.Tensor,
-                       routed: torch.Tensor) -> torch.Tensor:
+                       routed: torch.Tensor, spares: SpareSlots | None = None) -> torch.Tensor:
     """A MoE layer's pointer table for `moe_ffn` (int64 [3, n_expert], a fresh tensor): expert e from its slot in
-    `pool` where `slot_of[e]` >= 0 (int64 [n_expert], the residency table's row), else from its record in host
-    memory (`host_ptrs`, int64 [3, n_expert]: read in place); and `routed` (int32 [n_expert]) += the layer's
-    routing `ids` (int32), counted per expert. One kernel on CUDA (native `specter_expert_table`)."""
+    `pool` where `slot_of[e]` >= 0 (int64 [n_expert], the residency table's row; below -1: a copy on its way), else
+    from its record in host memory (`host_ptrs`, int64 [3, n_expert]: read in place); and `routed` (int32
+    [n_expert]) += the layer's routing `ids` (int32), counted per expert. With `spares`, first the routed experts
+    with `slot_of` -1, in ascending order, are copied into the usable spare slots and entered in `slot_of` (native
+    `specter_expert_table`). One kernel on CUDA."""
     n_expert = slot_of.shape[0]
     ids32 = ids.to(torch.int32).contiguous()
     ptrs = torch.empty((3, n_expert), dtype=torch.int64, device=slot_of.device)
+    ffi = _ffi()
+    spare = ffi.NULL if spares is None else ffi.new("specter_spare_slots *", (
+        _ptr(spares.slots, "int64_t *"), spares.slots.numel(), _ptr(spares.fetched, "int32_t *"),
+        _ptr(spares.arrivals, "uint32_t *")))
     args = (_ptr(slot_of, "int64_t *"), _ptr(host_ptrs, "int64_t *"),
-            _ffi().new("specter_slot_pool *", (pool.base, pool.slot_bytes, list(pool.part_offsets))), n_expert,
-            _ptr(ids32, "int32_t *"), ids32.numel(), _ptr(routed, "int32_t *"), _ptr(ptrs, "int64_t *"))
+            ffi.new("specter_slot_pool *", (pool.base, pool.slot_bytes, list(pool.part_offsets),
+                                            list(pool.part_bytes))), n_expert,
+            _ptr(ids32, "int32_t *"), ids32.numel(), spare, _ptr(routed, "int32_t *"), _ptr(ptrs, "int64_t *"))
     _call("expert_table", args, slot_of.device, "the layer's pointer table")
     return ptrs
 

@@ -14,8 +14,10 @@ from specter_gguf.runtime.budget import moe_layers, record_layout
 from specter_gguf.runtime.store import ExpertStore
 
 
-def small_cache(path: Path, slots: int, policy: str = "lru", profile: RoutingProfile | None = None) -> ExpertCache:
-    """Per-layer partitions for lru (`slots` per MoE layer), one global partition of `slots` for lfu/static-hot."""
+def small_cache(path: Path, slots: int, policy: str = "lru", profile: RoutingProfile | None = None,
+                n_spare: int = 0) -> ExpertCache:
+    """Per-layer partitions for lru (`slots` per MoE layer), one global partition of `slots` for lfu/static-hot;
+    `n_spare` of them a layer set aside as spares."""
     partition = "layer" if policy == "lru" else "global"
     f = GGUFFile(path)
     cfg = ModelConfig.from_gguf(f)
@@ -24,4 +26,4 @@ def small_cache(path: Path, slots: int, policy: str = "lru", profile: RoutingPro
     layouts = {i: record_layout(f, cfg, i) for i in layers}
     store = ExpertStore(f, layouts, cfg.n_expert, torch.device("cpu"))
     slot = max(r.nbytes for r in layouts.values())
-    return ExpertCache(store, n_slots, slot, layers, torch.device("cpu"), policy, partition, profile)
+    return ExpertCache(store, n_slots, slot, layers, torch.device("cpu"), policy, partition, profile, n_spare=n_spare)

@@ -172,7 +172,8 @@ def test_routing_recorder_keeps_each_forward(tiny_models):
 
 def test_replay_at_delay_0_is_the_engines_lru_on_the_cpu(tiny_models):
     """On the CPU a copy into a slot is done before the next forward: the engine's lru decode hit rate is the replay's
-    with delay 0 over the same routing (recorded on the whole model), lookup for lookup."""
+    with delay 0 over the same routing (recorded on the whole model), lookup for lookup, at the slots of a layer's
+    partition — a spare slot (one a layer, set aside for a forward to copy its misses into) is not among them."""
     from specter_gguf.engine import Model
     from specter_gguf.gguf_file import GGUFFile
     from specter_gguf.runtime.budget import plan_memory
@@ -180,17 +181,17 @@ def test_replay_at_delay_0_is_the_engines_lru_on_the_cpu(tiny_models):
 
     path, greedy, prompt = tiny_models[("qwen2moe", "f16")], SamplingParams(temperature=0), list(range(3, 40))
     plan = plan_memory(GGUFFile(path), 1 << 40, 256, "cpu")
-    budget = plan.minimum + 3 * plan.n_moe_layers * plan.slot_bytes  # top_k + 3 slots a layer: it evicts
+    budget = plan.minimum + 4 * plan.n_moe_layers * plan.slot_bytes  # top_k + 3 slots a layer and a spare: it evicts
 
     def offloaded(n: int):
         m = Model.load(path, device="cpu", progress=False, ctx_size=256, gpu_budget=budget, offload="lru",
-                       hybrid="off")
+                       hybrid="off", spare_slots=1)
         return m, m.generate(prompt, n, greedy, ignore_eos=True).wait().stats
 
     _, prefill = offloaded(1)
     m, whole = offloaded(48)
     lookups, hits = whole.cache_lookups - prefill.cache_lookups, whole.cache_hits - prefill.cache_hits
-    assert whole.cache_evictions > 0 and 0 < hits < lookups
+    assert whole.cache_evictions > 0 and 0 < hits < lookups and whole.spare_fetches > 0
     plain = Model.load(path, device="cpu", progress=False, ctx_size=256)
     plain.routing_observer = recorder = RoutingRecorder()
     plain.generate(prompt, 48, greedy, ignore_eos=True).wait()

@@ -495,7 +495,7 @@ def test_residency_pointers(device: str, n_expert: int) -> None:
     rng = np.random.default_rng(5)
     slot_of = torch.from_numpy(np.where(rng.random(n_expert) < 0.5, rng.integers(0, 50, n_expert), -1))
     host = torch.from_numpy(rng.integers(1 << 40, 1 << 41, (3, n_expert)))
-    pool = kernels.SlotPool(1 << 36, 3 << 20, (0, 1 << 20, 2 << 20))
+    pool = kernels.SlotPool(1 << 36, 3 << 20, (0, 1 << 20, 2 << 20), (1 << 20, 1 << 20, 1 << 20))
     ids = torch.from_numpy(rng.integers(-1, n_expert + 2, (9, 4)).astype(np.int32))
     routed = torch.from_numpy(rng.integers(0, 3, n_expert).astype(np.int32))
     expect_routed = routed.clone()
@@ -508,6 +508,57 @@ def test_residency_pointers(device: str, n_expert: int) -> None:
     ptrs = kernels.residency_pointers(slot_of.to(device), host.to(device), pool, ids.to(device), routed_dev)
     assert torch.equal(ptrs.cpu(), expect)
     assert torch.equal(routed_dev.cpu(), expect_routed)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n_expert,part_bytes", [(6, (48, 48, 40)), (300, (1 << 18, 1 << 18, 1 << 18))])
+def test_residency_pointers_copy_misses_into_spares(device: str, n_expert: int, part_bytes: tuple) -> None:
+    """With spare slots the table call first copies the routed experts that have no slot (-1; not those whose copy
+    is on its way, below -1), in ascending order, into the usable spares (>= 0) in ascending order: their bytes
+    land in the slots' parts, the residency row names the slots, `fetched` gets slot + 1, the spares used become -1,
+    and their pointers are the slots'. Everything else in the pool is left as it was; a miss beyond the spares is
+    read in place. Parts of 40 bytes take the byte-wise copy; 256 KiB ones the 16-byte one over every CTA."""
+    rng = np.random.default_rng(7)
+    record = sum(part_bytes)
+    offsets = (0, part_bytes[0], part_bytes[0] + part_bytes[1])
+    slot_bytes, n_slots = record + 64, 12
+    records = torch.from_numpy(rng.integers(0, 256, (n_expert, record), dtype=np.uint8))
+    records = records.pin_memory() if device == "cuda" else records
+    host = torch.tensor([[records.data_ptr() + e * record + off for e in range(n_expert)] for off in offsets])
+    before = torch.from_numpy(rng.integers(0, 256, n_slots * slot_bytes, dtype=np.uint8))
+    pool_mem = before.to(device)
+    pool = kernels.SlotPool(pool_mem.data_ptr(), slot_bytes, offsets, part_bytes)
+    slot_of = torch.full((n_expert,), -1, dtype=torch.int64)
+    slot_of[1], slot_of[4] = 0, -2 - 5            # 1 resident in slot 0; 4's copy into slot 5 on its way
+    spare_slots = torch.tensor([7, -1, 9, 11])    # spare 1 used already: 7, 9 and 11 are usable
+    ids = torch.tensor([[5, 1], [2, 4], [3, 5], [0, 1]], dtype=torch.int32)  # misses 0, 2, 3, 5
+    fetched = torch.zeros(n_expert, dtype=torch.int32)
+    spares = kernels.SpareSlots(spare_slots.to(device), fetched.to(device), torch.zeros(1, dtype=torch.int32,
+                                                                                        device=device))
+    routed = torch.zeros(n_expert, dtype=torch.int32, device=device)
+    row = slot_of.to(device)
+    ptrs = kernels.residency_pointers(row, host.to(device), pool, ids.to(device), routed, spares)
+    copied = {0: 7, 2: 9, 3: 11}  # 5 finds no spare left: read in place
+    expect_row = slot_of.clone()
+    expect_fetched = torch.zeros(n_expert, dtype=torch.int32)
+    expect_pool = before.clone()
+    for e, slot in copied.items():
+        expect_row[e], expect_fetched[e] = slot, slot + 1
+        for off, n in zip(offsets, part_bytes):
+            expect_pool[slot * slot_bytes + off:slot * slot_bytes + off + n] = records[e, off:off + n]
+    assert torch.equal(row.cpu(), expect_row)
+    assert torch.equal(spares.fetched.cpu(), expect_fetched)
+    assert spares.slots.cpu().tolist() == [-1, -1, -1, -1]
+    assert spares.arrivals.item() == 0
+    assert torch.equal(pool_mem.cpu(), expect_pool)
+    expect_ptrs = torch.stack([torch.where(expect_row >= 0, pool.base + expect_row * slot_bytes + off, host[part])
+                               for part, off in enumerate(offsets)])
+    assert torch.equal(ptrs.cpu(), expect_ptrs)
+    assert routed.cpu().tolist()[:6] == [1, 2, 1, 1, 1, 2]
+    # no usable spare left: the next call copies nothing and reads 5 in place again
+    ptrs = kernels.residency_pointers(row, host.to(device), pool, ids.to(device), routed, spares)
+    assert torch.equal(row.cpu(), expect_row) and torch.equal(pool_mem.cpu(), expect_pool)
+    assert ptrs[0, 5].item() == host[0, 5].item()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -89,6 +89,7 @@ def test_tiny_models_every_mode_matches(tiny_models, arch: str, kind: str) -> No
         print(f"\n{arch}-{kind} {mode}: {s.summary()}")
         assert tokens == expected[mode != "gate-prefetch"], mode
         assert s.cache_misses > 0 and (mode == "on-demand" or s.cache_evictions > 0)
+        assert (s.spare_fetches > 0) == (mode == "lru")  # room for one spare a layer
         assert peak <= budget, f"{mode}: torch peak {peak} above the budget {budget}"
 
 
@@ -102,7 +103,8 @@ def test_budget_is_honoured_and_every_mode_matches(qwen_shaped) -> None:
     print("\n" + plan.describe())
     assert not plan.fits_all and plan.n_slots >= plan.n_moe_layers * plan.top_k
     expected = {graphs: _plain_tokens(qwen_shaped, graphs) for graphs in (True, False)}
-    runs = [dict(offload=mode) for mode in MODES] + [dict(offload="lru", cache_policy="lfu")]
+    runs = [dict(offload=mode) for mode in MODES] + [dict(offload="lru", cache_policy="lfu"),
+                                                     dict(offload="lru", spare_slots=0)]
     for load in runs:
         tokens, s, peak, used = _run_within_budget(qwen_shaped, budget, **load)
         print(f"{load}: {s.summary()}\n  torch peak {format_size(peak)}, device free-memory drop {format_size(used)}, "
@@ -111,6 +113,8 @@ def test_budget_is_honoured_and_every_mode_matches(qwen_shaped) -> None:
         assert peak <= budget, f"{load}: torch peak {peak} above the budget {budget}"
         assert used <= budget, f"{load}: the device lost {used} bytes of free memory, above the budget {budget}"
         assert s.peak_gpu_bytes is not None and s.bytes_moved_per_token > 0
+        # lru's kernels copy misses into the spare slots (two a layer by default)
+        assert (s.spare_fetches > 0) == (load["offload"] == "lru" and load.get("spare_slots") != 0)
         assert 0 <= s.copy_exposed_s <= s.copy_s and s.copy_hidden_s == pytest.approx(s.copy_s - s.copy_exposed_s)
 
 

@@ -249,6 +249,53 @@ def test_request_priority_and_resident(shipped_model) -> None:
     assert cache.publish() == 1 and cache.table[0, 5] == cache.where[(0, 5)]
 
 
+def check_slots(cache) -> None:
+    """Every slot is in exactly one place: a partition (its expert, if any, in `where` and the table once published)
+    or the spares (empty, in the device's spare row, named by no table entry)."""
+    in_parts = [s for part in cache._parts for s in part]
+    spares = sorted(cache._spare_of)
+    assert sorted(in_parts + spares) == list(range(cache.n_slots))
+    for slot, (layer, j) in cache._spare_of.items():
+        assert cache.key[slot] is None and cache.spares[layer, j] == slot
+    assert not (torch.isin(cache.table, torch.tensor(spares)).any() if spares else False)
+    for key, slot in cache.where.items():
+        assert cache.key[slot] == key and (not cache.published[key] or cache.table[key] == slot)
+
+
+def test_spare_slots_are_adopted_and_replaced(shipped_model) -> None:
+    """A spare holds no expert; once a forward's table kernel has copied a miss into it, `adopt` makes it the expert's
+    slot (most recently used, named by the table) and the next `publish` sets the least recently used slot aside
+    instead, evicting its expert. An expert that a copy brought in meanwhile keeps that slot: the spare stays one."""
+    cache = small_cache(shipped_model, 4, n_spare=1)  # 4 slots a layer: 3 in the partition and a spare
+    cache.publish()
+    assert cache.capacity(0) == 3 and len(cache._spare_of) == len(cache.position)  # one spare a MoE layer
+    cache.request([(0, 1), (0, 2), (0, 3)])
+    cache.publish()
+    check_slots(cache)
+    spare = int(cache.spares[0, 0])
+    # the table kernel copies expert 5 of layer 0 into the spare (as `kernels.residency_pointers` does)
+    cache.table[0, 5] = spare
+    cache.spares[0, 0] = -1
+    cache.adopt((0, 5), spare)
+    assert cache.where[(0, 5)] == spare and cache.published[0, 5] and cache.counters.spare_fetches == 1
+    oldest = cache.where[(0, 1)]
+    cache.publish()  # the least recently used, (0, 1), makes way for the next spare
+    assert cache.resident([(0, 1), (0, 2), (0, 3), (0, 5)]) == [False, True, True, True]
+    assert cache.spares[0, 0] == oldest and cache.table[0, 1] == -1
+    check_slots(cache)
+    # a copy of expert 6 is on its way (the table says so) when a forward copies it into the spare as well
+    cache.request([(0, 6)])
+    copying = cache.where[(0, 6)]
+    assert cache.table[0, 6] == -2 - copying
+    spare = int(cache.spares[0, 0])
+    cache.spares[0, 0] = -1
+    cache.adopt((0, 6), spare)
+    assert cache.where[(0, 6)] == copying and cache.spares[0, 0] == spare and cache.key[spare] is None
+    cache.publish()
+    assert cache.table[0, 6] == copying
+    check_slots(cache)
+
+
 # ---------------------------------------------------------------------------------------------- routing hooks
 def test_device_routing_counts_and_profile_roundtrip(tmp_path) -> None:
     counts = DeviceRoutingCounts(3, 8, "cpu")
@@ -313,11 +360,16 @@ def test_every_mode_matches_the_plain_engine(tiny_models, arch: str, kind: str) 
     path = tiny_models[(arch, kind)]
     expected = _reference_tokens(path)
     assert len(expected) == N_TOKENS
-    for mode in MODES:
-        m = Model.load(path, device="cpu", ctx_size=CTX, progress=False, gpu_budget=_budget_for(path), offload=mode)
+    for mode, spare_slots in [(mode, None) for mode in MODES] + [("lru", 0)]:
+        m = Model.load(path, device="cpu", ctx_size=CTX, progress=False, gpu_budget=_budget_for(path), offload=mode,
+                       spare_slots=spare_slots)
         g = m.generate(PROMPT, n_predict=N_TOKENS, sampling=GREEDY).wait()
         s = g.stats
-        assert g.tokens == expected, f"{mode}: tokens differ from the no-offload engine"
+        assert g.tokens == expected, f"{mode}, spare slots {spare_slots}: tokens differ from the no-offload engine"
+        check_slots(m.offload.cache)
+        # lru copies misses into spares as it goes (by default), no other mode does
+        spares = 1 if mode == "lru" and spare_slots is None else 0  # top_k + 1 slots a layer: room for one
+        assert s.spare_slots == spares and (s.spare_fetches > 0) == (spares > 0)
         assert s.offload == mode and s.cache_misses > 0 and s.bytes_moved_per_token > 0
         assert s.cache_hits + s.cache_misses == s.cache_lookups
         if mode == "on-demand":  # no cache: decoding reads every expert in place, nothing is copied for it

@@ -219,26 +219,50 @@ SPECTER_API int specter_cuda_moe_ffn(const float * x, int64_t n_tokens, int64_t 
 /* ---- a MoE layer's pointer table from the residency table ------------------------------------------------ */
 
 /* Where an offloaded model's expert slots lie on the device: the pool starts at `base`, each slot is `slot_bytes`
- * long and holds one expert's record, whose gate, up and down parts start `part_offset[0|1|2]` bytes into it. */
+ * long and holds one expert's record, whose gate, up and down parts start `part_offset[0|1|2]` bytes into it and
+ * are `part_bytes[0|1|2]` long. */
 typedef struct specter_slot_pool {
     int64_t base;
     int64_t slot_bytes;
     int64_t part_offset[3];
+    int64_t part_bytes[3];
 } specter_slot_pool;
+
+enum specter_spare_limits {
+    SPECTER_MAX_SPARES = 8 /* n_spare of one call, at most */
+};
+
+/* Free slots a MoE layer's table call copies missed experts into (device memory on CUDA): `slots[j]` (int64
+ * [n_spare]) is a free slot of the pool, or -1 (none: used, not yet replaced by the host); `fetched` (int32
+ * [n_expert]) receives slot + 1 for each expert copied; `arrivals` (uint32, one) is 0 between calls (the CUDA
+ * kernel's CTAs count themselves on it and the last one sets it back). */
+typedef struct specter_spare_slots {
+    int64_t * slots;
+    int64_t n_spare;
+    int32_t * fetched;
+    uint32_t * arrivals;
+} specter_spare_slots;
 
 /* One MoE layer's pointer tables for specter_moe_ffn and its routing counted, in one call (one kernel on CUDA): for
  * each expert e < n_expert, ptrs[part * n_expert + e] (int64 [3, n_expert]) = pool->base + slot_of[e] *
- * pool->slot_bytes + pool->part_offset[part] where slot_of[e] >= 0 (int64 [n_expert]: the expert's slot, or -1),
- * else host_ptrs[part * n_expert + e] (the record's parts in host memory, read in place by the kernel); and
- * routed[e] += how many of the n_pairs ids (int32) are e (ids outside [0, n_expert) are not counted). Device memory
- * for CUDA, except `pool`: host memory, read by the call (a CUDA graph keeps the pool it was
- * captured with). */
-SPECTER_API int specter_expert_table(const int64_t * slot_of, const int64_t * host_ptrs,
-                                     const specter_slot_pool * pool, int64_t n_expert, const int32_t * ids,
-                                     int64_t n_pairs, int32_t * routed, int64_t * ptrs, int n_threads);
-SPECTER_API int specter_cuda_expert_table(const int64_t * slot_of, const int64_t * host_ptrs,
-                                          const specter_slot_pool * pool, int64_t n_expert, const int32_t * ids,
-                                          int64_t n_pairs, int32_t * routed, int64_t * ptrs, void * stream);
+ * pool->slot_bytes + pool->part_offset[part] where slot_of[e] >= 0 (int64 [n_expert]: the expert's slot; -1: none;
+ * below -1: none yet, a copy into slot -2 - slot_of[e] is on its way), else host_ptrs[part * n_expert + e] (the
+ * record's parts in host memory, read in place by the kernel); and routed[e] += how many of the n_pairs ids (int32)
+ * are e (ids outside [0, n_expert) are not counted).
+ * With `spares` (NULL: none), first the missed experts (routed by `ids`, slot_of[e] == -1), in ascending order, are
+ * copied from host memory into the spare slots whose slots[j] >= 0, in ascending j, as many as there are: each such
+ * expert gets slot_of[e] = its slot, fetched[e] = slot + 1 and slots[j] = -1, and its pointers are its slot's. The
+ * copies cross PCIe once (a miss read in place is read again in every forward until the host copies it in).
+ * Device memory for CUDA, except `pool` and `spares`: host memory, read by the call (a CUDA graph keeps the
+ * values it was captured with). */
+SPECTER_API int specter_expert_table(int64_t * slot_of, const int64_t * host_ptrs, const specter_slot_pool * pool,
+                                     int64_t n_expert, const int32_t * ids, int64_t n_pairs,
+                                     const specter_spare_slots * spares, int32_t * routed, int64_t * ptrs,
+                                     int n_threads);
+SPECTER_API int specter_cuda_expert_table(int64_t * slot_of, const int64_t * host_ptrs, const specter_slot_pool * pool,
+                                          int64_t n_expert, const int32_t * ids, int64_t n_pairs,
+                                          const specter_spare_slots * spares, int32_t * routed, int64_t * ptrs,
+                                          void * stream);
 
 /* ---- the sampling chain (speculative sampling on the device) ------------------------------------------------ */
 

@@ -47,8 +47,8 @@ int specter_cuda_sample_chain(const float *, int64_t, int64_t, int64_t, int64_t,
     return SPECTER_ERR_NO_CUDA;
 }
 
-int specter_cuda_expert_table(const int64_t *, const int64_t *, const specter_slot_pool *, int64_t, const int32_t *,
-                              int64_t, int32_t *, int64_t *, void *) {
+int specter_cuda_expert_table(int64_t *, const int64_t *, const specter_slot_pool *, int64_t, const int32_t *, int64_t,
+                              const specter_spare_slots *, int32_t *, int64_t *, void *) {
     return SPECTER_ERR_NO_CUDA;
 }
 int specter_cuda_wait_counter(const int64_t *, const int64_t *, int64_t, int64_t, int64_t *, void *) {

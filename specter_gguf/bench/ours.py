@@ -36,12 +36,13 @@ def _load_plain(job: dict[str, Any], tokenizer: Tokenizer | IdsOnlyTokenizer | N
                       tokenizer=tokenizer)
 
 
-def _load_offload(mode: str, hybrid: str = "off") -> Loader:
+def _load_offload(mode: str, hybrid: str = "off", spare_slots: int | None = None) -> Loader:
     def load(job: dict[str, Any], tokenizer: Tokenizer | IdsOnlyTokenizer | None) -> Any:
         from specter_gguf.engine import Model
 
         model = Model.load(job["model"], device=job["device"], ctx_size=job["ctx_size"], progress=False,
-                           offload=mode, gpu_budget=job["budget_bytes"], tokenizer=tokenizer, hybrid=hybrid)
+                           offload=mode, gpu_budget=job["budget_bytes"], tokenizer=tokenizer, hybrid=hybrid,
+                           spare_slots=spare_slots)
         return _paced(model, job)
     return load
 
@@ -118,6 +119,11 @@ OURS_MODES: dict[str, OursMode] = {m.name: m for m in [
     # --hybrid on: the misses of decode steps and verifications computed on the CPU (the rows above: off)
     OursMode("ours-lru-hybrid", "LRU expert cache, missed experts on the CPU (--hybrid on)",
              _load_offload("lru", "on"), budget_bound=True),
+    # --spare-slots 0: a miss read in place, then copied in after the forward (the rows above: copied into a spare)
+    OursMode("ours-lru-inplace", "LRU expert cache, misses read in place (--spare-slots 0)",
+             _load_offload("lru", spare_slots=0), budget_bound=True),
+    OursMode("ours-lru-hybrid-inplace", "LRU expert cache, missed experts on the CPU, the rest read in place "
+             "(--hybrid on --spare-slots 0)", _load_offload("lru", "on", spare_slots=0), budget_bound=True),
     OursMode("ours-spec-hybrid", "speculative decoding with the draft's experts, depth auto, missed experts on the "
              "CPU (--hybrid on)", _load_spec_hybrid, budget_bound=True, needs_draft=True, prepare=_spec_acceptance),
     OursMode("ours-spec-synth-fixed-hybrid", "speculative decoding, synthetic acceptance, llama.cpp's depth, missed "

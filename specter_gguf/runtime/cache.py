@@ -16,6 +16,13 @@ when none) is what kernels read to find an expert without asking the host (`Offl
 expert whose slot is not published there is read from the store in host memory instead. An entry is published
 (`publish`) only once its copy has completed, and cleared on the compute stream before its slot is refilled.
 
+**Spare slots** (`n_spare` per MoE layer, `spares` [layers, n_spare] on the device): free slots, outside every
+partition, that a layer's table kernel copies the experts it misses into during the forward (one crossing of PCIe,
+resident for the next forward; `kernels.residency_pointers`), entering them in `table` itself. The host learns of
+it when the forward's routing comes back (`adopt`: the slot joins the partition, the least recently used slot
+becomes the spare) and supersedes the device's entry with its own. So that the device never copies an expert that
+a copy is already bringing in, with spares the table holds -2 - slot for an expert whose copy is on its way.
+
 CUDA ordering, without host waits:
 - copies run on a dedicated copy stream (`non_blocking` from pinned memory);
 - each slot has a **ready** event recorded after its copy; compute waits on it with `stream.wait_event` (a
@@ -50,7 +57,7 @@ import numpy as np
 import torch
 
 from specter_gguf.errors import SpecterError
-from specter_gguf.kernels import pace, wait_counter
+from specter_gguf.kernels import MAX_SPARES, pace, wait_counter
 from specter_gguf.runtime.metrics import OffloadCounters
 from specter_gguf.runtime.routing import RoutingProfile
 from specter_gguf.runtime.store import ExpertStore
@@ -108,8 +115,9 @@ class ExpertCache:
     def __init__(self, store: ExpertStore, n_slots: int, slot_bytes: int, layers: Sequence[int],
                  device: torch.device, policy: str = "lru", partition: str = "layer",
                  profile: RoutingProfile | None = None, counters: OffloadCounters | None = None,
-                 n_layer: int | None = None) -> None:
-        """`n_layer`: rows of the residency table (default: the last MoE layer + 1)."""
+                 n_layer: int | None = None, n_spare: int = 0) -> None:
+        """`n_layer`: rows of the residency table (default: the last MoE layer + 1). `n_spare`: spare slots per MoE
+        layer (module docstring), taken from the layer's partition (`layer`) or the common one (`global`)."""
         if policy not in POLICIES:
             raise SpecterError(f"unknown cache policy '{policy}'; choose one of {', '.join(POLICIES)}")
         if policy == "static-hot" and profile is None:
@@ -156,6 +164,13 @@ class ExpertCache:
         self.position = {layer: p for p, layer in enumerate(layers)}  # a layer's index among the MoE layers
         self.progress = CopyProgress(len(self.position), device, self.copy_stream if self.cuda else None)
         self._ordered = [True] * n_slots  # compute is already ordered after the slot's last copy
+        if not 0 <= n_spare <= MAX_SPARES:
+            raise SpecterError(f"spare slots per MoE layer: 0 to {MAX_SPARES}, not {n_spare}")
+        self.n_spare = n_spare
+        self.spares = torch.full((rows, max(1, n_spare)), -1, dtype=torch.int64, device=device)
+        self.arrivals = torch.zeros(rows, dtype=torch.int32, device=device)  # the table kernel's CTA counter
+        self._spare_of: dict[int, tuple[int, int]] = {}  # a spare slot -> (layer, its index in the layer's spares)
+        self._unarmed = [(layer, j) for layer in layers for j in range(n_spare)]  # spares waiting for a slot
         self._copy_timers: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._wait_timers: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.pace_ns_per_byte = 0.0  # a benchmark's slower PCIe (`OffloadRuntime.pace_transfers`): each copy's extra
@@ -190,7 +205,49 @@ class ExpertCache:
             self.table[key].fill_(slot)
             self.published[key] = True
             self._ordered[slot] = True  # a kernel reading it through the table runs after the copy
+        self._unarmed = [spare for spare in self._unarmed if not self._arm(*spare)]
         return len(done)
+
+    # -- spare slots ---------------------------------------------------------------------------------------
+    def adopt(self, key: Key, slot: int) -> None:
+        """A forward's table kernel copied `key` into the spare `slot` (module docstring): the slot joins the
+        partition, most recently used, and the next `publish` makes another slot the spare (after the forward's
+        other experts are refreshed: the least recently used slot is then one it did not use). The table entry is
+        written again, on the compute stream: a later forward may have copied the expert into another spare, and
+        that one's adoption finds it resident. When a copy has brought the expert in meanwhile (its table entry,
+        written since, no longer names `slot`), `slot` stays the spare."""
+        layer, j = self._spare_of.pop(slot)
+        self.counters.spare_fetches += 1
+        self.counters.bytes_copied += self.store.layouts[layer].nbytes
+        if key in self.where:
+            self._set_spare(slot, layer, j)
+            return
+        self.key[slot], self.where[key] = key, slot
+        self.table[key].fill_(slot)
+        self.published[key] = True
+        self._parts[self._part_of_layer[layer]][slot] = None
+        self._unarmed.append((layer, j))
+
+    def _arm(self, layer: int, j: int) -> bool:
+        """Make a slot of `layer`'s partition its spare j: a free one, else the least recently used one that no
+        copy, wave or coming verification holds (its expert evicted). False when there is none."""
+        slot = self._victim(layer, self.reserved.union(self._unpublished))
+        if slot is None:
+            return False
+        old = self.key[slot]
+        if old is not None:
+            del self.where[old]
+            self.counters.cache_evictions += 1
+            self.key[slot] = None
+            self.table[old].fill_(-1)  # forwards enqueued from now on read it in place: the device may overwrite it
+            self.published[old] = False
+        del self._parts[self._part_of_layer[layer]][slot]
+        self._set_spare(slot, layer, j)
+        return True
+
+    def _set_spare(self, slot: int, layer: int, j: int) -> None:
+        self._spare_of[slot] = (layer, j)
+        self.spares[layer, j].fill_(slot)
 
     # -- prefetch (gate-prefetch, the lookahead buffer, lru's refresh after a forward, static-hot's warm-up) -
     def request(self, keys: Sequence[Key], priority: Sequence[float] | None = None, prefetch: bool = True,
@@ -342,11 +399,13 @@ class ExpertCache:
                 del self.where[old]
                 self.counters.cache_evictions += 1
             self._unpublished.pop(slot, None)
-            if self.published[old]:  # no kernel enqueued from now on reads the slot through the table
+            if self.published[old] or self.n_spare:  # no kernel enqueued from now on reads the slot through the table
                 self.table[old].fill_(-1)
                 self.published[old] = False
         self.key[slot], self.where[key] = key, slot
         self._unpublished[slot] = key
+        if self.n_spare:  # on its way: no spare takes it meanwhile
+            self.table[key].fill_(-2 - slot)
         chunks = self.store.chunks(*key)
         base = slot * self.slot_bytes
         nbytes = sum(c.shape[0] for _, c in chunks)

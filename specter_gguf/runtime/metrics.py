@@ -23,6 +23,7 @@ class OffloadCounters:
     copy_s: float = 0.0
     copy_exposed_s: float = 0.0
     zero_copy_bytes: int = 0     # missed experts read in place from host memory (once per forward each)
+    spare_fetches: int = 0       # missed experts a forward's kernels copied into a spare slot (bytes in bytes_copied)
     cpu_expert_pairs: int = 0    # (token, expert) pairs of missed experts computed on the CPU (hybrid)
     cpu_expert_s: float = 0.0    # ... the time the CPU's worker spent on them
     cpu_wait_s: float = 0.0      # ... the time the forwards waited for the worker's answers (on CUDA the GPU's)

@@ -36,7 +36,8 @@ from gguf import GGMLQuantizationType as T
 from specter_gguf.config import ModelConfig
 from specter_gguf.errors import SpecterError
 from specter_gguf.gguf_file import EXPERT_PARTS, GGUFFile, expert_tensor_name
-from specter_gguf.kernels import ExpertTable, QuantizedTensor, SlotPool, moe_ffn, pace, residency_pointers
+from specter_gguf.kernels import (MAX_SPARES, ExpertTable, QuantizedTensor, SlotPool, SpareSlots, moe_ffn, pace,
+                                  residency_pointers)
 from specter_gguf.layers import FeedForward, MoE, ResidentExperts, Router, Transformer
 from specter_gguf.runtime.budget import (FIT_MARGIN, MemoryPlan, RecordLayout, fitted_budget, moe_layers,
                                          plan_memory, record_layout, slots_after_load)
@@ -51,6 +52,7 @@ from specter_gguf.sizes import format_size
 log = logging.getLogger(__name__)
 
 MODES = ("on-demand", "lru", "gate-prefetch")
+DEFAULT_SPARE_SLOTS = 2  # per MoE layer (lru): misses a forward copies into slots itself (OffloadRuntime)
 OFFLOAD_CHOICES = (*MODES, "none")  # what --offload takes: a mode, or "none" (every expert on the device)
 _TORCH_TYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
 DENSE_MIN_TOKENS_PER_EXPERT = ResidentExperts.DENSE_MIN_TOKENS_PER_EXPERT
@@ -175,6 +177,7 @@ class OffloadOptions:
     # except in the decoder's plain steps, which no lookahead serves (`OffloadRuntime.bringing_in`)
     lookahead: bool = False
     hybrid: str = DEFAULT_HYBRID  # HYBRID_CHOICES: missed experts of small batches computed on the CPU (runtime.hybrid)
+    spare_slots: int = DEFAULT_SPARE_SLOTS  # per MoE layer, lru mode: slots a forward copies its misses into
 
 
 class OffloadRuntime:
@@ -182,13 +185,16 @@ class OffloadRuntime:
 
     Small batches (decoding, verification) run from the residency table without the host (`from_residency`): a
     layer's pointer table is computed on the device from the table — a published expert from its slot, any other
-    read in place from the store in host memory (zero-copy over PCIe: no copy, no slot, no wait). The layer adds
-    its routing into `routed`; a forward is bracketed by `begin` (publishes finished copies, zeroes `routed`) and
-    `end` (an asynchronous copy of `routed` to the host), and `settle` reads those copies once they have landed:
-    it counts lookups, hits and misses against the table the forward saw and, in lru mode without a lookahead
-    buffer (with one: for the forwards enqueued `bringing_in`), brings the experts it used into the cache (least
-    recently used out), so the next forwards find them in slots. Big batches
-    (prefill) and gate-prefetch take `OffloadedExperts`' host-managed waves instead."""
+    read in place from the store in host memory (zero-copy over PCIe: no copy, no slot, no wait). In lru mode the
+    same kernel first copies the layer's misses into its spare slots, as many as it has free (`spare_slots` per
+    layer; `cache` module docstring), and they are computed from there: they cross PCIe once and the next forward
+    finds them in a slot. The layer adds its routing into `routed`, the experts it copied into `fetched`; a forward
+    is bracketed by `begin` (publishes finished copies, zeroes both) and `end` (an asynchronous copy of them to the
+    host), and `settle` reads those copies once they have landed: it hands the cache the experts copied into spares
+    (`ExpertCache.adopt`), counts lookups, hits and misses against the table the forward saw and, in lru mode
+    without a lookahead buffer (with one: for the forwards enqueued `bringing_in`), brings the other experts it
+    used into the cache (least recently used out), so the next forwards find them in slots. Big batches (prefill)
+    and gate-prefetch take `OffloadedExperts`' host-managed waves instead."""
 
     HOST_BUFFERS = 8  # forwards whose routing may be in flight to the host at once
 
@@ -204,7 +210,7 @@ class OffloadRuntime:
         self.cpu_experts: CpuExperts | None = None  # with hybrid on (`start`)
         self.hybrid = HybridChoice(False)
         self.experts: dict[int, OffloadedExperts] = {}
-        self._pointers: dict[int, tuple[torch.Tensor, SlotPool]] = {}
+        self._pointers: dict[int, tuple[torch.Tensor, SlotPool, SpareSlots | None]] = {}
 
     def make_experts(self, cfg: ModelConfig, layer: int, w: Any) -> OffloadedExperts:
         """The `ExpertsFactory` given to `load_transformer`: nothing of the experts goes to the device."""
@@ -215,12 +221,17 @@ class OffloadRuntime:
     def start(self, n_slots: int, transformer: Transformer) -> None:
         opts = self.options
         partition = "layer" if opts.policy == "lru" else "global"
+        # spares: what the partitions hold beyond a layer's top-k (one forward's experts) at most
+        room = n_slots // len(self.layers) - self.cfg.n_expert_used
+        n_spare = max(0, min(opts.spare_slots, room)) if self.mode == "lru" else 0
         self.cache = ExpertCache(self.store, n_slots, self.plan.slot_bytes, self.layers, self.device,
-                                 opts.policy, partition, opts.profile, self.counters, n_layer=self.cfg.n_layer)
+                                 opts.policy, partition, opts.profile, self.counters, n_layer=self.cfg.n_layer,
+                                 n_spare=n_spare)
         cuda = self.device.type == "cuda"
-        # a forward's routing: tokens per (layer, expert), and of those the ones the CPU computed (hybrid)
-        self._routing = torch.zeros((2, self.cfg.n_layer, self.cfg.n_expert), dtype=torch.int32, device=self.device)
-        self.routed, self.cpu_routed = self._routing
+        # a forward's routing: tokens per (layer, expert), of those the ones the CPU computed (hybrid), and the
+        # experts copied into spare slots (slot + 1)
+        self._routing = torch.zeros((3, self.cfg.n_layer, self.cfg.n_expert), dtype=torch.int32, device=self.device)
+        self.routed, self.cpu_routed, self.fetched = self._routing
         self._on_cpu = torch.zeros((self.cfg.n_layer, self.cfg.n_expert), dtype=torch.bool, device=self.device)
         self._free_hosts = [torch.empty_like(self._routing, device="cpu", pin_memory=cuda)
                             for _ in range(self.HOST_BUFFERS)]
@@ -265,6 +276,7 @@ class OffloadRuntime:
         read = (routed > 0) & (self.cache.table[layer] < 0)
         if on_cpu is not None:
             read &= ~on_cpu
+        read |= self.fetched[layer] > 0  # copied into a spare slot by the table kernel
         n_bytes = read.sum(dtype=torch.int64) * self.layouts[layer].nbytes
         pace(n_bytes.reshape(1), 0, self.cache.pace_ns_per_byte, self.device)
 
@@ -289,17 +301,21 @@ class OffloadRuntime:
         """The grouped kernel's pointer table of `layer` for a forward routed `ids`, computed on the device from the
         residency table (a fresh tensor: a hand-off to the CPU zeroes its experts' pointers in it, and then the
         kernel skips them); the same kernel adds the routing into `routed`."""
-        host, pool = self._pointers[layer] if layer in self._pointers else self._layer_pointers(layer)
-        ptrs = residency_pointers(self.cache.table[layer], host, pool, ids, self.routed[layer])
+        host, pool, spares = self._pointers[layer] if layer in self._pointers else self._layer_pointers(layer)
+        ptrs = residency_pointers(self.cache.table[layer], host, pool, ids, self.routed[layer], spares)
         return ExpertTable(ptrs, self.experts[layer].types, self.cfg.n_embd, self.cfg.n_ff_exp, (self.cache.pool,))
 
-    def _layer_pointers(self, layer: int) -> tuple[torch.Tensor, SlotPool]:
-        """(host addresses [3, n_expert] on the device, where the layer's records lie in the slot pool) of `layer`,
-        made once (before a CUDA graph reads them: `prepare_graphs`)."""
+    def _layer_pointers(self, layer: int) -> tuple[torch.Tensor, SlotPool, SpareSlots | None]:
+        """(host addresses [3, n_expert] on the device, where the layer's records lie in the slot pool, its spare
+        slots) of `layer`, made once (before a CUDA graph reads them: `prepare_graphs`)."""
         host = torch.tensor(self.store.addresses(layer), dtype=torch.int64)
-        gate, up, down = (p.offset for p in self.layouts[layer].parts)
-        pool = SlotPool(self.cache.pool.data_ptr(), self.plan.slot_bytes, (gate, up, down))
-        self._pointers[layer] = (host.to(self.device), pool)
+        parts = self.layouts[layer].parts
+        pool = SlotPool(self.cache.pool.data_ptr(), self.plan.slot_bytes, tuple(p.offset for p in parts),
+                        tuple(p.nbytes for p in parts))
+        cache = self.cache
+        spares = None if not cache.n_spare else SpareSlots(cache.spares[layer, :cache.n_spare], self.fetched[layer],
+                                                           cache.arrivals[layer:layer + 1])
+        self._pointers[layer] = (host.to(self.device), pool, spares)
         return self._pointers[layer]
 
     def prepare_graphs(self) -> None:
@@ -352,11 +368,13 @@ class OffloadRuntime:
             if event is not None:
                 event.synchronize()
             self._in_flight.pop(0)
-            counts, on_cpu = host.numpy()
+            counts, on_cpu, fetched = host.numpy()
+            for layer, e in zip(*np.nonzero(fetched)):  # before the bring-in below finds them missing
+                cache.adopt((int(layer), int(e)), int(fetched[layer, e]) - 1)
             used = self.last_used = counts > 0
             self._free_hosts.append(host)
             self.last_missed = used & ~seen
-            read_in_place = used & ~seen & ~(on_cpu > 0)
+            read_in_place = used & ~seen & ~(on_cpu > 0) & ~(fetched > 0)
             c.cache_lookups += int(used.sum())
             c.cache_hits += int((used & seen).sum())
             c.cache_misses += int((used & ~seen).sum())
@@ -387,12 +405,13 @@ class OffloadRuntime:
 def load_offloaded(f: GGUFFile, device: torch.device, ctx_size: int, progress: bool, gpu_budget: int | str | None,
                    offload: str | None, cache_policy: str | None = None,
                    routing_profile: RoutingProfile | str | None = None, pin: str = "background",
-                   draft: GGUFFile | None = None,
-                   hybrid: str | None = None) -> tuple[Transformer, OffloadRuntime | None, MemoryPlan | None]:
+                   draft: GGUFFile | None = None, hybrid: str | None = None,
+                   spare_slots: int | None = None) -> tuple[Transformer, OffloadRuntime | None, MemoryPlan | None]:
     """Plan the budget (counting the experts of `draft` when speculative decoding will hold them), then load:
     the plain way when the model fits (and no mode is forced), else with offloaded experts. Without a budget on
     CUDA, a model that does not fit the device's free memory is offloaded within it (`fitted_budget`). `hybrid`:
-    HYBRID_CHOICES (`runtime.hybrid`; default DEFAULT_HYBRID).
+    HYBRID_CHOICES (`runtime.hybrid`; default DEFAULT_HYBRID). `spare_slots`: per MoE layer, lru mode
+    (`OffloadRuntime`; default DEFAULT_SPARE_SLOTS).
     Returns (transformer, runtime or None, plan or None: no budget was given or needed)."""
     from specter_gguf.models import check_architecture, load_transformer
 
@@ -403,9 +422,12 @@ def load_offloaded(f: GGUFFile, device: torch.device, ctx_size: int, progress: b
         raise SpecterError(f"unknown cache policy '{cache_policy}'; choose one of {', '.join(POLICIES)}")
     if hybrid is not None:
         check_hybrid_mode(hybrid)
+    if spare_slots is not None and not 0 <= spare_slots <= MAX_SPARES:
+        raise SpecterError(f"--spare-slots takes 0 to {MAX_SPARES} slots per MoE layer, not {spare_slots}")
     cache_options = " and ".join(name for name, value in (("--cache-policy", cache_policy),
                                                           ("--routing-profile", routing_profile),
-                                                          ("--hybrid on", "on" if hybrid == "on" else None))
+                                                          ("--hybrid on", "on" if hybrid == "on" else None),
+                                                          ("--spare-slots", spare_slots))
                                  if value is not None)
     if gpu_budget is None:
         fit = fitted_budget(f, device, ctx_size, draft) if device.type == "cuda" else None
@@ -448,7 +470,8 @@ def load_offloaded(f: GGUFFile, device: torch.device, ctx_size: int, progress: b
     if routing_profile is not None:
         routing_profile.check(str(f.path), cfg.n_layer, cfg.n_expert, where)
     options = OffloadOptions(offload, policy, routing_profile, pin, lookahead=draft is not None,
-                             hybrid=hybrid or DEFAULT_HYBRID)
+                             hybrid=hybrid or DEFAULT_HYBRID,
+                             spare_slots=DEFAULT_SPARE_SLOTS if spare_slots is None else spare_slots)
     runtime = OffloadRuntime(f, cfg, plan, device, options, progress)
     try:
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0

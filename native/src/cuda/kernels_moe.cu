@@ -238,16 +238,97 @@ void project(int type, const TypeInfo & t, const uint64_t * tab, int n_out, int 
     });
 }
 
-// One CTA: a thread per expert writes its three addresses, a thread per pair counts it (specter_expert_table).
-__global__ void expert_table_kernel(const int64_t * __restrict__ slot_of, const int64_t * __restrict__ host_ptrs,
-                                    specter_slot_pool pool, int n_expert, const int32_t * __restrict__ ids,
-                                    int n_pairs, int32_t * routed, int64_t * ptrs) {
-    start_after_prior_kernels();
+// specter_expert_table's CTAs: enough to keep PCIe busy with 16-byte loads from host memory while copying missed
+// experts into spare slots (an H100 or H200 has 132 SMs); with nothing to copy all but the first exit at once.
+constexpr int kTableCtas = 256;
+
+// This CTA's share of copying n bytes from src (host memory) to dst: 16-byte words where both ends and n allow,
+// kUnroll loads in flight per thread, else bytes.
+__device__ void copy_share(uint8_t * __restrict__ dst, const uint8_t * __restrict__ src, long long n) {
+    constexpr int kUnroll = 4;
+    const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x, nt = (long long)gridDim.x * blockDim.x;
+    if ((uintptr_t(dst) | uintptr_t(src) | uintptr_t(n)) % 16 != 0) {
+        for (long long i = tid; i < n; i += nt) dst[i] = src[i];
+        return;
+    }
+    const uint4 * s = reinterpret_cast<const uint4 *>(src);
+    uint4 * d = reinterpret_cast<uint4 *>(dst);
+    const long long words = n / 16;
+    long long i = tid;
+    for (; i + (kUnroll - 1) * nt < words; i += kUnroll * nt) {
+        uint4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) v[u] = s[i + u * nt];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) d[i + u * nt] = v[u];
+    }
+    for (; i < words; i += nt) d[i] = s[i];
+}
+
+// The pointer table and the routing counts of specter_expert_table: one CTA, a thread per expert, a thread per pair.
+__device__ void write_table(const int64_t * slot_of, const int64_t * host_ptrs, const specter_slot_pool & pool,
+                            int n_expert, const int32_t * ids, int n_pairs, int32_t * routed, int64_t * ptrs) {
     for (int e = threadIdx.x; e < n_expert; e += blockDim.x)
         for (int part = 0; part < 3; ++part)
             ptrs[size_t(part) * n_expert + e] = expert_address(slot_of, host_ptrs, pool, n_expert, part, e);
     for (int p = threadIdx.x; p < n_pairs; p += blockDim.x)
         if (ids[p] >= 0 && ids[p] < n_expert) atomicAdd(routed + ids[p], 1);
+}
+
+// specter_expert_table. Every CTA works out the same copies (assign_spares) from the routing and the residency row,
+// which no CTA changes before all have finished copying: the last CTA to arrive publishes the copied experts, then
+// writes the table. Without copies the first CTA writes the table alone.
+__global__ void __launch_bounds__(256) expert_table_kernel(int64_t * slot_of, const int64_t * __restrict__ host_ptrs,
+                                                           specter_slot_pool pool, int n_expert,
+                                                           const int32_t * __restrict__ ids, int n_pairs,
+                                                           specter_spare_slots spares, int32_t * routed,
+                                                           int64_t * ptrs) {
+    start_after_prior_kernels();
+    __shared__ uint8_t used[kMaxExperts];
+    __shared__ int expert[SPECTER_MAX_SPARES], spare[SPECTER_MAX_SPARES];
+    __shared__ int n_copy;
+    __shared__ bool last;
+    if (threadIdx.x == 0) n_copy = 0;
+    if (spares.n_spare > 0) {
+        for (int e = threadIdx.x; e < n_expert; e += blockDim.x) used[e] = 0;
+        __syncthreads();
+        for (int p = threadIdx.x; p < n_pairs; p += blockDim.x)
+            if (ids[p] >= 0 && ids[p] < n_expert) used[ids[p]] = 1;
+        __syncthreads();
+        if (threadIdx.x == 0)
+            n_copy = assign_spares(slot_of, used, n_expert, spares.slots, spares.n_spare, expert, spare);
+    }
+    __syncthreads();
+    if (n_copy == 0) {
+        if (blockIdx.x == 0) write_table(slot_of, host_ptrs, pool, n_expert, ids, n_pairs, routed, ptrs);
+        return;
+    }
+    for (int i = 0; i < n_copy; ++i) {
+        const int64_t slot = spares.slots[spare[i]];
+        for (int part = 0; part < 3; ++part)
+            copy_share(reinterpret_cast<uint8_t *>(pool.base + slot * pool.slot_bytes + pool.part_offset[part]),
+                       reinterpret_cast<const uint8_t *>(host_ptrs[size_t(part) * n_expert + expert[i]]),
+                       pool.part_bytes[part]);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();  // this CTA's copies and reads are done before it is counted
+        last = atomicAdd(spares.arrivals, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    if (threadIdx.x == 0) {
+        __threadfence();
+        for (int i = 0; i < n_copy; ++i) {
+            const int64_t slot = spares.slots[spare[i]];
+            slot_of[expert[i]] = slot;
+            spares.fetched[expert[i]] = int32_t(slot + 1);
+            spares.slots[spare[i]] = -1;
+        }
+        *spares.arrivals = 0;
+    }
+    __syncthreads();
+    write_table(slot_of, host_ptrs, pool, n_expert, ids, n_pairs, routed, ptrs);
 }
 
 }  // namespace
@@ -308,13 +389,17 @@ extern "C" int specter_cuda_moe_ffn(const float * x, int64_t n_tokens, int64_t d
     return launch_status();
 }
 
-extern "C" int specter_cuda_expert_table(const int64_t * slot_of, const int64_t * host_ptrs,
-                                         const specter_slot_pool * pool, int64_t n_expert, const int32_t * ids,
-                                         int64_t n_pairs, int32_t * routed, int64_t * ptrs, void * stream) {
-    const int rc = check_expert_table(slot_of, host_ptrs, pool, n_expert, ids, n_pairs, routed, ptrs);
+extern "C" int specter_cuda_expert_table(int64_t * slot_of, const int64_t * host_ptrs, const specter_slot_pool * pool,
+                                         int64_t n_expert, const int32_t * ids, int64_t n_pairs,
+                                         const specter_spare_slots * spares, int32_t * routed, int64_t * ptrs,
+                                         void * stream) {
+    const int rc = check_expert_table(slot_of, host_ptrs, pool, n_expert, ids, n_pairs, spares, routed, ptrs);
     if (rc != SPECTER_OK) return rc;
+    if (n_expert > kMaxExperts) return SPECTER_ERR_INVALID_ARG;
+    const specter_spare_slots none{nullptr, 0, nullptr, nullptr};
+    const specter_spare_slots & sp = spares ? *spares : none;
     cudaGetLastError();
-    launch(expert_table_kernel, 1, 256, cudaStream_t(stream), slot_of, host_ptrs, *pool, int(n_expert), ids,
-           int(n_pairs), routed, ptrs);
+    launch(expert_table_kernel, sp.n_spare > 0 ? kTableCtas : 1, 256, cudaStream_t(stream), slot_of, host_ptrs, *pool,
+           int(n_expert), ids, int(n_pairs), sp, routed, ptrs);
     return launch_status();
 }
