@@ -112,8 +112,11 @@ def test_running_ahead_equals_stepping_the_graphs(tiny_models, arch: str, n_pred
         assert gen.tokens == (expected[:-1] if eog else expected)
         assert gen.finish_reason == ("stop" if eog else "length")
         assert m._cache.length == length
-        # the GPU's time in the steps of the tokens handed out (the capture and the step ahead left out)
-        assert 0 < gen.stats.gpu_s <= gen.stats.decode_s
+        # the GPU's time in the steps of the tokens handed out (the capture and the step ahead left out); the host
+        # runs ahead, so the second token's step may start on the GPU before the first token is handed out (H100,
+        # 2026-12-06: 3-10% of decode_s past it): at most one step's time lies before decode_s begins
+        steps = len(gen.tokens) - 1
+        assert 0 < gen.stats.gpu_s <= gen.stats.decode_s + gen.stats.gpu_s / steps
 
 
 @torch.inference_mode()

@@ -101,6 +101,19 @@ def test_budget_below_minimum_is_refused_before_loading(shipped_model, monkeypat
         Model.load(shipped_model, device="cpu", ctx_size=CTX, progress=False, gpu_budget=p.minimum - 1)
 
 
+def test_spare_slots_are_for_lru_only(shipped_model) -> None:
+    budget = _budget_for(shipped_model)
+    for mode in ("on-demand", "gate-prefetch"):
+        with pytest.raises(SpecterError, match="--spare-slots: only with --offload lru"):
+            Model.load(shipped_model, device="cpu", ctx_size=CTX, progress=False, gpu_budget=budget, offload=mode,
+                       spare_slots=1)
+    with pytest.raises(SpecterError, match="--spare-slots takes 0 to 8"):
+        Model.load(shipped_model, device="cpu", ctx_size=CTX, progress=False, gpu_budget=budget, spare_slots=9)
+    m = Model.load(shipped_model, device="cpu", ctx_size=CTX, progress=False, gpu_budget=budget, offload="on-demand",
+                   spare_slots=0)  # none asked for: nothing to refuse
+    assert m.offload.cache.n_spare == 0
+
+
 def test_offload_needs_a_budget_and_none_needs_room(shipped_model) -> None:
     with pytest.raises(SpecterError, match="needs a GPU memory budget"):
         Model.load(shipped_model, device="cpu", ctx_size=CTX, progress=False, offload="lru")
