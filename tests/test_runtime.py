@@ -280,7 +280,6 @@ def test_spare_slots_are_adopted_and_replaced(shipped_model) -> None:
     slot (most recently used, named by the table) and the next `publish` sets the least recently used slot aside
     instead, evicting its expert. An expert that a copy brought in meanwhile keeps that slot: the spare stays one."""
     cache = small_cache(shipped_model, 4, n_spare=1)  # 4 slots a layer: 3 in the partition and a spare
-    cache.publish()
     assert cache.capacity(0) == 3 and len(cache._spare_of) == len(cache.position)  # one spare a MoE layer
     cache.request([(0, 1), (0, 2), (0, 3)])
     cache.publish()

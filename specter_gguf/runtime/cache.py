@@ -170,10 +170,11 @@ class ExpertCache:
         self.spares = torch.full((rows, max(1, n_spare)), -1, dtype=torch.int64, device=device)
         self.arrivals = torch.zeros(rows, dtype=torch.int32, device=device)  # the table kernel's CTA counter
         self._spare_of: dict[int, tuple[int, int]] = {}  # a spare slot -> (layer, its index in the layer's spares)
-        self._unarmed = [(layer, j) for layer in layers for j in range(n_spare)]  # spares waiting for a slot
         self._copy_timers: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._wait_timers: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.pace_ns_per_byte = 0.0  # a benchmark's slower PCIe (`OffloadRuntime.pace_transfers`): each copy's extra
+        # spares waiting for a slot (`publish` retries them): none, every slot being free now
+        self._unarmed = [(layer, j) for layer in layers for j in range(n_spare) if not self._arm(layer, j)]
 
     # -- sizes and addresses -------------------------------------------------------------------------------
     def capacity(self, layer: int) -> int:
