@@ -87,6 +87,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--pcie-gbps", type=float, default=None,
                    help="pace our expert transfers (copies into slots, reads in place) to this rate, as on a PC whose "
                    "PCIe is slower than this machine's (PCIe 4.0 x16: ~25); marked in the report; llama.cpp unpaced")
+    g.add_argument("--spare-slots", type=int, default=None,
+                   help="our --spare-slots for ours-lru and ours-lru-hybrid (default: the engine's; the -inplace "
+                   "rows keep 0); marked in the report")
     g.add_argument("--part", default=None, help="run only part i/n of the matrix, e.g. 1/2")
     g = ap.add_argument_group("time limits")
     g.add_argument("--seconds-per-system", type=float, default=60.0,
@@ -255,7 +258,8 @@ def run(args: argparse.Namespace, t_start: float, deadline: float | None) -> int
         raise SpecterError(f"--decodings: choose from {', '.join(DECODINGS)}")
     settings = RunSettings(args.n_predict, decodings, args.seed, args.seconds_per_system)
     ctx = BenchContext(str(target), _model_label(args, sizes), prompts, settings, args.out, args.ctx_size,
-                       args.device, llama_bin, args.threads, args.job_timeout, deadline, log, args.pcie_gbps, warmup)
+                       args.device, llama_bin, args.threads, args.job_timeout, deadline, log, args.pcie_gbps, warmup,
+                       args.spare_slots)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     meta = {
         "date": now_utc(), "stamp": stamp, "gpu": gpu_info(),
@@ -264,7 +268,7 @@ def run(args: argparse.Namespace, t_start: float, deadline: float | None) -> int
         "budgets": {b.label: b.bytes for b in budgets}, "n_prompts": len(prompts), "n_predict": args.n_predict,
         "decodings": list(decodings), "seed": args.seed, "ctx_size": args.ctx_size, "tokenized_by": how,
         "llama_version": llama_version(llama_bin) if llama_bin else None, "part": args.part,
-        "pcie_gbps": args.pcie_gbps, "warmup_prompt": warmup.id if warmup else None,
+        "pcie_gbps": args.pcie_gbps, "spare_slots": args.spare_slots, "warmup_prompt": warmup.id if warmup else None,
         "command": "python3 scripts/bench.py " + shlex.join(sys.argv[1:] if argv_is_cli() else []),
     }
     doc = {"meta": meta, "notes": notes, "results": []}

@@ -523,6 +523,25 @@ def test_report_formatting_from_fake_results():
     assert "PCIe paced" not in md
     doc["meta"]["pcie_gbps"] = 25.0  # --pcie-gbps 25: the report says our transfers were paced
     assert "**PCIe paced to 25 GB/s** for ours" in render_markdown(doc, [])
+    assert "spare slots a layer" not in md
+    doc["meta"]["spare_slots"] = 0  # --spare-slots 0: said, though 0
+    assert "**0 spare slots a layer** for ours-lru and ours-lru-hybrid" in render_markdown(doc, [])
+
+
+def test_lru_rows_take_the_jobs_spare_slots(tiny_models):
+    """--spare-slots reaches ours-lru and ours-lru-hybrid (None: the engine's default); the -inplace rows keep 0."""
+    from specter_gguf.bench.ours import OURS_MODES
+    from specter_gguf.gguf_file import GGUFFile
+    from specter_gguf.runtime import plan_memory
+
+    path = tiny_models[("qwen2moe", "f16")]
+    plan = plan_memory(GGUFFile(path), 1 << 40, 256, "cpu")
+    job = {"model": str(path), "device": "cpu", "ctx_size": 256, "rows": [],
+           "budget_bytes": plan.minimum + 4 * plan.n_moe_layers * plan.slot_bytes}  # room for 4 spares a layer
+    for spares, mode, want in [(None, "ours-lru", 2), (3, "ours-lru", 3), (1, "ours-lru-hybrid", 1),
+                               (3, "ours-lru-inplace", 0), (3, "ours-lru-hybrid-inplace", 0)]:
+        model = OURS_MODES[mode].load(dict(job, spare_slots=spares), None)
+        assert model.offload.cache.n_spare == want, (mode, spares)
 
 
 def test_report_speculation_table_from_fake_results():

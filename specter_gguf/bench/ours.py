@@ -37,12 +37,14 @@ def _load_plain(job: dict[str, Any], tokenizer: Tokenizer | IdsOnlyTokenizer | N
 
 
 def _load_offload(mode: str, hybrid: str = "off", spare_slots: int | None = None) -> Loader:
+    """`spare_slots` None: lru's spare slots are the job's (`--spare-slots`), or the engine's default."""
     def load(job: dict[str, Any], tokenizer: Tokenizer | IdsOnlyTokenizer | None) -> Any:
         from specter_gguf.engine import Model
 
+        spares = spare_slots if spare_slots is not None or mode != "lru" else job.get("spare_slots")
         model = Model.load(job["model"], device=job["device"], ctx_size=job["ctx_size"], progress=False,
                            offload=mode, gpu_budget=job["budget_bytes"], tokenizer=tokenizer, hybrid=hybrid,
-                           spare_slots=spare_slots)
+                           spare_slots=spares)
         return _paced(model, job)
     return load
 

@@ -89,6 +89,7 @@ class BenchContext:
     log: Callable[[str], None] = print
     pcie_gbps: float | None = None  # ours' expert transfers paced to this rate (OffloadRuntime.pace_transfers)
     warmup: Prompt | None = None  # the warm-ups' prompt, one not measured (`run_prompt_set`)
+    spare_slots: int | None = None  # --spare-slots of ours-lru and ours-lru-hybrid (None: the engine's)
 
     def remaining(self) -> float:
         return math.inf if self.deadline is None else self.deadline - time.monotonic()
@@ -210,7 +211,7 @@ def _run_ours(specs: Sequence[SystemSpec], ctx: BenchContext, results: list[dict
            "prompts": [dataclasses.asdict(p) for p in ctx.prompts],
            "warmup": dataclasses.asdict(ctx.warmup) if ctx.warmup else None,
            "settings": dataclasses.asdict(ctx.settings) | {"decodings": list(ctx.settings.decodings)},
-           "time_budget_s": budget_s, "pcie_gbps": ctx.pcie_gbps}
+           "time_budget_s": budget_s, "pcie_gbps": ctx.pcie_gbps, "spare_slots": ctx.spare_slots}
     job_path = work / f"{_slug(first)}.job.json"
     job_path.write_text(json.dumps(job))
     log_path = work / f"{_slug(first)}.log"
