@@ -205,8 +205,7 @@ def load_options(f: Any = None, *, depth: bool = True) -> Any:
     @functools.wraps(f)
     def command(*args: Any, device: str | None, ctx_size: int | None, gpu_budget: str | None, offload: str | None,
                 cache_policy: str | None, routing_profile: Path | None, hybrid: str, spare_slots: int | None,
-                cuda_graphs: bool,
-                draft: Path | str | None, n_draft: int | str | None = None, **kwargs: Any) -> Any:
+                cuda_graphs: bool, draft: Path | str | None, n_draft: int | str | None = None, **kwargs: Any) -> Any:
         def load(model: Path | None, progress: bool) -> Any:
             from specter_gguf.engine import Model
 
@@ -238,8 +237,8 @@ def load_options(f: Any = None, *, depth: bool = True) -> Any:
                      "auto turns it on where the CPU computes an expert for one token in less than two copies' "
                      "time (then the split can give it some); off on the CPU device and for experts under 1 MiB."),
         click.option("--spare-slots", type=click.IntRange(0, MAX_SPARES), default=None,
-                     help=f"Expert-cache slots per MoE layer kept free for a forward to copy the experts it misses "
-                     f"into as it computes them, so that they cross PCIe once and the next token finds them "
+                     help="Expert-cache slots per MoE layer kept free for a forward to copy the experts it misses "
+                     "into as it computes them, so that they cross PCIe once and the next token finds them "
                      f"(--offload lru; default {DEFAULT_SPARE_SLOTS}; 0: misses are read in place and copied into "
                      "the cache after the forward)."),
         click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,

@@ -449,8 +449,8 @@ def load_offloaded(f: GGUFFile, device: torch.device, ctx_size: int, progress: b
     if offload is None:
         offload = "none" if plan.fits_all else "lru"
     if spare_slots and offload not in ("lru", "none"):
-        raise SpecterError(f"--spare-slots: only with --offload lru (--offload {offload} keeps no slot for a miss to be "
-                           "copied into as a forward runs)")
+        raise SpecterError(f"--spare-slots: only with --offload lru (--offload {offload} keeps no slot for a miss to "
+                           "be copied into as a forward runs)")
     if hybrid == "on" and offload == "gate-prefetch":
         raise SpecterError("--hybrid on: not with --offload gate-prefetch, whose layers copy in every expert they use; "
                            "use --offload lru")
