@@ -555,6 +555,7 @@ def test_residency_pointers_copy_misses_into_spares(device: str, n_expert: int, 
                                for part, off in enumerate(offsets)])
     assert torch.equal(ptrs.cpu(), expect_ptrs)
     assert routed.cpu().tolist()[:6] == [1, 2, 1, 1, 1, 2]
+    assert kernels.MAX_SPARES == native.lib().SPECTER_MAX_SPARES  # the Python side's limit is the library's
     # no usable spare left: the next call copies nothing and reads 5 in place again
     ptrs = kernels.residency_pointers(row, host.to(device), pool, ids.to(device), routed, spares)
     assert torch.equal(row.cpu(), expect_row) and torch.equal(pool_mem.cpu(), expect_pool)
