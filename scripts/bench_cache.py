@@ -2,9 +2,12 @@
 """Expert-cache hit rates over a model's own routing (`specter_gguf.bench.cache_replay`): the lru and lfu policies
 and the best possible (Belady's), each with a missed expert in a slot for the next forward (delay 0), the one after
 (1) and as the engine has it (3: it decodes one step ahead of the host), at the slots per MoE layer of each GPU
-budget's plan. Which misses a better policy could save and which only an earlier copy could.
+budget's plan; and lru as the engine has it with spare slots (`--spare-slots`: a layer's misses copied by the
+forward itself into that many of its slots, found from the next forward on). Which misses a better policy could
+save and which only an earlier copy could.
 
-    python3 scripts/bench_cache.py MODEL.gguf [--budgets 12GiB,16GiB,20GiB] [--prompts 2] [-n 64] [--device cuda]
+    python3 scripts/bench_cache.py MODEL.gguf [--budgets 12GiB,16GiB,20GiB] [--spares 2,4] [--prompts 2] [-n 64]
+        [--device cuda]
 
 Records the routing of the bench prompts (scripts/bench_prompts.json), greedy and sampled (temperature 1, top-k 40,
 top-p 0.95, min-p 0.05), with the whole model loaded (on the CPU when it does not fit the GPU: routing is the
@@ -20,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from specter_gguf.bench.cache_replay import ENGINE_DELAY, POLICIES, RoutingRecorder, replay  # noqa: E402
+from specter_gguf.runtime.offload import MAX_SPARES  # noqa: E402
 from specter_gguf.bench.metrics import SAMPLED  # noqa: E402
 from specter_gguf.bench.prompts import load_prompts  # noqa: E402
 from specter_gguf.engine import Model  # noqa: E402
@@ -36,6 +40,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", type=Path)
     ap.add_argument("--budgets", default="12GiB,16GiB,20GiB", help="GPU budgets whose plans give the slots")
+    ap.add_argument("--spares", default="2,4", help="spare slots a layer of the engine's lru columns")
     ap.add_argument("--ctx-size", type=int, default=1024, help="the context the plans are made for")
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("-n", "--n-predict", type=int, default=64)
@@ -43,6 +48,12 @@ def main() -> int:
     args = ap.parse_args()
     f = GGUFFile(args.model)
     budgets = []
+    try:
+        spares = [int(x) for x in args.spares.split(",") if x.strip()]
+        if any(not 0 < n <= MAX_SPARES for n in spares):
+            raise ValueError
+    except ValueError:
+        sys.exit(f"bench_cache.py: --spares takes spare slot counts from 1 to {MAX_SPARES}, not {args.spares!r}")
     try:
         for b in args.budgets.split(","):
             plan = plan_memory(f, b, args.ctx_size, "cuda")
@@ -59,18 +70,24 @@ def main() -> int:
         for p in load_prompts(n=args.prompts):
             model.generate(p.text, args.n_predict, sampling, ignore_eos=True).wait()
             traces[name].append(recorder.take())
-    heads = [f"{policy} d{d}" for policy in POLICIES for d in DELAYS]
+    heads = [f"{policy} d{d}" for policy in POLICIES for d in DELAYS] + [f"lru d{ENGINE_DELAY} + {n} spares"
+                                                                          for n in spares]
     print(f"Decode hit rate, {args.model.name}, {args.prompts} prompts × {args.n_predict} tokens (dN: a missed expert "
-          f"is in a slot from the N+1-th forward after it on)\n")
+          f"is in a slot from the N+1-th forward after it on; + S spares: S of the layer's slots kept for the "
+          f"forward's own copies of its misses, as the engine's --spare-slots)\n")
     print("| Decoding | Budget | Slots/layer | " + " | ".join(heads) + " |")
     print("|---|---|---|" + "---|" * len(heads))
     for name, runs in traces.items():
         for budget, slots, experts in budgets:
+            cases = [(policy, d, 0) for policy in POLICIES for d in DELAYS] + [("lru", ENGINE_DELAY, n)
+                                                                                 for n in spares]
             rates = []
-            for policy in POLICIES:
-                for d in DELAYS:
-                    hits = sum(replay(t, slots, policy, d) * _lookups(t) for t in runs)
-                    rates.append(f"{100 * hits / sum(_lookups(t) for t in runs):.1f}%")
+            for policy, d, n in cases:
+                if n >= slots:
+                    rates.append("—")
+                    continue
+                hits = sum(replay(t, slots, policy, d, n) * _lookups(t) for t in runs)
+                rates.append(f"{100 * hits / sum(_lookups(t) for t in runs):.1f}%")
             print(f"| {name} | {budget} | {slots} of {experts} | " + " | ".join(rates) + " |")
     return 0
 

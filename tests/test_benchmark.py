@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from specter_gguf.bench import prompts
@@ -151,6 +152,22 @@ def test_replay_policies_and_delays():
         assert replay(same, 2, "lru", delay) == pytest.approx((10 - delay) / 10)
     with pytest.raises(ValueError, match="policy"):
         replay(same, 2, "fifo")
+
+
+def test_replay_with_spares():
+    """A miss copied into a spare is found from the next forward on, whatever the delay; on CUDA's timing a spare
+    comes back to the layer two forwards after it was used. With delay 0 a spare is only a slot fewer for the cache."""
+    same = [{0: frozenset({5}), 3: frozenset({1, 2})}] * 11  # 10 forwards after the prompt's
+    # layer 0: only the first forward misses 5. Layer 3: 1 is copied in the first forward, 2 in the third (the spare
+    # is out in the second), and from the fourth the prompt's copies are in: 0 + 1 + 1 + 7 * 2 of 20
+    assert replay(same, 3, "lru", 3, spares=1) == pytest.approx((9 + 16) / 30)
+    rng = np.random.default_rng(3)
+    trace = [{layer: frozenset(rng.choice(16, 4, replace=False).tolist()) for layer in range(3)} for _ in range(60)]
+    for policy in ("lru", "lfu"):
+        assert replay(trace, 8, policy, 0, spares=2) == replay(trace, 6, policy, 0)
+        assert replay(trace, 8, policy, 3, spares=2) > replay(trace, 6, policy, 3)
+    with pytest.raises(ValueError, match="spares"):
+        replay(same, 2, "lru", 0, spares=2)
 
 
 def test_routing_recorder_keeps_each_forward(tiny_models):

@@ -9,6 +9,11 @@ the policy's victim), and forward n sees what the forwards up to n - 1 - `delay`
 decodes one step ahead of the host and copies into a slot only after the forward enqueued before the copy: forward
 n finds in slots the misses of forward n - 4 and earlier (`ENGINE_DELAY`, read from the code's order). On the CPU a
 copy is done before the next forward: delay 0, where the engine's decode hit rate is the replay's (a test checks).
+With `spares` (the engine's `--spare-slots`), that many of a layer's slots are set aside: a forward's misses, in
+ascending order, take the free ones and are in a slot from the next forward on; the host takes them into the cache
+(evicting the policy's victim among the experts that forward did not use) and frees the spares when it reads the
+forward's routing: before the next forward with delay 0, on CUDA before the one after (`SPARE_RETURN`, read from
+the code's order), so there a spare serves one forward in two.
 Policies: `lru`, `lfu` (uses so far; the engine's lfu shares one partition among the layers, here each layer has its
 own), `optimal` (Belady's: the resident expert used again last, or never, goes; no policy that brings in every miss
 does better).
@@ -24,6 +29,7 @@ import torch
 Forward = dict[int, frozenset[int]]  # MoE layer -> the experts it used
 POLICIES = ("lru", "lfu", "optimal")
 ENGINE_DELAY = 3
+SPARE_RETURN = 2  # on CUDA: forwards after the one that used a spare, the host has taken its expert and freed it
 
 
 class RoutingRecorder:
@@ -47,34 +53,54 @@ class RoutingRecorder:
         return out
 
 
-def replay(trace: Sequence[Forward], slots: int, policy: str = "lru", delay: int = 0) -> float:
+def replay(trace: Sequence[Forward], slots: int, policy: str = "lru", delay: int = 0, spares: int = 0) -> float:
     """The hit rate of the lookups of every forward after the first (the prompt's, which fills the cache)."""
     if policy not in POLICIES:
         raise ValueError(f"policy {policy!r}: one of {POLICIES}")
+    if not 0 <= spares < slots:
+        raise ValueError(f"spares: 0 to {slots - 1} of {slots} slots, not {spares}")
+    part = slots - spares
+    back = 1 + min(delay, SPARE_RETURN - 1)  # forwards until the host takes a spare's expert and frees it
     cache: dict[int, OrderedDict[int, None]] = {}
     uses: dict[tuple[int, int], int] = {}
+    copied: list[Forward] = []  # per forward: the misses each layer copied into spares
     hits = lookups = 0
     for n, forward in enumerate(trace):
+        if n - back >= 0:  # taken into the cache, before the host brings in that forward's other experts
+            f = n - back
+            for layer, experts in copied[f].items():
+                _bring_in(cache.setdefault(layer, OrderedDict()), layer, experts, part, policy, uses, trace, n,
+                          keep=trace[f][layer])
         if n - 1 - delay >= 0:
             for layer, experts in trace[n - 1 - delay].items():
                 for e in experts:  # the uses the host knows of when it brings them in
                     uses[layer, e] = uses.get((layer, e), 0) + 1
-                _bring_in(cache.setdefault(layer, OrderedDict()), layer, experts, slots, policy, uses, trace, n)
+                _bring_in(cache.setdefault(layer, OrderedDict()), layer, experts, part, policy, uses, trace, n)
+        now: Forward = {}
         if n > 0:
             for layer, experts in forward.items():
-                hits += sum(e in cache.get(layer, ()) for e in experts)
+                resident = cache.get(layer, ())
+                in_spares = frozenset().union(*(copied[f].get(layer, frozenset()) for f in range(n - back + 1, n)))
+                hits += sum(e in resident or e in in_spares for e in experts)
                 lookups += len(experts)
+                misses = sorted(e for e in experts if e not in resident and e not in in_spares)
+                now[layer] = frozenset(misses[:spares - len(in_spares)])
+        copied.append(now)
     return hits / lookups if lookups else 0.0
 
 
 def _bring_in(cache: OrderedDict[int, None], layer: int, experts: frozenset[int], slots: int, policy: str,
-              uses: dict[tuple[int, int], int], trace: Sequence[Forward], now: int) -> None:
+              uses: dict[tuple[int, int], int], trace: Sequence[Forward], now: int,
+              keep: frozenset[int] | None = None) -> None:
+    """`experts` into `cache` (a resident one refreshed), each evicting the policy's victim among the experts not in
+    `keep` (default: `experts`) when the cache is full."""
+    keep = experts if keep is None else keep
     for e in sorted(experts):
         if e in cache:
             cache.move_to_end(e)
             continue
         if len(cache) >= slots:
-            others = [x for x in cache if x not in experts]  # least recently used first
+            others = [x for x in cache if x not in keep]  # least recently used first
             if not others:  # the forward used more experts than the layer has slots
                 continue
             if policy == "lru":
