@@ -448,17 +448,27 @@ def fidelity(model: Path | None, drafts: str, prompts_file: Path | None, n_predi
               help="Also say what `run --hybrid` would choose for the offloaded experts: on a CUDA GPU measured as a "
               "load measures it (one expert on the CPU for one and for eight tokens against its copy; one layer's "
               "experts are read from the file for it).")
+@click.option("--spare-slots", type=click.IntRange(0, MAX_SPARES), default=None,
+              help=f"Also say how many of each MoE layer's slots `run --spare-slots` would set aside (default "
+              f"{DEFAULT_SPARE_SLOTS}).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as one JSON object.")
 def plan(model: Path, gpu_budget: str, draft: Path | str | None, ctx_size: int | None, device: str, hybrid: str,
-         as_json: bool) -> None:
+         spare_slots: int | None, as_json: bool) -> None:
     """Show how a GPU budget would be split for MODEL (nothing is loaded): non-expert weights, KV cache,
     workspace, draft experts and what speculation holds, expert-cache slots; and the minimum budget. Exits 1 when
     the budget is below it."""
     from specter_gguf.engine import plan_budget
 
+    from specter_gguf.runtime.offload import spares_per_layer
+
     p = plan_budget(model, _gpu_budget(gpu_budget), ctx_size, device, None if draft == "none" else draft)
     hybrid_line = _hybrid_plan(model, hybrid, device, p.fits_all)
-    click.echo(json.dumps({**p.to_dict(), "hybrid": hybrid_line}) if as_json else f"{p.describe()}\n{hybrid_line}")
+    spares = 0 if p.fits_all else spares_per_layer(p.n_slots, p.n_moe_layers, p.top_k, spare_slots)
+    spare_line = ("spare slots: none (the whole model fits the budget)" if p.fits_all else
+                  f"spare slots: {spares} of each MoE layer's {p.n_slots // p.n_moe_layers} with --offload lru, for "
+                  "a forward to copy its misses into (--spare-slots); the cache keeps the others")
+    click.echo(json.dumps({**p.to_dict(), "hybrid": hybrid_line, "spare_slots": spares}) if as_json
+               else f"{p.describe()}\n{spare_line}\n{hybrid_line}")
     p.check()  # a budget below the minimum: the split is shown, then the error (exit 1) says what is missing
 
 

@@ -128,6 +128,13 @@ def test_plan_command(shipped_model) -> None:
     r = CliRunner().invoke(cli, ["plan", str(shipped_model), "--gpu-budget", "16GiB", "-c", "512"])
     assert r.exit_code == 0, r.output
     assert "expert cache" in r.output and "KV cache" in r.output and "minimum budget" in r.output
+    assert "spare slots: none (the whole model fits the budget)" in r.output
+    budget = str(_budget_for(shipped_model, 3))  # top_k + 3 slots a layer: room for the default 2 spares
+    r = CliRunner().invoke(cli, ["plan", str(shipped_model), "--gpu-budget", budget, "-c", str(CTX), "--device", "cpu"])
+    assert r.exit_code == 0 and "spare slots: 2 of each MoE layer's" in r.output, r.output
+    r = CliRunner().invoke(cli, ["plan", str(shipped_model), "--gpu-budget", budget, "-c", str(CTX), "--device", "cpu",
+                                 "--json", "--spare-slots", "5"])
+    assert r.exit_code == 0 and json.loads(r.output)["spare_slots"] == 3, r.output  # what the layers have room for
     r = CliRunner().invoke(cli, ["plan", str(shipped_model), "--gpu-budget", "1MiB", "--json"])
     assert r.exit_code == 1, r.output  # the plan is printed, then the refusal names the minimum
     d = json.loads(r.output.splitlines()[0])

@@ -58,6 +58,13 @@ _TORCH_TYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat
 DENSE_MIN_TOKENS_PER_EXPERT = ResidentExperts.DENSE_MIN_TOKENS_PER_EXPERT
 
 
+def spares_per_layer(n_slots: int, n_moe_layers: int, top_k: int, requested: int | None = None) -> int:
+    """The spare slots each MoE layer gets in lru mode: `requested` (default DEFAULT_SPARE_SLOTS), at most what its
+    share of the `n_slots` holds beyond its top-k (one forward's experts)."""
+    wanted = DEFAULT_SPARE_SLOTS if requested is None else requested
+    return max(0, min(wanted, n_slots // n_moe_layers - top_k))
+
+
 def residency_max_tokens(cfg: ModelConfig) -> int:
     """The most tokens of a forward that `OffloadRuntime.from_residency` serves (`OffloadedExperts`: fewer (token,
     expert) pairs than DENSE_MIN_TOKENS_PER_EXPERT per expert): decode steps, verifications, short prefills."""
@@ -221,9 +228,8 @@ class OffloadRuntime:
     def start(self, n_slots: int, transformer: Transformer) -> None:
         opts = self.options
         partition = "layer" if opts.policy == "lru" else "global"
-        # spares: what the partitions hold beyond a layer's top-k (one forward's experts) at most
-        room = n_slots // len(self.layers) - self.cfg.n_expert_used
-        n_spare = max(0, min(opts.spare_slots, room)) if self.mode == "lru" else 0
+        n_spare = (spares_per_layer(n_slots, len(self.layers), self.cfg.n_expert_used, opts.spare_slots)
+                   if self.mode == "lru" else 0)
         self.cache = ExpertCache(self.store, n_slots, self.plan.slot_bytes, self.layers, self.device,
                                  opts.policy, partition, opts.profile, self.counters, n_layer=self.cfg.n_layer,
                                  n_spare=n_spare)
