@@ -167,7 +167,7 @@ class ExpertCache:
         if not 0 <= n_spare <= MAX_SPARES:
             raise SpecterError(f"spare slots per MoE layer: 0 to {MAX_SPARES}, not {n_spare}")
         self.n_spare = n_spare
-        self.spares = torch.full((rows, max(1, n_spare)), -1, dtype=torch.int64, device=device)
+        self.spares = torch.full((rows, n_spare), -1, dtype=torch.int64, device=device)
         self.arrivals = torch.zeros(rows, dtype=torch.int32, device=device)  # the table kernel's CTA counter
         self._spare_of: dict[int, tuple[int, int]] = {}  # a spare slot -> (layer, its index in the layer's spares)
         self._copy_timers: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []

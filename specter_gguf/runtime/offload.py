@@ -306,7 +306,8 @@ class OffloadRuntime:
     def expert_table(self, layer: int, ids: torch.Tensor) -> ExpertTable:
         """The grouped kernel's pointer table of `layer` for a forward routed `ids`, computed on the device from the
         residency table (a fresh tensor: a hand-off to the CPU zeroes its experts' pointers in it, and then the
-        kernel skips them); the same kernel adds the routing into `routed`."""
+        kernel skips them); the same kernel first copies misses into the layer's free spare slots (lru) and adds
+        the routing into `routed`."""
         host, pool, spares = self._pointers[layer] if layer in self._pointers else self._layer_pointers(layer)
         ptrs = residency_pointers(self.cache.table[layer], host, pool, ids, self.routed[layer], spares)
         return ExpertTable(ptrs, self.experts[layer].types, self.cfg.n_embd, self.cfg.n_ff_exp, (self.cache.pool,))
