@@ -13,8 +13,8 @@ from typing import Any
 import click
 import numpy as np
 
-from specter_gguf.engine import (DEFAULT_HYBRID, DEFAULT_SPARE_SLOTS, DRAFT_TYPES, HYBRID_CHOICES, MAX_DEPTH,
-                                 MAX_FIXED_DEPTH, MAX_SPARES, OFFLOAD_CHOICES, POLICIES, SHIPPED_DRAFT,
+from specter_gguf.engine import (DEFAULT_HYBRID, DRAFT_TYPES, HYBRID_CHOICES, MAX_DEPTH, MAX_FIXED_DEPTH,
+                                 MAX_SPARES, OFFLOAD_CHOICES, POLICIES, SHIPPED_DRAFT, SPARES_WITH_LOOKAHEAD,
                                  draft_file_or_type, parse_depth)
 from specter_gguf.errors import ContextFullError, SpecterError
 from specter_gguf.outputs import check_output_file, check_output_folder
@@ -239,8 +239,9 @@ def load_options(f: Any = None, *, depth: bool = True) -> Any:
         click.option("--spare-slots", type=click.IntRange(0, MAX_SPARES), default=None,
                      help="Expert-cache slots per MoE layer kept free for a forward to copy the experts it misses "
                      "into as it computes them, so that they cross PCIe once and the next token finds them "
-                     f"(--offload lru; default {DEFAULT_SPARE_SLOTS}; 0: misses are read in place and copied into "
-                     "the cache after the forward)."),
+                     f"(--offload lru; default twice the experts a token uses, at most {MAX_SPARES}, and "
+                     f"{SPARES_WITH_LOOKAHEAD} with a draft; 0: misses are read in place and copied into the cache "
+                     "after the forward)."),
         click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
                      help="Replay each decode step, draft step and verification as a CUDA graph (CUDA; not with "
                      "--offload gate-prefetch)."),
@@ -449,8 +450,8 @@ def fidelity(model: Path | None, drafts: str, prompts_file: Path | None, n_predi
               "load measures it (one expert on the CPU for one and for eight tokens against its copy; one layer's "
               "experts are read from the file for it).")
 @click.option("--spare-slots", type=click.IntRange(0, MAX_SPARES), default=None,
-              help=f"Also say how many of each MoE layer's slots `run --spare-slots` would set aside (default "
-              f"{DEFAULT_SPARE_SLOTS}).")
+              help="Also say how many of each MoE layer's slots `run --spare-slots` would set aside (default: "
+              f"twice the experts a token uses, at most {MAX_SPARES}, and {SPARES_WITH_LOOKAHEAD} with a draft).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as one JSON object.")
 def plan(model: Path, gpu_budget: str, draft: Path | str | None, ctx_size: int | None, device: str, hybrid: str,
          spare_slots: int | None, as_json: bool) -> None:
@@ -463,7 +464,8 @@ def plan(model: Path, gpu_budget: str, draft: Path | str | None, ctx_size: int |
 
     p = plan_budget(model, _gpu_budget(gpu_budget), ctx_size, device, None if draft == "none" else draft)
     hybrid_line = _hybrid_plan(model, hybrid, device, p.fits_all)
-    spares = 0 if p.fits_all else spares_per_layer(p.n_slots, p.n_moe_layers, p.top_k, spare_slots)
+    spares = 0 if p.fits_all else spares_per_layer(p.n_slots, p.n_moe_layers, p.top_k, spare_slots,
+                                                   lookahead=p.draft_experts > 0)
     spare_line = ("spare slots: none (the whole model fits the budget)" if p.fits_all else
                   f"spare slots: {spares} of each MoE layer's {p.n_slots // p.n_moe_layers} with --offload lru, for "
                   "a forward to copy its misses into (--spare-slots); the cache keeps the others")

@@ -26,7 +26,7 @@ from specter_gguf.runtime.cache import POLICIES  # the values of Model.load's ca
 from specter_gguf.runtime.hybrid import DEFAULT_HYBRID, HYBRID_CHOICES, HybridChoice, probe_hybrid  # ... of its hybrid
 from specter_gguf.runtime.hybrid import check_mode as check_hybrid_mode
 from specter_gguf.runtime.offload import OFFLOAD_CHOICES, load_offloaded  # ... and of its offload
-from specter_gguf.runtime.offload import DEFAULT_SPARE_SLOTS, MAX_SPARES  # ... and of its spare_slots
+from specter_gguf.runtime.offload import MAX_SPARES, SPARES_WITH_LOOKAHEAD  # ... and of its spare_slots
 from specter_gguf.runtime.offload import residency_max_tokens
 from specter_gguf.runtime.routing import DeviceRoutingCounts, RoutingProfile
 from specter_gguf.sampling import Sampler, SamplingParams
@@ -39,7 +39,7 @@ from specter_gguf.tokenizer import IdsOnlyTokenizer, Tokenizer
 __all__ = ["Model", "Generation", "GenerationStats", "SHIPPED_MODEL", "SHIPPED_DRAFT", "resolve_device", "tpot_ms",
            "read_config", "FileSummary", "summarize_file", "plan_budget", "MemoryPlan", "ModelConfig",
            "RoutingProfile", "OFFLOAD_CHOICES", "POLICIES", "HYBRID_CHOICES", "DEFAULT_HYBRID", "plan_hybrid",
-           "DEFAULT_SPARE_SLOTS", "MAX_SPARES",
+           "MAX_SPARES", "SPARES_WITH_LOOKAHEAD",
            "MAX_DEPTH", "MAX_FIXED_DEPTH", "parse_depth", "DRAFT_TYPES", "draft_file_or_type", "resolve_draft"]
 
 log = logging.getLogger(__name__)
@@ -386,8 +386,9 @@ class Model:
         short prefill misses are split between the CPU and PCIe by their measured costs (`runtime.hybrid`); auto
         turns it on where a measurement at load says the CPU computes an expert for one token in less than two
         copies' time (the default; off on the CPU device and for experts under 1 MiB). `spare_slots` (lru, 0 to
-        MAX_SPARES, default DEFAULT_SPARE_SLOTS): slots per MoE layer kept free for a forward to copy the experts it
-        misses into as it computes them (0: misses are read in place, and copied into the cache after the forward).
+        MAX_SPARES; default twice the experts a token uses, at most MAX_SPARES, and SPARES_WITH_LOOKAHEAD with a
+        draft): slots per MoE layer kept free for a forward to copy the experts it misses into as it computes them
+        (0: misses are read in place, and copied into the cache after the forward).
         `draft`: a quantized copy of the model (e.g. `specter-gguf quantize MODEL --type q4_k_m`), or a type
         ("q2_k", "q3_k_m", "q4_k_m", "q8_0", ...: the draft is made from the model on first use and kept,
         `speculation.draft_files`), whose routed experts share the device and draft `n_draft` tokens per

@@ -114,6 +114,29 @@ def test_spare_slots_are_for_lru_only(shipped_model) -> None:
     assert m.offload.cache.n_spare == 0
 
 
+def test_default_spares_hold_two_decode_steps_of_misses() -> None:
+    """A spare comes back two forwards after the one that filled it (CUDA), so lru keeps 2 × top-k by default, at
+    most MAX_SPARES and never more than a layer's slots beyond its top-k; a request is taken as given within that."""
+    from specter_gguf.runtime.offload import MAX_SPARES, spares_per_layer
+
+    assert [spares_per_layer(100 * 24, 24, top_k) for top_k in (1, 2, 4, 8)] == [2, 4, 8, MAX_SPARES]
+    assert spares_per_layer(10 * 24, 24, 4) == 6 and spares_per_layer(10 * 24, 24, 4, 1) == 1
+
+
+def test_speculative_decoding_keeps_fewer_spares(shipped_model) -> None:
+    """Under speculative decoding the lookahead prefetches into the same slots: the default stays
+    SPARES_WITH_LOOKAHEAD where plain decoding takes twice the top-k, within the same room."""
+    from specter_gguf.runtime.offload import SPARES_WITH_LOOKAHEAD
+
+    f = GGUFFile(shipped_model)
+    p = plan_memory(f, 1 << 40, CTX, "cpu")
+    budget = plan_memory(f, 1 << 40, CTX, "cpu", draft=f).minimum + 6 * p.n_moe_layers * p.slot_bytes  # top_k + 6
+    plain = Model.load(shipped_model, device="cpu", ctx_size=CTX, progress=False, gpu_budget=budget, offload="lru")
+    spec = Model.load(shipped_model, device="cpu", ctx_size=CTX, progress=False, gpu_budget=budget, offload="lru",
+                      draft=shipped_model)
+    assert plain.offload.cache.n_spare == 4 and spec.offload.cache.n_spare == SPARES_WITH_LOOKAHEAD == 2
+
+
 def test_offload_needs_a_budget_and_none_needs_room(shipped_model) -> None:
     with pytest.raises(SpecterError, match="needs a GPU memory budget"):
         Model.load(shipped_model, device="cpu", ctx_size=CTX, progress=False, offload="lru")
@@ -129,12 +152,13 @@ def test_plan_command(shipped_model) -> None:
     assert r.exit_code == 0, r.output
     assert "expert cache" in r.output and "KV cache" in r.output and "minimum budget" in r.output
     assert "spare slots: none (the whole model fits the budget)" in r.output
-    budget = str(_budget_for(shipped_model, 3))  # top_k + 3 slots a layer: room for the default 2 spares
+    # top_k (2) + 5 slots a layer: room for the default spares, twice the top-k
+    budget = str(_budget_for(shipped_model, 5))
     r = CliRunner().invoke(cli, ["plan", str(shipped_model), "--gpu-budget", budget, "-c", str(CTX), "--device", "cpu"])
-    assert r.exit_code == 0 and "spare slots: 2 of each MoE layer's" in r.output, r.output
+    assert r.exit_code == 0 and "spare slots: 4 of each MoE layer's 7" in r.output, r.output
     r = CliRunner().invoke(cli, ["plan", str(shipped_model), "--gpu-budget", budget, "-c", str(CTX), "--device", "cpu",
-                                 "--json", "--spare-slots", "5"])
-    assert r.exit_code == 0 and json.loads(r.output)["spare_slots"] == 3, r.output  # what the layers have room for
+                                 "--json", "--spare-slots", "7"])
+    assert r.exit_code == 0 and json.loads(r.output)["spare_slots"] == 5, r.output  # what the layers have room for
     r = CliRunner().invoke(cli, ["plan", str(shipped_model), "--gpu-budget", "1MiB", "--json"])
     assert r.exit_code == 1, r.output  # the plan is printed, then the refusal names the minimum
     d = json.loads(r.output.splitlines()[0])
@@ -413,7 +437,8 @@ def test_spares_stay_right_when_the_host_learns_late(tiny_models, arch: str, lag
     in meanwhile (the case the device's table must not be trusted for)."""
     path = tiny_models[(arch, "f16")]
     expected = _reference_tokens(path)
-    m = Model.load(path, device="cpu", ctx_size=CTX, progress=False, gpu_budget=_budget_for(path, 3), offload="lru")
+    m = Model.load(path, device="cpu", ctx_size=CTX, progress=False, gpu_budget=_budget_for(path, 3), offload="lru",
+                   spare_slots=2)
     rt, cache = m.offload, m.offload.cache
     settle, adopt = rt.settle, cache.adopt
     rt.settle = lambda wait=False, keep=0: settle(wait, keep if wait else max(keep, lag))

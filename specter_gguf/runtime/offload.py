@@ -52,16 +52,27 @@ from specter_gguf.sizes import format_size
 log = logging.getLogger(__name__)
 
 MODES = ("on-demand", "lru", "gate-prefetch")
-DEFAULT_SPARE_SLOTS = 2  # per MoE layer (lru): misses a forward copies into slots itself (OffloadRuntime)
 OFFLOAD_CHOICES = (*MODES, "none")  # what --offload takes: a mode, or "none" (every expert on the device)
 _TORCH_TYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
 DENSE_MIN_TOKENS_PER_EXPERT = ResidentExperts.DENSE_MIN_TOKENS_PER_EXPERT
+SPARES_WITH_LOOKAHEAD = 2  # lru's default spare slots per MoE layer under speculative decoding (its rows' count)
 
 
-def spares_per_layer(n_slots: int, n_moe_layers: int, top_k: int, requested: int | None = None) -> int:
-    """The spare slots each MoE layer gets in lru mode: `requested` (default DEFAULT_SPARE_SLOTS), at most what its
-    share of the `n_slots` holds beyond its top-k (one forward's experts)."""
-    wanted = DEFAULT_SPARE_SLOTS if requested is None else requested
+def default_spare_slots(top_k: int, lookahead: bool = False) -> int:
+    """lru's spare slots per MoE layer without --spare-slots. Plain decoding: two steps' experts, 2 × top-k (at most
+    MAX_SPARES). A spare goes back to the cache when the host reads the routing of the forward that filled it, two
+    forwards later on CUDA; with fewer spares, a step's misses beyond those free wait for a slot until the fourth
+    step (measured: 8 spares against 2 at top-k 4, docs/BENCHMARKS.md 2026-12-06 05:48). Speculative decoding
+    (`lookahead`) keeps SPARES_WITH_LOOKAHEAD: its lookahead prefetches into the same slots, and more spares there
+    are not measured."""
+    return SPARES_WITH_LOOKAHEAD if lookahead else min(MAX_SPARES, 2 * top_k)
+
+
+def spares_per_layer(n_slots: int, n_moe_layers: int, top_k: int, requested: int | None = None,
+                     lookahead: bool = False) -> int:
+    """The spare slots each MoE layer gets in lru mode: `requested` (default `default_spare_slots`), at most what
+    its share of the `n_slots` holds beyond its top-k (one forward's experts)."""
+    wanted = default_spare_slots(top_k, lookahead) if requested is None else requested
     return max(0, min(wanted, n_slots // n_moe_layers - top_k))
 
 
@@ -184,7 +195,8 @@ class OffloadOptions:
     # except in the decoder's plain steps, which no lookahead serves (`OffloadRuntime.bringing_in`)
     lookahead: bool = False
     hybrid: str = DEFAULT_HYBRID  # HYBRID_CHOICES: missed experts of small batches computed on the CPU (runtime.hybrid)
-    spare_slots: int = DEFAULT_SPARE_SLOTS  # per MoE layer, lru mode: slots a forward copies its misses into
+    spare_slots: int | None = None  # per MoE layer, lru mode: slots a forward copies its misses into (None:
+    # default_spare_slots)
 
 
 class OffloadRuntime:
@@ -228,8 +240,8 @@ class OffloadRuntime:
     def start(self, n_slots: int, transformer: Transformer) -> None:
         opts = self.options
         partition = "layer" if opts.policy == "lru" else "global"
-        n_spare = (spares_per_layer(n_slots, len(self.layers), self.cfg.n_expert_used, opts.spare_slots)
-                   if self.mode == "lru" else 0)
+        n_spare = (spares_per_layer(n_slots, len(self.layers), self.cfg.n_expert_used, opts.spare_slots,
+                                    opts.lookahead) if self.mode == "lru" else 0)
         self.cache = ExpertCache(self.store, n_slots, self.plan.slot_bytes, self.layers, self.device,
                                  opts.policy, partition, opts.profile, self.counters, n_layer=self.cfg.n_layer,
                                  n_spare=n_spare)
@@ -418,7 +430,7 @@ def load_offloaded(f: GGUFFile, device: torch.device, ctx_size: int, progress: b
     the plain way when the model fits (and no mode is forced), else with offloaded experts. Without a budget on
     CUDA, a model that does not fit the device's free memory is offloaded within it (`fitted_budget`). `hybrid`:
     HYBRID_CHOICES (`runtime.hybrid`; default DEFAULT_HYBRID). `spare_slots`: per MoE layer, lru mode
-    (`OffloadRuntime`; default DEFAULT_SPARE_SLOTS).
+    (`OffloadRuntime`; default `default_spare_slots`).
     Returns (transformer, runtime or None, plan or None: no budget was given or needed)."""
     from specter_gguf.models import check_architecture, load_transformer
 
@@ -481,7 +493,7 @@ def load_offloaded(f: GGUFFile, device: torch.device, ctx_size: int, progress: b
         routing_profile.check(str(f.path), cfg.n_layer, cfg.n_expert, where)
     options = OffloadOptions(offload, policy, routing_profile, pin, lookahead=draft is not None,
                              hybrid=hybrid or DEFAULT_HYBRID,
-                             spare_slots=DEFAULT_SPARE_SLOTS if spare_slots is None else spare_slots)
+                             spare_slots=spare_slots)
     runtime = OffloadRuntime(f, cfg, plan, device, options, progress)
     try:
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
