@@ -546,7 +546,7 @@ def test_report_formatting_from_fake_results():
 
 
 def test_lru_rows_take_the_jobs_spare_slots(tiny_models):
-    """--spare-slots reaches ours-lru and ours-lru-hybrid (None: the engine's default); the -inplace rows keep 0."""
+    """--spare-slots reaches ours-lru and ours-lru-hybrid (None: the engine's default, twice the top-k of 2); the -inplace rows keep 0."""
     from specter_gguf.bench.ours import OURS_MODES
     from specter_gguf.gguf_file import GGUFFile
     from specter_gguf.runtime import plan_memory
@@ -555,7 +555,7 @@ def test_lru_rows_take_the_jobs_spare_slots(tiny_models):
     plan = plan_memory(GGUFFile(path), 1 << 40, 256, "cpu")
     job = {"model": str(path), "device": "cpu", "ctx_size": 256, "rows": [],
            "budget_bytes": plan.minimum + 4 * plan.n_moe_layers * plan.slot_bytes}  # room for 4 spares a layer
-    for spares, mode, want in [(None, "ours-lru", 2), (3, "ours-lru", 3), (1, "ours-lru-hybrid", 1),
+    for spares, mode, want in [(None, "ours-lru", 4), (3, "ours-lru", 3), (1, "ours-lru-hybrid", 1),
                                (3, "ours-lru-inplace", 0), (3, "ours-lru-hybrid-inplace", 0)]:
         model = OURS_MODES[mode].load(dict(job, spare_slots=spares), None)
         assert model.offload.cache.n_spare == want, (mode, spares)
@@ -622,6 +622,25 @@ def test_append_report_and_merge(tmp_path):
     assert "--part 2/2" in m["meta"]["command"] and list(m["meta"]["budgets"]) == ["16GiB", "20GiB"]
     assert [(r["family"], r["budget"], r["status"]) for r in m["results"]] == [
         (first["family"], first["budget"], "ok"), (first["family"], "20GiB", "ok"), ("ours-lru", first["budget"], "ok")]
+
+
+def test_merging_a_spare_slot_sweep_keeps_each_row():
+    """Runs of --spare-slots 1 and 8 (and the default) merged: the same system and budget three times, each row's
+    setting naming the spare slots its runs report; without a sweep, settings are left as they are."""
+    docs = []
+    for asked, ran in [(1, 1), (None, 2), (8, 8)]:
+        doc = _fake_doc()
+        doc["meta"]["spare_slots"] = asked
+        lru = dict(doc["results"][0], family="ours-lru", runs=[{"extra": {"spare_slots": ran}}])
+        doc["results"] = [lru, dict(lru, family="llama-ncmoe", runs=[{"extra": {}}])]
+        docs.append(doc)
+    m = merge_docs(docs)
+    setting = docs[0]["results"][0]["setting"]
+    assert [r["setting"] for r in m["results"] if r["family"] == "ours-lru"] == [
+        f"{setting}, 1 spare slot a layer", f"{setting}, 2 spare slots a layer", f"{setting}, 8 spare slots a layer"]
+    assert [r["setting"] for r in m["results"] if r["family"] == "llama-ncmoe"] == [setting]
+    assert m["meta"]["spare_slots"] is None and "spare slots a layer**" not in render_markdown(m, [])
+    assert [r["setting"] for r in merge_docs(docs[:1] * 2)["results"]] == [setting, setting]
 
 
 # ------------------------------------------------------------------------------------- end to end

@@ -40,17 +40,30 @@ def read_results(path: Path) -> dict[str, Any]:
     return doc
 
 
+def _spare_slots_run(result: dict[str, Any]) -> int | None:
+    """The spare slots a layer that a result of ours ran with (its runs' stats), None where it has none."""
+    return next((run["extra"]["spare_slots"] for run in result.get("runs", [])
+                 if (run.get("extra") or {}).get("spare_slots") is not None), None)
+
+
 def merge_docs(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Several results documents (e.g. the parts of a split run) as one. A system skipped in one part (its
-    deadline) and measured in a later one (a rerun of what was left) appears once, measured."""
+    deadline) and measured in a later one (a rerun of what was left) appears once, measured. Documents of
+    different `--spare-slots` (a sweep) keep each row: its setting says the spare slots it ran with."""
     if not docs:
         raise SpecterError("nothing to merge")
     meta = dict(docs[0]["meta"])
     meta["budgets"] = {k: v for d in docs for k, v in (d["meta"].get("budgets") or {}).items()}
     cmds = [d["meta"].get("command") for d in docs if d["meta"].get("command")]
     meta["command"] = " ; ".join(dict.fromkeys(cmds))
+    sweep = len({d["meta"].get("spare_slots") for d in docs}) > 1
+    if sweep:
+        meta["spare_slots"] = None  # each row says its own
     results: dict[tuple[str, str, str | None], dict[str, Any]] = {}
     for r in (r for d in docs for r in d["results"]):
+        n_spare = _spare_slots_run(r) if sweep else None
+        if n_spare is not None:
+            r = dict(r, setting=f"{r['setting']}, {n_spare} spare slot{'' if n_spare == 1 else 's'} a layer")
         key = (r["family"], r["setting"], r["budget"])
         if key not in results or results[key]["status"] == "skipped":
             results[key] = r
