@@ -88,15 +88,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="pace our expert transfers (copies into slots, reads in place) to this rate, as on a PC whose "
                    "PCIe is slower than this machine's (PCIe 4.0 x16: ~25); marked in the report; llama.cpp unpaced")
     g.add_argument("--spare-slots", type=int, default=None,
-                   help="our --spare-slots for ours-lru and ours-lru-hybrid (default: the engine's; the -inplace "
-                   "rows keep 0); marked in the report")
+                   help="our --spare-slots for ours-lru, ours-lru-hybrid and the speculative rows (default: the "
+                   "engine's; the -inplace rows keep 0); marked in the report")
     g.add_argument("--part", default=None, help="run only part i/n of the matrix, e.g. 1/2")
     g = ap.add_argument_group("time limits")
     g.add_argument("--seconds-per-system", type=float, default=60.0,
                    help="no further prompt is started after this much measuring time")
     g.add_argument("--job-timeout", type=float, default=420.0, help="hard limit per system, loading included")
     g.add_argument("--deadline", type=float, default=0.0,
-                   help="seconds from start after which no system starts (0: none); results are always written")
+                   help="seconds from start after which no system starts, nor one with under 30 s left to it (0: none); "
+                   "results are always written")
     g = ap.add_argument_group("tools")
     g.add_argument("--llama-bin", type=Path,
                    help="directory holding llama-server and llama-quantize; given, they are never built "

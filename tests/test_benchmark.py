@@ -467,8 +467,8 @@ def test_llama_system_failures_are_recorded(tmp_path, fake_bin, monkeypatch):
     assert r["status"] == "error" and "not found" in r["error"]
     import time
 
-    r = run_system(spec, _ctx(tmp_path, fake_bin, deadline=time.monotonic()))
-    assert r["status"] == "skipped"
+    r = run_system(spec, _ctx(tmp_path, fake_bin, deadline=time.monotonic() + 20))  # not past it, but too near
+    assert r["status"] == "skipped" and "fewer than 30 s were left before the run's --deadline" in r["error"]
 
 
 def test_server_tokenizer_and_stored_ids(tmp_path, fake_bin, monkeypatch):
@@ -542,22 +542,32 @@ def test_report_formatting_from_fake_results():
     assert "**PCIe paced to 25 GB/s** for ours" in render_markdown(doc, [])
     assert "spare slots a layer" not in md
     doc["meta"]["spare_slots"] = 0  # --spare-slots 0: said, though 0
-    assert "**0 spare slots a layer** for ours-lru and ours-lru-hybrid" in render_markdown(doc, [])
+    want = "**0 spare slots a layer** for ours-lru, ours-lru-hybrid and the speculative rows"
+    assert want in render_markdown(doc, [])
 
 
 def test_lru_rows_take_the_jobs_spare_slots(tiny_models):
-    """--spare-slots reaches ours-lru and ours-lru-hybrid (None: the engine's default, twice the top-k of 2); the -inplace rows keep 0."""
+    """--spare-slots reaches ours-lru, ours-lru-hybrid and the speculative rows (None: the engine's default, here
+    the room a layer has beyond its top-k, and 2 with a draft); the -inplace rows keep 0."""
     from specter_gguf.bench.ours import OURS_MODES
     from specter_gguf.gguf_file import GGUFFile
     from specter_gguf.runtime import plan_memory
 
     path = tiny_models[("qwen2moe", "f16")]
-    plan = plan_memory(GGUFFile(path), 1 << 40, 256, "cpu")
-    job = {"model": str(path), "device": "cpu", "ctx_size": 256, "rows": [],
-           "budget_bytes": plan.minimum + 4 * plan.n_moe_layers * plan.slot_bytes}  # room for 4 spares a layer
+
+    def job(extra_slots: int, draft: bool) -> dict:
+        plan = plan_memory(GGUFFile(path), 1 << 40, 256, "cpu", draft=GGUFFile(path) if draft else None)
+        return {"model": str(path), "draft": str(path) if draft else None, "device": "cpu", "ctx_size": 256,
+                "rows": [], "settings": {"decodings": ["greedy"]},
+                "budget_bytes": plan.minimum + extra_slots * plan.n_moe_layers * plan.slot_bytes}
+
+    plain, speculative = job(4, False), job(3, True)  # the model as its own draft; its layers have 8 experts
     for spares, mode, want in [(None, "ours-lru", 4), (3, "ours-lru", 3), (1, "ours-lru-hybrid", 1),
                                (3, "ours-lru-inplace", 0), (3, "ours-lru-hybrid-inplace", 0)]:
-        model = OURS_MODES[mode].load(dict(job, spare_slots=spares), None)
+        model = OURS_MODES[mode].load(dict(plain, spare_slots=spares), None)
+        assert model.offload.cache.n_spare == want, (mode, spares)
+    for spares, mode, want in [(None, "ours-spec", 2), (3, "ours-spec", 3), (1, "ours-spec-synth-fixed-hybrid", 1)]:
+        model = OURS_MODES[mode].load(dict(speculative, spare_slots=spares), None)
         assert model.offload.cache.n_spare == want, (mode, spares)
 
 

@@ -55,7 +55,7 @@ def _spec_loader(hybrid: str) -> Loader:
 
         model = Model.load(job["model"], draft=job["draft"], device=job["device"], ctx_size=job["ctx_size"],
                            gpu_budget=job["budget_bytes"], progress=False, tokenizer=tokenizer, n_draft="auto",
-                           hybrid=hybrid)
+                           hybrid=hybrid, spare_slots=job.get("spare_slots"))
         _capture_every_depth(_paced(model, job), job["settings"]["decodings"])
         return model
     return load

@@ -186,7 +186,8 @@ def render_markdown(doc: dict[str, Any], images: Sequence[str] = ()) -> str:
         *([f"- **PCIe paced to {m['pcie_gbps']:g} GB/s** for ours (a wait after each expert copy and each layer's reads "
            "in place, for the bytes' time at that rate beyond this machine's: `--pcie-gbps`); llama.cpp unpaced (its "
            "decode moves no expert over the link: `-ncmoe` experts run on the CPU)"] if m.get("pcie_gbps") else []),
-        *([f"- **{m['spare_slots']} spare slots a layer** for ours-lru and ours-lru-hybrid (`--spare-slots`)"]
+        *([f"- **{m['spare_slots']} spare slots a layer** for ours-lru, ours-lru-hybrid and the speculative rows "
+            "(`--spare-slots`)"]
           if m.get("spare_slots") is not None else []),
         f"- Command: `{m.get('command', '?')}`",
         "",

@@ -31,6 +31,8 @@ from specter_gguf.bench.prompts import Prompt
 from specter_gguf.bench.report import format_size
 from specter_gguf.errors import SpecterError
 
+MIN_SYSTEM_S = 30  # a system is started only with this much time left before the --deadline
+
 
 @dataclass
 class RunSettings:
@@ -89,7 +91,7 @@ class BenchContext:
     log: Callable[[str], None] = print
     pcie_gbps: float | None = None  # ours' expert transfers paced to this rate (OffloadRuntime.pace_transfers)
     warmup: Prompt | None = None  # the warm-ups' prompt, one not measured (`run_prompt_set`)
-    spare_slots: int | None = None  # --spare-slots of ours-lru and ours-lru-hybrid (None: the engine's)
+    spare_slots: int | None = None  # --spare-slots of ours-lru, ours-lru-hybrid, speculative rows (None: the engine's)
 
     def remaining(self) -> float:
         return math.inf if self.deadline is None else self.deadline - time.monotonic()
@@ -113,9 +115,10 @@ def run_systems(specs: Sequence[SystemSpec], ctx: BenchContext) -> list[dict[str
     """Run one llama.cpp system, or rows of ours that load alike in one worker (`ours.OursMode`); never raises
     (errors are recorded in the results)."""
     results = [_result(spec) for spec in specs]
-    if ctx.remaining() < 30:
+    if ctx.remaining() < MIN_SYSTEM_S:
         for res in results:
-            res.update(status="skipped", error="skipped: the run's --deadline was reached")
+            res.update(status="skipped", error=f"skipped: fewer than {MIN_SYSTEM_S} s were left before the run's "
+                       "--deadline")
         return results
     t0 = time.monotonic()
     for spec in specs:
