@@ -386,9 +386,10 @@ class Model:
         short prefill misses are split between the CPU and PCIe by their measured costs (`runtime.hybrid`); auto
         turns it on where a measurement at load says the CPU computes an expert for one token in less than two
         copies' time (the default; off on the CPU device and for experts under 1 MiB). `spare_slots` (lru, 0 to
-        MAX_SPARES; default twice the experts a token uses, at most MAX_SPARES, and SPARES_WITH_LOOKAHEAD with a
-        draft): slots per MoE layer kept free for a forward to copy the experts it misses into as it computes them
-        (0: misses are read in place, and copied into the cache after the forward).
+        MAX_SPARES; default twice the experts a token uses, at most MAX_SPARES and half the layer's slots beyond
+        one token's experts, SPARES_WITH_LOOKAHEAD with a draft): slots per MoE layer kept free for a forward to
+        copy the experts it misses into as it computes them (0: misses are read in place, and copied into the cache
+        after the forward).
         `draft`: a quantized copy of the model (e.g. `specter-gguf quantize MODEL --type q4_k_m`), or a type
         ("q2_k", "q3_k_m", "q4_k_m", "q8_0", ...: the draft is made from the model on first use and kept,
         `speculation.draft_files`), whose routed experts share the device and draft `n_draft` tokens per

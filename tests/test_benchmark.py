@@ -548,7 +548,7 @@ def test_report_formatting_from_fake_results():
 
 def test_lru_rows_take_the_jobs_spare_slots(tiny_models):
     """--spare-slots reaches ours-lru, ours-lru-hybrid and the speculative rows (None: the engine's default, here
-    the room a layer has beyond its top-k, and 2 with a draft); the -inplace rows keep 0."""
+    half the room a layer has beyond its top-k); the -inplace rows keep 0."""
     from specter_gguf.bench.ours import OURS_MODES
     from specter_gguf.gguf_file import GGUFFile
     from specter_gguf.runtime import plan_memory
@@ -562,11 +562,11 @@ def test_lru_rows_take_the_jobs_spare_slots(tiny_models):
                 "budget_bytes": plan.minimum + extra_slots * plan.n_moe_layers * plan.slot_bytes}
 
     plain, speculative = job(4, False), job(3, True)  # the model as its own draft; its layers have 8 experts
-    for spares, mode, want in [(None, "ours-lru", 4), (3, "ours-lru", 3), (1, "ours-lru-hybrid", 1),
+    for spares, mode, want in [(None, "ours-lru", 2), (3, "ours-lru", 3), (1, "ours-lru-hybrid", 1),
                                (3, "ours-lru-inplace", 0), (3, "ours-lru-hybrid-inplace", 0)]:
         model = OURS_MODES[mode].load(dict(plain, spare_slots=spares), None)
         assert model.offload.cache.n_spare == want, (mode, spares)
-    for spares, mode, want in [(None, "ours-spec", 2), (3, "ours-spec", 3), (1, "ours-spec-synth-fixed-hybrid", 1)]:
+    for spares, mode, want in [(None, "ours-spec", 1), (3, "ours-spec", 3), (1, "ours-spec-synth-fixed-hybrid", 1)]:
         model = OURS_MODES[mode].load(dict(speculative, spare_slots=spares), None)
         assert model.offload.cache.n_spare == want, (mode, spares)
 

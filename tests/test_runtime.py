@@ -116,16 +116,18 @@ def test_spare_slots_are_for_lru_only(shipped_model) -> None:
 
 def test_default_spares_hold_two_decode_steps_of_misses() -> None:
     """A spare comes back two forwards after the one that filled it (CUDA), so lru keeps 2 × top-k by default, at
-    most MAX_SPARES and never more than a layer's slots beyond its top-k; a request is taken as given within that."""
+    most MAX_SPARES and half of a layer's slots beyond its top-k; a request is taken as given within those slots."""
     from specter_gguf.runtime.offload import MAX_SPARES, spares_per_layer
 
     assert [spares_per_layer(100 * 24, 24, top_k) for top_k in (1, 2, 4, 8)] == [2, 4, 8, MAX_SPARES]
-    assert spares_per_layer(10 * 24, 24, 4) == 6 and spares_per_layer(10 * 24, 24, 4, 1) == 1
+    assert spares_per_layer(14 * 24, 24, 4) == 5 and spares_per_layer(14 * 24, 24, 4, 8) == 8
+    assert spares_per_layer(10 * 24, 24, 4, 8) == 6 and spares_per_layer(10 * 24, 24, 4, 1) == 1
+    assert spares_per_layer(5 * 24, 24, 4) == 0
 
 
 def test_speculative_decoding_keeps_fewer_spares(shipped_model) -> None:
     """Under speculative decoding the lookahead prefetches into the same slots: the default stays
-    SPARES_WITH_LOOKAHEAD where plain decoding takes twice the top-k, within the same room."""
+    SPARES_WITH_LOOKAHEAD where plain decoding takes more (twice the top-k, at most half its room: 3 here)."""
     from specter_gguf.runtime.offload import SPARES_WITH_LOOKAHEAD
 
     f = GGUFFile(shipped_model)
@@ -134,7 +136,7 @@ def test_speculative_decoding_keeps_fewer_spares(shipped_model) -> None:
     plain = Model.load(shipped_model, device="cpu", ctx_size=CTX, progress=False, gpu_budget=budget, offload="lru")
     spec = Model.load(shipped_model, device="cpu", ctx_size=CTX, progress=False, gpu_budget=budget, offload="lru",
                       draft=shipped_model)
-    assert plain.offload.cache.n_spare == 4 and spec.offload.cache.n_spare == SPARES_WITH_LOOKAHEAD == 2
+    assert plain.offload.cache.n_spare == 3 and spec.offload.cache.n_spare == SPARES_WITH_LOOKAHEAD == 2
 
 
 def test_offload_needs_a_budget_and_none_needs_room(shipped_model) -> None:
@@ -152,12 +154,15 @@ def test_plan_command(shipped_model) -> None:
     assert r.exit_code == 0, r.output
     assert "expert cache" in r.output and "KV cache" in r.output and "minimum budget" in r.output
     assert "spare slots: none (the whole model fits the budget)" in r.output
-    # top_k (2) + 5 slots a layer: room for the default spares, twice the top-k
+    # top_k (2) + 5 slots a layer, one short of its 8 experts: the default spares take half of the 5
     budget = str(_budget_for(shipped_model, 5))
     r = CliRunner().invoke(cli, ["plan", str(shipped_model), "--gpu-budget", budget, "-c", str(CTX), "--device", "cpu"])
-    assert r.exit_code == 0 and "spare slots: 4 of each MoE layer's 7" in r.output, r.output
+    assert r.exit_code == 0 and "spare slots: 2 of each MoE layer's 7" in r.output, r.output
     r = CliRunner().invoke(cli, ["plan", str(shipped_model), "--gpu-budget", budget, "-c", str(CTX), "--device", "cpu",
-                                 "--json", "--spare-slots", "7"])
+                                 "--json", "--spare-slots", "9"])
+    assert r.exit_code == 2, r.output  # above MAX_SPARES
+    r = CliRunner().invoke(cli, ["plan", str(shipped_model), "--gpu-budget", str(_budget_for(shipped_model, 5)), "-c",
+                                 str(CTX), "--device", "cpu", "--json", "--spare-slots", "7"])
     assert r.exit_code == 0 and json.loads(r.output)["spare_slots"] == 5, r.output  # what the layers have room for
     r = CliRunner().invoke(cli, ["plan", str(shipped_model), "--gpu-budget", "1MiB", "--json"])
     assert r.exit_code == 1, r.output  # the plan is printed, then the refusal names the minimum
@@ -403,15 +408,16 @@ def test_every_mode_matches_the_plain_engine(tiny_models, arch: str, kind: str) 
     path = tiny_models[(arch, kind)]
     expected = _reference_tokens(path)
     assert len(expected) == N_TOKENS
-    for mode, spare_slots in [(mode, None) for mode in MODES] + [("lru", 0)]:
+    for mode, spare_slots in [(mode, None) for mode in MODES] + [("lru", 1)]:
         m = Model.load(path, device="cpu", ctx_size=CTX, progress=False, gpu_budget=_budget_for(path), offload=mode,
                        spare_slots=spare_slots)
         g = m.generate(PROMPT, n_predict=N_TOKENS, sampling=GREEDY).wait()
         s = g.stats
         assert g.tokens == expected, f"{mode}, spare slots {spare_slots}: tokens differ from the no-offload engine"
         check_slots(m.offload.cache)
-        # lru copies misses into spares as it goes (by default), no other mode does
-        spares = 1 if mode == "lru" and spare_slots is None else 0  # top_k + 1 slots a layer: room for one
+        # lru copies misses into spares as it goes where it keeps any, no other mode does; with top_k + 1 slots a
+        # layer, by request only (the default keeps at most half the one slot beyond the top-k)
+        spares = spare_slots or 0
         assert s.spare_slots == spares and (s.spare_fetches > 0) == (spares > 0)
         assert s.offload == mode and s.cache_misses > 0 and s.bytes_moved_per_token > 0
         assert s.cache_hits + s.cache_misses == s.cache_lookups

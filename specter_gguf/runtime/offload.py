@@ -59,8 +59,8 @@ SPARES_WITH_LOOKAHEAD = 2  # lru's default spare slots per MoE layer under specu
 
 
 def default_spare_slots(top_k: int, lookahead: bool = False) -> int:
-    """lru's spare slots per MoE layer without --spare-slots. Plain decoding: two steps' experts, 2 × top-k (at most
-    MAX_SPARES). A spare goes back to the cache when the host reads the routing of the forward that filled it, two
+    """The spare slots lru wants per MoE layer without --spare-slots (`spares_per_layer` caps them by the layer's
+    room). Plain decoding: two steps' experts, 2 × top-k (at most MAX_SPARES). A spare goes back to the cache when the host reads the routing of the forward that filled it, two
     forwards later on CUDA; with fewer spares, a step's misses beyond those free wait for a slot until the fourth
     step (measured: 8 spares against 2 at top-k 4, docs/BENCHMARKS.md 2026-12-06 05:48). Speculative decoding
     (`lookahead`) keeps SPARES_WITH_LOOKAHEAD: its lookahead prefetches into the same slots, and more spares there
@@ -70,10 +70,15 @@ def default_spare_slots(top_k: int, lookahead: bool = False) -> int:
 
 def spares_per_layer(n_slots: int, n_moe_layers: int, top_k: int, requested: int | None = None,
                      lookahead: bool = False) -> int:
-    """The spare slots each MoE layer gets in lru mode: `requested` (default `default_spare_slots`), at most what
-    its share of the `n_slots` holds beyond its top-k (one forward's experts)."""
-    wanted = default_spare_slots(top_k, lookahead) if requested is None else requested
-    return max(0, min(wanted, n_slots // n_moe_layers - top_k))
+    """The spare slots each MoE layer gets in lru mode: `requested`, at most what its share of the `n_slots` holds
+    beyond its top-k (one forward's experts); by default `default_spare_slots`, at most half of that, so that the
+    cache keeps as many slots beyond a step's experts as the spares take (replayed on a 4-layer Qwen1.5-MoE file at
+    14 slots a layer, 8 spares hit 54% of greedy lookups against 2 spares' 75%: docs/BENCHMARKS.md 2026-12-06
+    05:48)."""
+    room = max(0, n_slots // n_moe_layers - top_k)
+    if requested is None:
+        return min(default_spare_slots(top_k, lookahead), room // 2)
+    return min(requested, room)
 
 
 def residency_max_tokens(cfg: ModelConfig) -> int:
