@@ -128,6 +128,9 @@ OURS_MODES: dict[str, OursMode] = {m.name: m for m in [
              "(--hybrid on --spare-slots 0)", _load_offload("lru", "on", spare_slots=0), budget_bound=True),
     OursMode("ours-spec-hybrid", "speculative decoding with the draft's experts, depth auto, missed experts on the "
              "CPU (--hybrid on)", _load_spec_hybrid, budget_bound=True, needs_draft=True, prepare=_spec_acceptance),
+    OursMode("ours-spec-synth-hybrid", "speculative decoding, synthetic acceptance, depth auto, missed experts on "
+             "the CPU (--hybrid on)", _load_spec_hybrid, budget_bound=True, synthetic=True, needs_draft=True,
+             prepare=_spec_acceptance),
     OursMode("ours-spec-synth-fixed-hybrid", "speculative decoding, synthetic acceptance, llama.cpp's depth, missed "
              "experts on the CPU (--hybrid on)", _load_spec_hybrid, budget_bound=True, synthetic=True,
              needs_draft=True, prepare=_spec_acceptance),

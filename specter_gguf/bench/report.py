@@ -238,9 +238,9 @@ def render_markdown(doc: dict[str, Any], images: Sequence[str] = ()) -> str:
                      "is kept at random with probability p once the one before it was, p such that a depth of "
                      f"`--spec-draft-n-max` {n_max} keeps a mean of L tokens per verification, the target's included; "
                      "the output is invalid, the compute and data movement are real). llama.cpp and "
-                     f"ours-spec-synth-fixed draft {n_max} tokens an iteration (fewer where no more tokens are "
-                     "wanted), ours-spec-synth chooses its depth (auto, as a draft of per-token acceptance p would be "
-                     "run). Real acceptance of "
+                     f"ours-spec-synth-fixed(-hybrid) draft {n_max} tokens an iteration (fewer where no more tokens "
+                     "are wanted), ours-spec-synth(-hybrid) chooses its depth (auto, as a draft of per-token "
+                     "acceptance p would be run). Real acceptance of "
                      f"the same draft on this model ({' / '.join(decs)}): {acc}.")
         lines.append("")
     for b in m.get("budgets") or {}:
