@@ -96,8 +96,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="no further prompt is started after this much measuring time")
     g.add_argument("--job-timeout", type=float, default=420.0, help="hard limit per system, loading included")
     g.add_argument("--deadline", type=float, default=0.0,
-                   help="seconds from start after which no system starts, nor one with under 30 s left to it (0: none); "
-                   "results are always written")
+                   help="seconds from start after which no system starts, nor one with under 30 s left to it "
+                   "(0: none); results are always written")
     g = ap.add_argument_group("tools")
     g.add_argument("--llama-bin", type=Path,
                    help="directory holding llama-server and llama-quantize; given, they are never built "

@@ -60,11 +60,11 @@ SPARES_WITH_LOOKAHEAD = 2  # lru's default spare slots per MoE layer under specu
 
 def default_spare_slots(top_k: int, lookahead: bool = False) -> int:
     """The spare slots lru wants per MoE layer without --spare-slots (`spares_per_layer` caps them by the layer's
-    room). Plain decoding: two steps' experts, 2 × top-k (at most MAX_SPARES). A spare goes back to the cache when the host reads the routing of the forward that filled it, two
-    forwards later on CUDA; with fewer spares, a step's misses beyond those free wait for a slot until the fourth
-    step (measured: 8 spares against 2 at top-k 4, docs/BENCHMARKS.md 2026-12-06 05:48). Speculative decoding
-    (`lookahead`) keeps SPARES_WITH_LOOKAHEAD: its lookahead prefetches into the same slots, and more spares there
-    are not measured."""
+    room). Plain decoding: two steps' experts, 2 × top-k (at most MAX_SPARES). A spare goes back to the cache when
+    the host reads the routing of the forward that filled it, two forwards later on CUDA; with fewer spares, a
+    step's misses beyond those free wait for a slot until the fourth step (measured: 8 spares against 2 at top-k 4,
+    docs/BENCHMARKS.md 2026-12-06 05:48). Speculative decoding (`lookahead`) keeps SPARES_WITH_LOOKAHEAD: its
+    lookahead prefetches into the same slots, and more spares there are not measured."""
     return SPARES_WITH_LOOKAHEAD if lookahead else min(MAX_SPARES, 2 * top_k)
 
 
