@@ -26,7 +26,7 @@ from specter_gguf.config import ModelConfig
 from specter_gguf.engine import Model
 from specter_gguf.errors import SpecterError
 from specter_gguf.gguf_file import GGUFFile
-from specter_gguf.kernels import CpuSplit, ExpertTable, SlotPool, moe_ffn, residency_pointers
+from specter_gguf.kernels import ExpertTable, moe_ffn
 from specter_gguf.runtime.budget import moe_layers, plan_memory, record_layout
 from specter_gguf.runtime.hybrid import EVERY_MISS, CpuExperts, HybridChoice, worth_it
 from specter_gguf.runtime.offload import residency_max_tokens
@@ -52,26 +52,21 @@ def _host_table(store: ExpertStore, layouts: dict, cfg: ModelConfig, layer: int)
     return ExpertTable(ptrs, tuple(int(p.type) for p in layouts[layer].parts), cfg.n_embd, cfg.n_ff_exp, ())
 
 
-# where the hand-off tests' resident experts lie: never read (they route no pair the tests compute)
-POOL = SlotPool(1 << 40, 1 << 12, (0, 1 << 10, 2 << 10), (1 << 10, 1 << 10, 1 << 10))
-
-
 def _hand_off(cpu: CpuExperts, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-              missed: torch.Tensor, out: torch.Tensor, table: ExpertTable) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layer's pointer table with the split giving the CPU every routed miss (EVERY_MISS; `missed` marks the
-    experts without a slot, the others in slot 0 of POOL), then one post and collect on `cpu`'s device; returns the
-    experts the split gave the CPU and the GPU's pointers of the missed experts (host tensors)."""
+              missed: torch.Tensor, routed: torch.Tensor, out: torch.Tensor,
+              table: ExpertTable) -> tuple[torch.Tensor, torch.Tensor]:
+    """One post and collect on `cpu`'s device, the experts `missed` marks without a slot, every miss the CPU's;
+    returns the experts the post gave the CPU and the GPU's pointer table after it (host tensors)."""
     dev = out.device
     slot_of = torch.where(missed, -1, 0).to(dev)
-    routed = torch.zeros(missed.shape, dtype=torch.int32, device=dev)
     on_cpu = torch.zeros(missed.shape, dtype=torch.bool, device=dev)
     cpu_routed = torch.full(missed.shape, 7, dtype=torch.int32, device=dev)
-    ptrs = residency_pointers(slot_of, table.ptrs.to(dev), POOL, ids.to(dev), routed,
-                              split=CpuSplit(EVERY_MISS, on_cpu, cpu_routed))
-    cpu.post(layer, x.to(dev), ids.to(dev), weights.to(dev), on_cpu)
+    gpu_ptrs = table.ptrs.to(dev, copy=True)
+    cpu.post(layer, x.to(dev), ids.to(dev), weights.to(dev), slot_of, routed.to(dev), EVERY_MISS, on_cpu, cpu_routed,
+             gpu_ptrs)
     cpu.collect(out, ids.to(dev), on_cpu)
-    assert torch.equal(cpu_routed.cpu(), routed.cpu() * on_cpu.cpu())
-    return on_cpu.cpu(), ptrs.cpu()[:, missed]
+    assert torch.equal(cpu_routed.cpu(), routed * on_cpu.cpu())
+    return on_cpu.cpu(), gpu_ptrs.cpu()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -99,10 +94,10 @@ def test_the_worker_sums_the_pairs_it_is_handed(tiny_models, device: str, kind: 
             rest = moe_ffn(x, ids.masked_fill(on_cpu[ids], -1), weights, table)
             base = torch.randn(T, cfg.n_embd, generator=gen)
             out = base.to(dev, copy=True)
-            got_on_cpu, gpu_ptrs = _hand_off(cpu, layer, x, ids, weights, missed, out, table)
+            got_on_cpu, gpu_ptrs = _hand_off(cpu, layer, x, ids, weights, missed, routed, out, table)
             assert torch.equal(got_on_cpu, on_cpu), f"T={T}: not every routed miss went to the CPU"
-            # the CPU's experts leave the GPU's pointer table, the other misses are read in place
-            assert torch.equal(gpu_ptrs, table.ptrs.masked_fill(on_cpu, 0)[:, missed]), f"T={T}"
+            # the CPU's experts leave the GPU's pointer table, the others stay
+            assert torch.equal(gpu_ptrs, table.ptrs.masked_fill(on_cpu, 0)), f"T={T}"
             got = (out.cpu() - base)
             scale = float(want.abs().max())
             if device == "cpu":
@@ -114,7 +109,7 @@ def test_the_worker_sums_the_pairs_it_is_handed(tiny_models, device: str, kind: 
             assert float((split - whole).abs().max()) <= 1e-5 * float(whole.abs().max()), f"T={T}"
             # no miss: nothing handed over, nothing added
             out = base.to(dev, copy=True)
-            got_on_cpu, _ = _hand_off(cpu, layer, x, ids, weights, torch.zeros_like(missed), out, table)
+            got_on_cpu, _ = _hand_off(cpu, layer, x, ids, weights, torch.zeros_like(missed), routed, out, table)
             assert not got_on_cpu.any() and torch.equal(out.cpu(), base)
         cpu.check()
     finally:
@@ -135,14 +130,17 @@ def test_the_hand_off_replays_in_a_cuda_graph(tiny_models) -> None:
         x = torch.zeros(T, cfg.n_embd, device=dev)
         ids = torch.zeros(T, cfg.n_expert_used, dtype=torch.int32, device=dev)
         weights = torch.zeros(ids.shape, device=dev)
+        no_slot = torch.full((cfg.n_expert,), -1, dtype=torch.int64, device=dev)
+        routed = torch.zeros(cfg.n_expert, dtype=torch.int32, device=dev)
         on_cpu = torch.zeros(cfg.n_expert, dtype=torch.bool, device=dev)
+        cpu_routed = torch.zeros_like(routed)
         out = torch.zeros(T, cfg.n_embd, device=dev)
 
-        def body() -> None:  # every expert the replay's routing uses is the CPU's
+        def body() -> None:  # every expert the replay's routing uses is a miss, and the CPU's
             out.zero_()
-            on_cpu.zero_()
-            on_cpu[ids.flatten().long()] = True
-            cpu.post(layer, x, ids, weights, on_cpu)
+            routed.zero_()
+            routed.index_add_(0, ids.flatten(), torch.ones(ids.numel(), dtype=torch.int32, device=dev))
+            cpu.post(layer, x, ids, weights, no_slot, routed, EVERY_MISS, on_cpu, cpu_routed)
             cpu.collect(out, ids, on_cpu)
 
         side = torch.cuda.Stream()
@@ -193,20 +191,18 @@ def test_a_worker_error_is_reported(tiny_models) -> None:
     cpu = CpuExperts(store, {}, cfg, dev, 1)  # no layer's experts given to it
     try:
         x, ids = torch.ones(1, cfg.n_embd), torch.zeros(1, cfg.n_expert_used, dtype=torch.int32)
-        on_cpu = torch.zeros(cfg.n_expert, dtype=torch.bool)
-        on_cpu[0] = True
-        cpu.post(min(layouts), x, ids, torch.ones(ids.shape), on_cpu)
+        no_slot = torch.full((cfg.n_expert,), -1, dtype=torch.int64)
+        routed = torch.bincount(ids.flatten(), minlength=cfg.n_expert).to(torch.int32)
+        on_cpu, cpu_routed = torch.zeros(cfg.n_expert, dtype=torch.bool), torch.zeros_like(routed)
+        cpu.post(min(layouts), x, ids, torch.ones(ids.shape), no_slot, routed, EVERY_MISS, on_cpu, cpu_routed)
         with pytest.raises(SpecterError, match="CPU experts' answer failed: invalid argument"):
             cpu.collect(torch.zeros(1, cfg.n_embd), ids, on_cpu)
         with pytest.raises(SpecterError, match="the CPU experts' worker failed"):
             cpu.check()
         with pytest.raises(SpecterError, match="handing layer"):  # a layer out of range
-            cpu.post(cfg.n_layer, x, ids, torch.ones(ids.shape), on_cpu)
-        # a link that costs nothing
-        with pytest.raises(SpecterError, match="the layer's pointer table"):
-            residency_pointers(torch.full((cfg.n_expert,), -1), torch.zeros(3, cfg.n_expert, dtype=torch.int64), POOL,
-                               ids, torch.zeros(cfg.n_expert, dtype=torch.int32),
-                               split=CpuSplit((0, 0, 0), on_cpu, torch.zeros(cfg.n_expert, dtype=torch.int32)))
+            cpu.post(cfg.n_layer, x, ids, torch.ones(ids.shape), no_slot, routed, EVERY_MISS, on_cpu, cpu_routed)
+        with pytest.raises(SpecterError, match="handing layer"):  # a link that costs nothing
+            cpu.post(min(layouts), x, ids, torch.ones(ids.shape), no_slot, routed, (0, 0, 0), on_cpu, cpu_routed)
     finally:
         cpu.close()
         store.close()
@@ -272,46 +268,60 @@ def _split_reference(slot_of: list[int], routed: list[int], per_expert: int, per
 
 @pytest.mark.parametrize("device", DEVICES)
 @torch.inference_mode()
-def test_the_split_weighs_the_cpu_against_the_link(device: str) -> None:
-    """The table call's split (native, on the device) against its definition, random layers of 1 to 160 experts
-    and random costs; the experts it gives the CPU leave the GPU's pointer table."""
+def test_the_split_weighs_the_cpu_against_the_link(tiny_models, device: str) -> None:
+    """The post's split (native, on the device) against its definition, random layers of 1 to 160 experts; the
+    experts it gives the CPU leave the GPU's pointer table. (The pairs route no token, so nothing is handed over:
+    the split reads only the routing counts.)"""
     dev = torch.device(device)
+    store, _, cfg = _store(tiny_models[("qwen2moe", "f16")], dev)
     g = torch.Generator().manual_seed(0)
     checked = 0
-    for n_expert in (1, 2, 8, 60, 128, 160):
-        host = torch.arange(1, 3 * n_expert + 1, dtype=torch.int64).reshape(3, n_expert) * 16
-        for _ in range(20):
-            slot_of = torch.where(torch.rand(n_expert, generator=g) < 0.5, -1, 3).to(torch.int64)
-            used = torch.rand(n_expert, generator=g) < 0.4
-            tokens = torch.randint(1, 6, (n_expert,), generator=g, dtype=torch.int32) * used
-            ids = torch.repeat_interleave(torch.arange(n_expert, dtype=torch.int32), tokens)
-            ids = ids[torch.randperm(ids.numel(), generator=g)]
-            per_expert, per_token, link_us = [float(v) for v in torch.randint(0, 800, (3,), generator=g)]
-            choice = HybridChoice(True, per_expert, per_token, copy_us=link_us, link_us=link_us)
-            on_cpu = torch.ones(n_expert, dtype=torch.bool, device=dev)
-            cpu_routed = torch.full((n_expert,), 7, dtype=torch.int32, device=dev)
-            routed = torch.zeros(n_expert, dtype=torch.int32, device=dev)
-            ptrs = residency_pointers(slot_of.to(dev), host.to(dev), POOL, ids.to(dev), routed,
-                                      split=CpuSplit(choice.costs_ns(), on_cpu, cpu_routed))
-            want = _split_reference(slot_of.tolist(), tokens.tolist(), round(per_expert * 1000),
-                                    round(per_token * 1000), max(1, round(link_us * 1000)))
-            assert on_cpu.int().tolist() == want, (n_expert, per_expert, per_token, link_us)
-            assert cpu_routed.tolist() == [t * w for t, w in zip(tokens.tolist(), want)]
-            assert routed.tolist() == tokens.tolist()
-            kept = torch.stack([torch.where(slot_of >= 0, POOL.base + 3 * POOL.slot_bytes + off, host[part])
-                                for part, off in enumerate(POOL.part_offsets)])
-            assert torch.equal(ptrs.cpu(), kept.masked_fill(torch.tensor(want, dtype=torch.bool), 0))
-            checked += sum(want)
+    try:
+        for n_expert in (1, 2, 8, 60, 128, 160):
+            cpu = CpuExperts(store, {}, dataclasses.replace(cfg, n_expert=n_expert, n_expert_used=1), dev, 1)
+            x, ids, weights = torch.zeros(1, cfg.n_embd), torch.full((1, 1), -1, dtype=torch.int32), torch.ones(1, 1)
+            try:
+                for _ in range(20):
+                    slot_of = torch.where(torch.rand(n_expert, generator=g) < 0.5, -1, 3).to(torch.int64)
+                    used = torch.rand(n_expert, generator=g) < 0.4
+                    routed = torch.randint(1, 6, (n_expert,), generator=g, dtype=torch.int32) * used
+                    per_expert, per_token, link_us = [float(v) for v in torch.randint(0, 800, (3,), generator=g)]
+                    choice = HybridChoice(True, per_expert, per_token, copy_us=link_us, link_us=link_us)
+                    on_cpu = torch.ones(n_expert, dtype=torch.bool, device=dev)
+                    cpu_routed = torch.full((n_expert,), 7, dtype=torch.int32, device=dev)
+                    gpu_ptrs = torch.arange(1, 3 * n_expert + 1, device=dev).reshape(3, n_expert)
+                    out = torch.zeros(1, cfg.n_embd, device=dev)
+                    cpu.post(0, x.to(dev), ids.to(dev), weights.to(dev), slot_of.to(dev), routed.to(dev),
+                             choice.costs_ns(), on_cpu, cpu_routed, gpu_ptrs)
+                    cpu.collect(out, ids.to(dev), on_cpu)
+                    want = _split_reference(slot_of.tolist(), routed.tolist(), round(per_expert * 1000),
+                                            round(per_token * 1000), max(1, round(link_us * 1000)))
+                    assert on_cpu.int().tolist() == want, (n_expert, per_expert, per_token, link_us)
+                    assert cpu_routed.tolist() == [t * w for t, w in zip(routed.tolist(), want)]
+                    kept = torch.arange(1, 3 * n_expert + 1).reshape(3, n_expert)
+                    assert torch.equal(gpu_ptrs.cpu(), kept.masked_fill(torch.tensor(want, dtype=torch.bool), 0))
+                    assert not out.any()
+                    checked += sum(want)
+                cpu.check()
+            finally:
+                cpu.close()
+        # auto's rule (`worth_it`) is the split's own for a layer of two one-token misses
+        cpu = CpuExperts(store, {}, dataclasses.replace(cfg, n_expert=2, n_expert_used=1), dev, 1)
+        try:
+            x, ids, weights = x.to(dev), ids.to(dev), weights.to(dev)
+            for one_us, link_us in ((30.0, 60.0), (100.0, 60.0), (119.0, 60.0), (120.0, 60.0), (121.0, 60.0)):
+                on_cpu = torch.zeros(2, dtype=torch.bool, device=dev)
+                cpu.post(0, x, ids, weights, torch.full((2,), -1, device=dev), torch.ones(2, dtype=torch.int32,
+                                                                                           device=dev),
+                         (round(one_us * 1000), 0, round(link_us * 1000)), on_cpu,
+                         torch.zeros(2, dtype=torch.int32, device=dev))
+                cpu.collect(torch.zeros(1, cfg.n_embd, device=dev), ids, on_cpu)
+                assert bool(on_cpu.any()) == worth_it(one_us, link_us) == (one_us < 2 * link_us), (one_us, link_us)
+        finally:
+            cpu.close()
+    finally:
+        store.close()
     assert checked > 0
-    # auto's rule (`worth_it`) is the split's own for a layer of two one-token misses
-    for one_us, link_us in ((30.0, 60.0), (100.0, 60.0), (119.0, 60.0), (120.0, 60.0), (121.0, 60.0)):
-        on_cpu = torch.zeros(2, dtype=torch.bool, device=dev)
-        residency_pointers(torch.full((2,), -1, device=dev), torch.full((3, 2), 16, device=dev), POOL,
-                           torch.tensor([0, 1], dtype=torch.int32, device=dev),
-                           torch.zeros(2, dtype=torch.int32, device=dev),
-                           split=CpuSplit((round(one_us * 1000), 0, round(link_us * 1000)), on_cpu,
-                                          torch.zeros(2, dtype=torch.int32, device=dev)))
-        assert bool(on_cpu.any()) == worth_it(one_us, link_us) == (one_us < 2 * link_us), (one_us, link_us)
     # unmeasured (the CPU device's choice): every miss is the CPU's
     assert HybridChoice(True).costs_ns() == EVERY_MISS
 

@@ -562,45 +562,6 @@ def test_residency_pointers_copy_misses_into_spares(device: str, n_expert: int, 
     assert ptrs[0, 5].item() == host[0, 5].item()
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_the_cpu_split_comes_before_the_spares(device: str) -> None:
-    """With a CPU split (hybrid) the table call first gives the CPU its share of the misses, those whose copy is on
-    its way included: they take no spare, their pointers are 0, `on_cpu` and `cpu_routed` name them. The spares then
-    take the other misses without a slot, in ascending order."""
-    part_bytes = (48, 48, 40)
-    record, offsets = sum(part_bytes), (0, 48, 96)
-    slot_bytes, n_expert, n_slots = record + 64, 6, 12
-    rng = np.random.default_rng(8)
-    records = torch.from_numpy(rng.integers(0, 256, (n_expert, record), dtype=np.uint8))
-    records = records.pin_memory() if device == "cuda" else records
-    host = torch.tensor([[records.data_ptr() + e * record + off for e in range(n_expert)] for off in offsets])
-    pool_mem = torch.zeros(n_slots * slot_bytes, dtype=torch.uint8, device=device)
-    pool = kernels.SlotPool(pool_mem.data_ptr(), slot_bytes, offsets, part_bytes)
-    row = torch.tensor([-1, 0, -1, -1, -2 - 5, -1], device=device)  # 1 in slot 0; 4's copy into slot 5 on its way
-    spares = kernels.SpareSlots(torch.tensor([7, -1, 9, 11], device=device),
-                                torch.zeros(n_expert, dtype=torch.int32, device=device),
-                                torch.zeros(1, dtype=torch.int32, device=device))
-    ids = torch.tensor([[5, 1], [2, 4], [3, 5], [0, 1]], dtype=torch.int32, device=device)
-    routed = torch.zeros(n_expert, dtype=torch.int32, device=device)
-    on_cpu = torch.ones(n_expert, dtype=torch.bool, device=device)
-    cpu_routed = torch.full((n_expert,), 9, dtype=torch.int32, device=device)
-    # misses 0, 2, 3, 4 (one token each) and 5 (two); an expert costs the CPU what the link costs: of five misses
-    # the CPU takes the two fewest-token, lowest-id ones (0 and 2), after which a third would finish last
-    split = kernels.CpuSplit((100, 0, 100), on_cpu, cpu_routed)
-    ptrs = kernels.residency_pointers(row, host.to(device), pool, ids, routed, spares, split)
-    assert on_cpu.cpu().tolist() == [True, False, True, False, False, False]
-    assert cpu_routed.cpu().tolist() == [1, 0, 1, 0, 0, 0]
-    assert row.cpu().tolist() == [-1, 0, -1, 7, -7, 9]  # 3 and 5 copied into the spares, 4 still on its way
-    assert spares.slots.cpu().tolist() == [-1, -1, -1, 11] and spares.fetched.cpu().tolist() == [0, 0, 0, 8, 0, 10]
-    for e, slot in ((3, 7), (5, 9)):
-        assert torch.equal(pool_mem[slot * slot_bytes:slot * slot_bytes + record].cpu(), records[e])
-    ptrs = ptrs.cpu()
-    assert ptrs[:, 0].tolist() == [0, 0, 0] and ptrs[:, 2].tolist() == [0, 0, 0]
-    assert ptrs[:, 4].tolist() == host[:, 4].tolist()  # read in place
-    assert ptrs[0, 3].item() == pool.base + 7 * slot_bytes
-    assert routed.cpu().tolist() == [1, 2, 1, 1, 1, 2]  # every pair counted, the CPU's too
-
-
 # ---------------------------------------------------------------------------------------------
 # engine integration
 

@@ -243,44 +243,26 @@ typedef struct specter_spare_slots {
     uint32_t * arrivals;
 } specter_spare_slots;
 
-/* The split of a MoE layer's missed experts between the host's CPU and the link (hybrid execution; see "CPU experts
- * beside a GPU forward" below): an expert of t tokens takes the CPU cpu_ns_per_expert + t * cpu_ns_per_token, one
- * expert read or copied over the link link_ns (>= 1); {0, 0, 1} gives the CPU every miss. `on_cpu` (uint8
- * [n_expert]) receives 1 for each expert the CPU is to compute, else 0; `cpu_routed` (int32 [n_expert]) its tokens,
- * else 0. */
-typedef struct specter_cpu_split {
-    int64_t cpu_ns_per_expert;
-    int64_t cpu_ns_per_token;
-    int64_t link_ns;
-    uint8_t * on_cpu;
-    int32_t * cpu_routed;
-} specter_cpu_split;
-
 /* One MoE layer's pointer tables for specter_moe_ffn and its routing counted, in one call (one kernel on CUDA): for
  * each expert e < n_expert, ptrs[part * n_expert + e] (int64 [3, n_expert]) = pool->base + slot_of[e] *
  * pool->slot_bytes + pool->part_offset[part] where slot_of[e] >= 0 (int64 [n_expert]: the expert's slot; -1: none;
  * below -1: none yet, a copy into slot -2 - slot_of[e] is on its way), else host_ptrs[part * n_expert + e] (the
  * record's parts in host memory, read in place by the kernel); and routed[e] += how many of the n_pairs ids (int32)
  * are e (ids outside [0, n_expert) are not counted).
- * With `split` (NULL: none), first the missed experts (routed by `ids`, slot_of[e] < 0) are split between the CPU and
- * the link: ranked by (tokens, expert id), the CPU takes the longest prefix along which each one it takes makes the
- * later of the CPU's finish and the link's earlier (the two work at the same time; integer costs, so the CPU and
- * CUDA versions choose alike). Their pointers are 0, so that the grouped kernel skips them, and
- * specter_cpu_experts_post hands them to the CPU.
- * With `spares` (NULL: none), then the other missed experts with slot_of[e] == -1, in ascending order, are copied
- * from host memory into the spare slots whose slots[j] >= 0, in ascending j, as many as there are: each such expert
- * gets slot_of[e] = its slot, fetched[e] = slot + 1 and slots[j] = -1, and its pointers are its slot's. The copies
- * cross PCIe once (a miss read in place is read again in every forward until the host copies it in).
- * Device memory for CUDA, except `pool`, `split` and `spares`: host memory, read by the call (a CUDA graph keeps the
- * values it was captured with; the arrays they point to are device memory). */
+ * With `spares` (NULL: none), first the missed experts (routed by `ids`, slot_of[e] == -1), in ascending order, are
+ * copied from host memory into the spare slots whose slots[j] >= 0, in ascending j, as many as there are: each such
+ * expert gets slot_of[e] = its slot, fetched[e] = slot + 1 and slots[j] = -1, and its pointers are its slot's. The
+ * copies cross PCIe once (a miss read in place is read again in every forward until the host copies it in).
+ * Device memory for CUDA, except `pool` and `spares`: host memory, read by the call (a CUDA graph keeps the
+ * values it was captured with). */
 SPECTER_API int specter_expert_table(int64_t * slot_of, const int64_t * host_ptrs, const specter_slot_pool * pool,
                                      int64_t n_expert, const int32_t * ids, int64_t n_pairs,
-                                     const specter_cpu_split * split, const specter_spare_slots * spares,
-                                     int32_t * routed, int64_t * ptrs, int n_threads);
+                                     const specter_spare_slots * spares, int32_t * routed, int64_t * ptrs,
+                                     int n_threads);
 SPECTER_API int specter_cuda_expert_table(int64_t * slot_of, const int64_t * host_ptrs, const specter_slot_pool * pool,
                                           int64_t n_expert, const int32_t * ids, int64_t n_pairs,
-                                          const specter_cpu_split * split, const specter_spare_slots * spares,
-                                          int32_t * routed, int64_t * ptrs, void * stream);
+                                          const specter_spare_slots * spares, int32_t * routed, int64_t * ptrs,
+                                          void * stream);
 
 /* ---- the sampling chain (speculative sampling on the device) ------------------------------------------------ */
 
@@ -350,16 +332,16 @@ SPECTER_API int specter_cuda_pace(const int64_t * n_bytes, int64_t extra_bytes, 
 
 /* A worker thread on the host that computes the routed experts a forward hands it, one MoE layer at a time, and
  * gives back their weighted sum, without a host synchronisation or a host node: it works inside a CUDA graph.
- * A MoE layer's hand-off is two calls, each one kernel on CUDA, after the layer's specter_expert_table has split its
- * missed experts (specter_cpu_split) and taken the CPU's out of the GPU's pointer table.
- * specter_cuda_cpu_experts_post writes the hidden states of the tokens with a pair on the CPU, the layer's routing
- * (the pairs of the CPU's experts; the others -1) and a sequence number into a mailbox in pinned host memory; the
- * worker, polling the mailbox, runs specter_moe_ffn over the experts' host copies into the mailbox and answers with
- * the same number; specter_cuda_cpu_experts_collect waits for the answer (one thread a CTA polls; past timeout_ns it
- * traps, a CUDA error at the caller's next synchronisation) and adds the sum into the rows of the layer's output
- * whose tokens have a pair on the CPU. Work enqueued between the two (the GPU's own experts) runs meanwhile. A
- * post that gives the CPU no pair hands nothing over, and its collect reads only device memory and adds nothing.
- * The CPU entry points do the same from the calling thread (host memory).
+ * A MoE layer's hand-off is two calls, each one kernel on CUDA. specter_cuda_cpu_experts_post chooses which of the
+ * layer's missed experts the CPU computes (the split below), takes them out of the GPU's pointer table, and writes
+ * the layer's hidden states, its routing (the pairs of those experts; the others -1) and a sequence number into a
+ * mailbox in pinned host memory; the worker, polling the mailbox, runs specter_moe_ffn over the experts' host
+ * copies into the mailbox and answers with the same number; specter_cuda_cpu_experts_collect waits for the answer
+ * (one thread a CTA polls; past timeout_ns it traps, a CUDA error at the caller's next synchronisation) and adds
+ * the sum into the rows of the layer's output whose tokens have a pair on the CPU. Work enqueued between the two
+ * (the GPU's own experts) runs meanwhile. A post that gives the CPU no pair hands nothing over, and its collect
+ * reads only device memory and adds nothing. The CPU entry points do the same from the calling thread (host
+ * memory).
  *
  * Layout: the mailbox holds specter_cpu_experts_mailbox_size bytes (pinned and mapped for CUDA: under unified
  * addressing any cudaHostAlloc'd memory is), owned by the caller and kept alive until specter_cpu_experts_free.
@@ -369,6 +351,15 @@ SPECTER_API int specter_cuda_pace(const int64_t * n_bytes, int64_t extra_bytes, 
  * A worker error (a type it cannot run) is kept: the answer is then zeros and specter_cpu_experts_status returns
  * the error until the handle is freed. */
 typedef struct specter_cpu_experts specter_cpu_experts;
+
+/* The costs (ns) by which a post splits a layer's missed experts between the CPU and the link: an expert of t
+ * tokens takes the CPU cpu_ns_per_expert + t * cpu_ns_per_token, one expert read over the link link_ns (>= 1).
+ * {0, 0, 1} gives the CPU every miss. */
+typedef struct specter_hybrid_costs {
+    int64_t cpu_ns_per_expert;
+    int64_t cpu_ns_per_token;
+    int64_t link_ns;
+} specter_hybrid_costs;
 
 SPECTER_API int specter_cpu_experts_mailbox_size(int64_t max_tokens, int64_t top_k, int64_t d_model,
                                                  size_t * out_bytes);
@@ -391,14 +382,23 @@ SPECTER_API int specter_cpu_experts_busy_ns(const specter_cpu_experts * w, int64
  * wake it. hot_ns = 0 for a forward on the CPU itself, whose products need every core. */
 SPECTER_API int specter_cpu_experts_arm(specter_cpu_experts * w);
 /* Hand the CPU a MoE layer's pairs (ids [n_tokens, top_k] int32, weights f32, x [n_tokens, d_model] f32;
- * 1 <= n_tokens <= max_tokens) of the experts on_cpu marks (uint8 [n_expert]: the split of the layer's
- * specter_expert_table), with the hidden states of their tokens. Device memory for CUDA. */
+ * 1 <= n_tokens <= max_tokens) whose experts it computes: of the experts the layer routes tokens to
+ * (routed[e] > 0, int32 [n_expert]) that have no slot on the device (slot_of[e] < 0, int64), the ones with the
+ * fewest tokens, as many as make the later of the CPU's finish and the link's the earliest by `costs` (the two
+ * work at the same time); ties rank by expert id, and the CPU and CUDA versions choose alike (integer costs).
+ * Writes on_cpu[e] = 1 for those, else 0 (uint8 [n_expert]), cpu_routed[e] = routed[e] for those, else 0; where
+ * gpu_ptrs is not NULL (int64 [3, n_expert]: the GPU's gate, up and down pointers), sets the entries of those
+ * experts to 0, so that the GPU's grouped kernel skips them. n_expert <= 1024. Device memory for CUDA, except
+ * `costs`: host memory, read by the call (a CUDA graph keeps the costs it was captured with). */
 SPECTER_API int specter_cpu_experts_post(specter_cpu_experts * w, int64_t layer, const float * x, const int32_t * ids,
-                                         const float * weights, int64_t n_tokens, const uint8_t * on_cpu,
-                                         int n_threads);
+                                         const float * weights, int64_t n_tokens, const int64_t * slot_of,
+                                         const int32_t * routed, const specter_hybrid_costs * costs,
+                                         uint8_t * on_cpu, int32_t * cpu_routed, int64_t * gpu_ptrs, int n_threads);
 SPECTER_API int specter_cuda_cpu_experts_post(specter_cpu_experts * w, int64_t layer, const float * x,
                                               const int32_t * ids, const float * weights, int64_t n_tokens,
-                                              const uint8_t * on_cpu, void * stream);
+                                              const int64_t * slot_of, const int32_t * routed,
+                                              const specter_hybrid_costs * costs, uint8_t * on_cpu,
+                                              int32_t * cpu_routed, int64_t * gpu_ptrs, void * stream);
 /* out [n_tokens, d_model] f32 += the worker's answer to the last post, once it has come, in the rows of the tokens
  * with a pair on the CPU (ids and on_cpu: the post's, on_cpu as it wrote it). Where waited_ns is not NULL (int64,
  * device memory for CUDA), the nanoseconds spent waiting for the answer are added to it (on CUDA those of the first

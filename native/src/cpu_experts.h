@@ -55,10 +55,14 @@ namespace specter {
 
 // The arguments of a post and of a collect (both the CPU's and the CUDA entry points).
 inline int check_post(const specter_cpu_experts * w, int64_t layer, const float * x, const int32_t * ids,
-                      const float * weights, int64_t n_tokens, const uint8_t * on_cpu) {
-    if (!w || !x || !ids || !weights || !on_cpu) return SPECTER_ERR_INVALID_ARG;
-    return layer < 0 || layer >= w->n_layer || n_tokens < 1 || n_tokens > w->max_tokens ? SPECTER_ERR_INVALID_ARG
-                                                                                         : SPECTER_OK;
+                      const float * weights, int64_t n_tokens, const int64_t * slot_of, const int32_t * routed,
+                      const specter_hybrid_costs * costs, const uint8_t * on_cpu, const int32_t * cpu_routed) {
+    if (!w || !x || !ids || !weights || !slot_of || !routed || !costs || !on_cpu || !cpu_routed)
+        return SPECTER_ERR_INVALID_ARG;
+    if (layer < 0 || layer >= w->n_layer || n_tokens < 1 || n_tokens > w->max_tokens || w->n_expert > 1024)
+        return SPECTER_ERR_INVALID_ARG;
+    return costs->cpu_ns_per_expert < 0 || costs->cpu_ns_per_token < 0 || costs->link_ns < 1 ? SPECTER_ERR_INVALID_ARG
+                                                                                              : SPECTER_OK;
 }
 
 inline int check_collect(const specter_cpu_experts * w, const float * out, const int32_t * ids, const uint8_t * on_cpu,
@@ -73,6 +77,20 @@ SPECTER_HOST_DEVICE inline bool has_cpu_pair(const int32_t * ids, int64_t k, int
     for (int64_t j = 0; j < k; ++j)
         if (ids[j] >= 0 && ids[j] < n_expert && on_cpu[ids[j]]) return true;
     return false;
+}
+
+// The split's rule (specter_cpu_experts_post) for one missed expert: with the m misses ranked by (tokens, expert)
+// ascending, the one of rank r (`tokens` of them; `before`: the tokens of those ranked before it) goes to the CPU
+// when the later of the CPU's finish (cpu_ns_per_expert + tokens * cpu_ns_per_token for each it takes) and the
+// link's is earlier with it on the CPU than without. The CPU's time grows and the link's shrinks along the ranks,
+// so the ones that go form a prefix. In integers: the CPU and CUDA versions decide alike.
+SPECTER_HOST_DEVICE inline bool cpu_takes(int64_t r, int64_t before, int64_t tokens, int64_t m,
+                                          const specter_hybrid_costs & c) {
+    const int64_t cpu_without = r * c.cpu_ns_per_expert + before * c.cpu_ns_per_token;
+    const int64_t link_without = (m - r) * c.link_ns;
+    const int64_t cpu_with = cpu_without + c.cpu_ns_per_expert + tokens * c.cpu_ns_per_token;
+    const int64_t link_with = link_without - c.link_ns;
+    return (cpu_with > link_with ? cpu_with : link_with) < (cpu_without > link_without ? cpu_without : link_without);
 }
 
 }  // namespace specter

@@ -61,16 +61,11 @@ inline int check_topk(const float * logits, int64_t n_tokens, int64_t n_expert, 
     return SPECTER_OK;
 }
 
-inline bool split_ok(const specter_cpu_split * split) {
-    return !split || (split->on_cpu && split->cpu_routed && split->cpu_ns_per_expert >= 0 &&
-                      split->cpu_ns_per_token >= 0 && split->link_ns >= 1);
-}
-
 inline int check_expert_table(const int64_t * slot_of, const int64_t * host_ptrs, const specter_slot_pool * pool,
-                              int64_t n_expert, const int32_t * ids, int64_t n_pairs, const specter_cpu_split * split,
+                              int64_t n_expert, const int32_t * ids, int64_t n_pairs,
                               const specter_spare_slots * spares, const int32_t * routed, const int64_t * ptrs) {
     if (!slot_of || !host_ptrs || !pool || !ptrs || n_expert < 1 || n_expert > (int64_t(1) << 24) || n_pairs < 0 ||
-        n_pairs > (int64_t(1) << 30) || pool->slot_bytes < 0 || !split_ok(split))
+        n_pairs > (int64_t(1) << 30) || pool->slot_bytes < 0)
         return SPECTER_ERR_INVALID_ARG;
     if (n_pairs > 0 && (!ids || !routed)) return SPECTER_ERR_INVALID_ARG;
     if (spares) {
@@ -106,34 +101,6 @@ SPECTER_HOST_DEVICE inline int assign_spares(const int64_t * slot_of, const uint
         expert[n] = int(e), spare[n] = j++, ++n;
     }
     return n;
-}
-
-// The split's rule (specter_cpu_split) for one missed expert: with the m misses ranked by (tokens, expert)
-// ascending, the one of rank r (`tokens` of them; `before`: the tokens of those ranked before it) goes to the CPU
-// when the later of the CPU's finish (cpu_ns_per_expert + tokens * cpu_ns_per_token for each it takes) and the
-// link's is earlier with it on the CPU than without. The CPU's time grows and the link's shrinks along the ranks,
-// so the ones that go form a prefix. In integers: the CPU and CUDA versions decide alike.
-SPECTER_HOST_DEVICE inline bool cpu_takes(int64_t r, int64_t before, int64_t tokens, int64_t m,
-                                          const specter_cpu_split & c) {
-    const int64_t cpu_without = r * c.cpu_ns_per_expert + before * c.cpu_ns_per_token;
-    const int64_t link_without = (m - r) * c.link_ns;
-    const int64_t cpu_with = cpu_without + c.cpu_ns_per_expert + tokens * c.cpu_ns_per_token;
-    const int64_t link_with = link_without - c.link_ns;
-    return (cpu_with > link_with ? cpu_with : link_with) < (cpu_without > link_without ? cpu_without : link_without);
-}
-
-// Whether the split gives expert e to the CPU: `missed[j]` is expert j's tokens where it is a routed miss, else 0.
-SPECTER_HOST_DEVICE inline bool split_takes(const int32_t * missed, int64_t n_expert, int64_t e,
-                                            const specter_cpu_split & c) {
-    const int32_t mine = missed[e];
-    if (mine <= 0) return false;
-    int64_t m = 0, rank = 0, before = 0;
-    for (int64_t j = 0; j < n_expert; ++j) {
-        const int32_t t = missed[j];
-        m += t > 0;
-        if (t > 0 && (t < mine || (t == mine && j < e))) ++rank, before += t;
-    }
-    return cpu_takes(rank, before, mine, m, c);
 }
 
 // specter_moe_route: the product's (x float32, logits [n_tokens, n_rows]) and the top-k's of its first n_expert columns.

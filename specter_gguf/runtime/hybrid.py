@@ -4,13 +4,11 @@ CPU from the expert store instead of read over PCIe (the native `specter_cpu_exp
 A MoE layer of a small batch (decoding, verification) hands the host the (token, expert) pairs of some of its
 experts without a slot: the ones with the fewest tokens (a CPU pays per token, a read over PCIe once per expert),
 as many as make the CPU and the link finish their shares about together, by the costs measured at start-up
-(`HybridChoice.costs_ns`). The layer's table kernel chooses them on the device from the residency table and the
-layer's own routing (`kernels.residency_pointers` with a `kernels.CpuSplit`), before it copies other misses into
-spare slots (so that spares take only the link's share), and takes them out of the GPU's pointer table; the next
-kernel writes their pairs to pinned host memory for the worker thread (`CpuExperts.post`), so it works inside a
-CUDA graph; the GPU runs the other experts meanwhile, then one kernel waits for the worker's sum and adds it
-(`CpuExperts.collect`, `OffloadRuntime.from_residency`). A layer that hands nothing over pays for the two kernels
-only: the second reads no host memory then. The CPU's sum of an
+(`HybridChoice.costs_ns`). One kernel chooses them on the device from the residency table and the layer's own
+routing, takes them out of the GPU's pointer table and writes their pairs to pinned host memory for the worker
+thread (`CpuExperts.post`), so it works inside a CUDA graph; the GPU runs the other experts meanwhile, then one
+kernel waits for the worker's sum and adds it (`CpuExperts.collect`, `OffloadRuntime.from_residency`). A layer
+that hands nothing over pays for the two kernels only: the second reads no host memory then. The CPU's sum of an
 expert agrees with the GPU's to float32 rounding (different summation orders); on the CPU device both are the same
 native function.
 
@@ -103,16 +101,24 @@ class CpuExperts:
         """Keep the worker polling without pause: forwards that post are about to be enqueued."""
         native.check(native.lib().specter_cpu_experts_arm(self.handle), "arming the CPU experts' worker")
 
-    def post(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-             on_cpu: torch.Tensor) -> None:
-        """Hand the worker layer `layer`'s pairs of the experts `on_cpu` marks (bool [n_expert], the split of the
-        layer's `kernels.residency_pointers`) with the hidden states of their tokens (native
-        `specter_cpu_experts_post`, on the device: no host synchronisation)."""
+    def post(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slot_of: torch.Tensor,
+             routed: torch.Tensor, costs: tuple[int, int, int], on_cpu: torch.Tensor, cpu_routed: torch.Tensor,
+             gpu_ptrs: torch.Tensor | None = None) -> None:
+        """Hand the worker layer `layer`'s pairs of the missed experts that the CPU computes (native
+        `specter_cpu_experts_post`, on the device: no host synchronisation): of those the layer routes `routed`
+        (int32 [n_expert]) tokens to that have no slot (`slot_of` < 0, int64), the fewest-token ones, as many as make
+        the later of the CPU's and the link's finish the earliest by `costs` (ns: an expert's part paid once, a
+        token's, the link's per expert; EVERY_MISS gives the CPU every miss). Writes those experts into `on_cpu`
+        (bool [n_expert]) and their token counts into `cpu_routed` (int32), and zeroes their pointers in `gpu_ptrs`
+        (int64 [3, n_expert], the GPU's table) when given."""
         T = x.shape[0]
         x32 = _aligned(x.float())
         ids32, w32 = ids.to(torch.int32).contiguous(), weights.float().contiguous()
+        ptrs = native.ffi().NULL if gpu_ptrs is None else _ptr(gpu_ptrs, "int64_t *")
         args = (self.handle, layer, _ptr(x32, "float *"), _ptr(ids32, "int32_t *"), _ptr(w32, "float *"), T,
-                _ptr(on_cpu, "uint8_t *"))
+                _ptr(slot_of, "int64_t *"), _ptr(routed, "int32_t *"),
+                native.ffi().new("specter_hybrid_costs *", costs),
+                _ptr(on_cpu, "uint8_t *"), _ptr(cpu_routed, "int32_t *"), ptrs)
         _call("cpu_experts_post", args, self.device, f"handing layer {layer}'s experts to the CPU")
 
     def collect(self, out: torch.Tensor, ids: torch.Tensor, on_cpu: torch.Tensor) -> None:
@@ -163,7 +169,7 @@ class HybridChoice:
     why: str = ""  # the reason, where nothing was measured
 
     def costs_ns(self) -> tuple[int, int, int]:
-        """The split's costs for `kernels.CpuSplit` (ns); unmeasured (the CPU device), EVERY_MISS."""
+        """The split's costs for `CpuExperts.post` (ns); unmeasured (the CPU device), EVERY_MISS."""
         if self.cpu_us_per_token is None:
             return EVERY_MISS
         return (round(1000 * self.cpu_us_per_expert), round(1000 * self.cpu_us_per_token),
@@ -193,14 +199,17 @@ def measure(cpu: CpuExperts, store: ExpertStore, layer: int, reps: int = 5) -> t
         ids = torch.full((T, cpu.top_k), -1, dtype=torch.int32, device=dev)
         ids[:, 0] = 0
         weights = torch.ones(ids.shape, device=dev)
+        no_slot = torch.full((store.n_expert,), -1, dtype=torch.int64, device=dev)
+        routed = torch.zeros(store.n_expert, dtype=torch.int32, device=dev)
+        routed[0] = T
         on_cpu = torch.zeros(store.n_expert, dtype=torch.bool, device=dev)
-        on_cpu[0] = True
+        cpu_routed = torch.zeros_like(routed)
         out = torch.zeros(T, cpu.d_model, device=dev)
         seconds = []
         cpu.arm()
         for _ in range(reps + 1):
             t0 = time.perf_counter()
-            cpu.post(layer, x, ids, weights, on_cpu)
+            cpu.post(layer, x, ids, weights, no_slot, routed, EVERY_MISS, on_cpu, cpu_routed)
             cpu.collect(out, ids, on_cpu)
             torch.cuda.synchronize(dev)
             seconds.append(time.perf_counter() - t0)

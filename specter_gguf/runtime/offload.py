@@ -36,8 +36,8 @@ from gguf import GGMLQuantizationType as T
 from specter_gguf.config import ModelConfig
 from specter_gguf.errors import SpecterError
 from specter_gguf.gguf_file import EXPERT_PARTS, GGUFFile, expert_tensor_name
-from specter_gguf.kernels import (MAX_SPARES, CpuSplit, ExpertTable, QuantizedTensor, SlotPool, SpareSlots, moe_ffn,
-                                  pace, residency_pointers)
+from specter_gguf.kernels import (MAX_SPARES, ExpertTable, QuantizedTensor, SlotPool, SpareSlots, moe_ffn, pace,
+                                  residency_pointers)
 from specter_gguf.layers import FeedForward, MoE, ResidentExperts, Router, Transformer
 from specter_gguf.runtime.budget import (FIT_MARGIN, MemoryPlan, RecordLayout, fitted_budget, moe_layers,
                                          plan_memory, record_layout, slots_after_load)
@@ -209,10 +209,10 @@ class OffloadRuntime:
 
     Small batches (decoding, verification) run from the residency table without the host (`from_residency`): a
     layer's pointer table is computed on the device from the table — a published expert from its slot, any other
-    read in place from the store in host memory (zero-copy over PCIe: no copy, no slot, no wait). With hybrid on,
-    the same kernel first gives some misses to the CPU (`runtime.hybrid`). In lru mode it then copies the other
-    misses into the layer's spare slots, as many as it has free (`spare_slots` per layer; `cache` module
-    docstring), and they are computed from there: they cross PCIe once and the next forward finds them in a slot. The layer adds its routing into `routed`, the experts it copied into `fetched`; a forward
+    read in place from the store in host memory (zero-copy over PCIe: no copy, no slot, no wait). In lru mode the
+    same kernel first copies the layer's misses into its spare slots, as many as it has free (`spare_slots` per
+    layer; `cache` module docstring), and they are computed from there: they cross PCIe once and the next forward
+    finds them in a slot. The layer adds its routing into `routed`, the experts it copied into `fetched`; a forward
     is bracketed by `begin` (publishes finished copies, zeroes both) and `end` (an asynchronous copy of them to the
     host), and `settle` reads those copies once they have landed: it hands the cache the experts copied into spares
     (`ExpertCache.adopt`), counts lookups, hits and misses against the table the forward saw and, in lru mode
@@ -278,14 +278,15 @@ class OffloadRuntime:
     def from_residency(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Layer `layer`'s routed experts for a small batch, each from its slot or from host memory, or with hybrid
         on computed by the CPU (`runtime.hybrid`): those are handed over first, and the GPU's run meanwhile."""
-        routed, cpu = self.routed[layer], self.cpu_experts
+        routed, table = self.routed[layer], self.expert_table(layer, ids)
+        cpu = self.cpu_experts
         if cpu is None or x.shape[0] > cpu.max_tokens:
-            out = moe_ffn(x, ids, weights, self.expert_table(layer, ids))
+            out = moe_ffn(x, ids, weights, table)
             self._pace_reads(layer, routed, None)
             return out
         on_cpu = self._on_cpu[layer]
-        table = self.expert_table(layer, ids, CpuSplit(self.hybrid.costs_ns(), on_cpu, self.cpu_routed[layer]))
-        cpu.post(layer, x, ids, weights, on_cpu)
+        cpu.post(layer, x, ids, weights, self.cache.table[layer], routed, self.hybrid.costs_ns(), on_cpu,
+                 self.cpu_routed[layer], table.ptrs)
         out = moe_ffn(x, ids, weights, table)
         self._pace_reads(layer, routed, on_cpu)  # the CPU works on meanwhile, as it would beside a slower link
         cpu.collect(out, ids, on_cpu)
@@ -319,13 +320,13 @@ class OffloadRuntime:
             self.hybrid.link_us = nbytes / (1000 * gbps)
         return measured
 
-    def expert_table(self, layer: int, ids: torch.Tensor, split: CpuSplit | None = None) -> ExpertTable:
+    def expert_table(self, layer: int, ids: torch.Tensor) -> ExpertTable:
         """The grouped kernel's pointer table of `layer` for a forward routed `ids`, computed on the device from the
-        residency table (a fresh tensor); with `split` (hybrid), the misses the CPU computes get no pointer, and the
-        kernel skips them; the same kernel copies the other misses into the layer's free spare slots (lru) and adds
+        residency table (a fresh tensor: a hand-off to the CPU zeroes its experts' pointers in it, and then the
+        kernel skips them); the same kernel first copies misses into the layer's free spare slots (lru) and adds
         the routing into `routed`."""
         host, pool, spares = self._pointers[layer] if layer in self._pointers else self._layer_pointers(layer)
-        ptrs = residency_pointers(self.cache.table[layer], host, pool, ids, self.routed[layer], spares, split)
+        ptrs = residency_pointers(self.cache.table[layer], host, pool, ids, self.routed[layer], spares)
         return ExpertTable(ptrs, self.experts[layer].types, self.cfg.n_embd, self.cfg.n_ff_exp, (self.cache.pool,))
 
     def _layer_pointers(self, layer: int) -> tuple[torch.Tensor, SlotPool, SpareSlots | None]:

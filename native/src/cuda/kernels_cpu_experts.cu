@@ -15,23 +15,50 @@ namespace {
 // short prefill's rows would otherwise all cross PCIe from one CTA); more tokens are copied whole.
 constexpr int kPostFlags = 1024;
 
-// One CTA. The pairs, the hidden states of the tokens with a pair for the CPU, then the header and, last, `request`
-// (a post that hands nothing over writes no host memory).
+// One CTA. First the split, a thread per expert: each ranks its own miss among the layer's by (tokens, expert) and
+// applies cpu_takes; then, where the CPU takes any pair, the pairs, the hidden states of the tokens with a pair for
+// the CPU, then the header and, last, `request` (a post that hands nothing over writes no host memory).
 __global__ void __launch_bounds__(1024) post_kernel(volatile MailboxHeader * h, float * hx, int32_t * hids,
                                                    float * hweights, const float * __restrict__ x,
                                                    const int32_t * __restrict__ ids,
                                                    const float * __restrict__ weights,
-                                                   const uint8_t * __restrict__ on_cpu, long long layer, int T, int d,
-                                                   int k, int n_expert) {
+                                                   const int64_t * __restrict__ slot_of,
+                                                   const int32_t * __restrict__ routed, specter_hybrid_costs costs,
+                                                   uint8_t * on_cpu, int32_t * cpu_routed, int64_t * gpu_ptrs,
+                                                   long long layer, int T, int d, int k, int n_expert) {
     start_after_prior_kernels();
+    __shared__ int32_t tokens[1024];  // of each expert's miss; 0: not a miss
+    __shared__ unsigned char taken[1024];  // the CPU computes the expert
     __shared__ int n_pairs;
     __shared__ unsigned char needed[kPostFlags];  // token t has a pair for the CPU (T <= kPostFlags)
     const bool flags = T <= kPostFlags;
+    const int e = threadIdx.x;
+    int32_t mine = 0;
+    if (e < n_expert) {
+        const int32_t t = routed[e];
+        mine = t > 0 && slot_of[e] < 0 ? t : 0;
+        tokens[e] = mine;
+    }
     if (threadIdx.x == 0) n_pairs = 0;
     for (int t = threadIdx.x; flags && t < T; t += blockDim.x) needed[t] = 0;
     __syncthreads();
+    if (e < n_expert) {
+        long long m = 0, rank = 0, before = 0;
+        for (int j = 0; j < n_expert; ++j) {
+            const int32_t t = tokens[j];
+            m += t > 0;
+            if (t > 0 && (t < mine || (t == mine && j < e))) ++rank, before += t;
+        }
+        const bool take = mine > 0 && cpu_takes(rank, before, mine, m, costs);
+        taken[e] = take;
+        on_cpu[e] = take;
+        cpu_routed[e] = take ? mine : 0;
+        if (take && gpu_ptrs)
+            for (int part = 0; part < 3; ++part) gpu_ptrs[size_t(part) * n_expert + e] = 0;
+    }
+    __syncthreads();
     for (int p = threadIdx.x; p < T * k; p += blockDim.x) {
-        if (has_cpu_pair(ids + p, 1, n_expert, on_cpu)) {
+        if (has_cpu_pair(ids + p, 1, n_expert, taken)) {
             atomicAdd(&n_pairs, 1);
             if (flags) needed[p / k] = 1;
         }
@@ -39,7 +66,7 @@ __global__ void __launch_bounds__(1024) post_kernel(volatile MailboxHeader * h, 
     __syncthreads();
     if (n_pairs == 0) return;  // nothing for the CPU: no write over PCIe
     for (int p = threadIdx.x; p < T * k; p += blockDim.x) {
-        hids[p] = has_cpu_pair(ids + p, 1, n_expert, on_cpu) ? ids[p] : -1;
+        hids[p] = has_cpu_pair(ids + p, 1, n_expert, taken) ? ids[p] : -1;
         hweights[p] = weights[p];
     }
     for (int i = threadIdx.x; i < T * d; i += blockDim.x)
@@ -103,15 +130,17 @@ using namespace specter::cuda;
 extern "C" {
 
 int specter_cuda_cpu_experts_post(specter_cpu_experts * w, int64_t layer, const float * x, const int32_t * ids,
-                                  const float * weights, int64_t n_tokens, const uint8_t * on_cpu, void * stream) {
-    const int rc = check_post(w, layer, x, ids, weights, n_tokens, on_cpu);
+                                  const float * weights, int64_t n_tokens, const int64_t * slot_of,
+                                  const int32_t * routed, const specter_hybrid_costs * costs, uint8_t * on_cpu,
+                                  int32_t * cpu_routed, int64_t * gpu_ptrs, void * stream) {
+    const int rc = check_post(w, layer, x, ids, weights, n_tokens, slot_of, routed, costs, on_cpu, cpu_routed);
     if (rc != SPECTER_OK) return rc;
     char * m = w->mailbox;
     cudaGetLastError();
     launch(post_kernel, 1, 1024, cudaStream_t(stream), reinterpret_cast<volatile MailboxHeader *>(m),
            reinterpret_cast<float *>(m + w->layout.x), reinterpret_cast<int32_t *>(m + w->layout.ids),
-           reinterpret_cast<float *>(m + w->layout.weights), x, ids, weights, on_cpu, (long long)layer, int(n_tokens),
-           int(w->d_model), int(w->top_k), int(w->n_expert));
+           reinterpret_cast<float *>(m + w->layout.weights), x, ids, weights, slot_of, routed, *costs, on_cpu,
+           cpu_routed, gpu_ptrs, (long long)layer, int(n_tokens), int(w->d_model), int(w->top_k), int(w->n_expert));
     return launch_status();
 }
 

@@ -265,59 +265,42 @@ __device__ void copy_share(uint8_t * __restrict__ dst, const uint8_t * __restric
     for (; i < words; i += nt) d[i] = s[i];
 }
 
-// The pointer table and the routing counts of specter_expert_table, and with a split its experts for the CPU (`cpu`
-// and `missed`: shared memory of the CTA; their pointers are 0): one CTA, a thread per expert, a thread per pair.
+// The pointer table and the routing counts of specter_expert_table: one CTA, a thread per expert, a thread per pair.
 __device__ void write_table(const int64_t * slot_of, const int64_t * host_ptrs, const specter_slot_pool & pool,
-                            int n_expert, const int32_t * ids, int n_pairs, const specter_cpu_split & split,
-                            bool has_split, const uint8_t * cpu, const int32_t * missed, int32_t * routed,
-                            int64_t * ptrs) {
-    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
-        const bool mine = has_split && cpu[e];
+                            int n_expert, const int32_t * ids, int n_pairs, int32_t * routed, int64_t * ptrs) {
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x)
         for (int part = 0; part < 3; ++part)
-            ptrs[size_t(part) * n_expert + e] = mine ? 0 : expert_address(slot_of, host_ptrs, pool, n_expert, part, e);
-        if (has_split) {
-            split.on_cpu[e] = mine;
-            split.cpu_routed[e] = mine ? missed[e] : 0;
-        }
-    }
+            ptrs[size_t(part) * n_expert + e] = expert_address(slot_of, host_ptrs, pool, n_expert, part, e);
     for (int p = threadIdx.x; p < n_pairs; p += blockDim.x)
         if (ids[p] >= 0 && ids[p] < n_expert) atomicAdd(routed + ids[p], 1);
 }
 
-// specter_expert_table. Every CTA works out the same split and the same copies (assign_spares) from the routing and
-// the residency row, which no CTA changes before all have finished copying: the last CTA to arrive publishes the
-// copied experts, then writes the table. Without copies the first CTA writes the table alone.
+// specter_expert_table. Every CTA works out the same copies (assign_spares) from the routing and the residency row,
+// which no CTA changes before all have finished copying: the last CTA to arrive publishes the copied experts, then
+// writes the table. Without copies the first CTA writes the table alone.
 __global__ void __launch_bounds__(256) expert_table_kernel(int64_t * slot_of, const int64_t * __restrict__ host_ptrs,
                                                            specter_slot_pool pool, int n_expert,
                                                            const int32_t * __restrict__ ids, int n_pairs,
-                                                           specter_cpu_split split, int has_split,
                                                            specter_spare_slots spares, int32_t * routed,
                                                            int64_t * ptrs) {
     start_after_prior_kernels();
-    __shared__ int32_t missed[kMaxExperts];  // tokens of each routed miss
-    __shared__ uint8_t cpu[kMaxExperts], to_copy[kMaxExperts];
+    __shared__ uint8_t used[kMaxExperts];
     __shared__ int expert[SPECTER_MAX_SPARES], spare[SPECTER_MAX_SPARES];
     __shared__ int n_copy;
     __shared__ bool last;
     if (threadIdx.x == 0) n_copy = 0;
-    if (has_split || spares.n_spare > 0) {
-        for (int e = threadIdx.x; e < n_expert; e += blockDim.x) missed[e] = 0;
+    if (spares.n_spare > 0) {
+        for (int e = threadIdx.x; e < n_expert; e += blockDim.x) used[e] = 0;
         __syncthreads();
         for (int p = threadIdx.x; p < n_pairs; p += blockDim.x)
-            if (ids[p] >= 0 && ids[p] < n_expert && slot_of[ids[p]] < 0) atomicAdd(&missed[ids[p]], 1);
+            if (ids[p] >= 0 && ids[p] < n_expert) used[ids[p]] = 1;
         __syncthreads();
-        for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
-            cpu[e] = has_split && split_takes(missed, n_expert, e, split);
-            to_copy[e] = missed[e] > 0 && !cpu[e];
-        }
-        __syncthreads();
-        if (threadIdx.x == 0 && spares.n_spare > 0)
-            n_copy = assign_spares(slot_of, to_copy, n_expert, spares.slots, spares.n_spare, expert, spare);
+        if (threadIdx.x == 0)
+            n_copy = assign_spares(slot_of, used, n_expert, spares.slots, spares.n_spare, expert, spare);
     }
     __syncthreads();
     if (n_copy == 0) {
-        if (blockIdx.x == 0)
-            write_table(slot_of, host_ptrs, pool, n_expert, ids, n_pairs, split, has_split, cpu, missed, routed, ptrs);
+        if (blockIdx.x == 0) write_table(slot_of, host_ptrs, pool, n_expert, ids, n_pairs, routed, ptrs);
         return;
     }
     for (int i = 0; i < n_copy; ++i) {
@@ -345,7 +328,7 @@ __global__ void __launch_bounds__(256) expert_table_kernel(int64_t * slot_of, co
         *spares.arrivals = 0;
     }
     __syncthreads();
-    write_table(slot_of, host_ptrs, pool, n_expert, ids, n_pairs, split, has_split, cpu, missed, routed, ptrs);
+    write_table(slot_of, host_ptrs, pool, n_expert, ids, n_pairs, routed, ptrs);
 }
 
 }  // namespace
@@ -408,16 +391,15 @@ extern "C" int specter_cuda_moe_ffn(const float * x, int64_t n_tokens, int64_t d
 
 extern "C" int specter_cuda_expert_table(int64_t * slot_of, const int64_t * host_ptrs, const specter_slot_pool * pool,
                                          int64_t n_expert, const int32_t * ids, int64_t n_pairs,
-                                         const specter_cpu_split * split, const specter_spare_slots * spares,
-                                         int32_t * routed, int64_t * ptrs, void * stream) {
-    const int rc = check_expert_table(slot_of, host_ptrs, pool, n_expert, ids, n_pairs, split, spares, routed, ptrs);
+                                         const specter_spare_slots * spares, int32_t * routed, int64_t * ptrs,
+                                         void * stream) {
+    const int rc = check_expert_table(slot_of, host_ptrs, pool, n_expert, ids, n_pairs, spares, routed, ptrs);
     if (rc != SPECTER_OK) return rc;
     if (n_expert > kMaxExperts) return SPECTER_ERR_INVALID_ARG;
-    const specter_spare_slots no_spares{nullptr, 0, nullptr, nullptr};
-    const specter_cpu_split no_split{0, 0, 1, nullptr, nullptr};
-    const specter_spare_slots & sp = spares ? *spares : no_spares;
+    const specter_spare_slots none{nullptr, 0, nullptr, nullptr};
+    const specter_spare_slots & sp = spares ? *spares : none;
     cudaGetLastError();
     launch(expert_table_kernel, sp.n_spare > 0 ? kTableCtas : 1, 256, cudaStream_t(stream), slot_of, host_ptrs, *pool,
-           int(n_expert), ids, int(n_pairs), split ? *split : no_split, int(split != nullptr), sp, routed, ptrs);
+           int(n_expert), ids, int(n_pairs), sp, routed, ptrs);
     return launch_status();
 }
