@@ -185,6 +185,9 @@ def sampling_options(f: Any, seed_help: str = SEED_HELP) -> Any:
 
 GPU_BUDGET_HELP = ("Device memory budget, e.g. 16GiB, 12000MiB, 1.5GB (GB: 10^9 bytes; G and GiB: 2^30; a bare number: "
                    "bytes)")
+# --spare-slots' default, as `runtime.offload.spares_per_layer` computes it (run's and plan's help)
+SPARE_SLOTS_DEFAULT = (f"twice the experts a token uses, at most {MAX_SPARES} and half the layer's slots beyond one "
+                       f"token's experts, {SPARES_WITH_LOOKAHEAD} with a draft")
 
 
 def _gpu_budget(text: str) -> int:
@@ -239,9 +242,8 @@ def load_options(f: Any = None, *, depth: bool = True) -> Any:
         click.option("--spare-slots", type=click.IntRange(0, MAX_SPARES), default=None,
                      help="Expert-cache slots per MoE layer kept free for a forward to copy the experts it misses "
                      "into as it computes them, so that they cross PCIe once and the next token finds them "
-                     f"(--offload lru; default twice the experts a token uses, at most {MAX_SPARES} and half the "
-                     f"layer's slots beyond one token's experts, {SPARES_WITH_LOOKAHEAD} with a draft; 0: misses are "
-                     "read in place and copied into the cache after the forward)."),
+                     f"(--offload lru; default {SPARE_SLOTS_DEFAULT}; 0: misses are read in place and copied into "
+                     "the cache after the forward)."),
         click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
                      help="Replay each decode step, draft step and verification as a CUDA graph (CUDA; not with "
                      "--offload gate-prefetch)."),
@@ -451,8 +453,7 @@ def fidelity(model: Path | None, drafts: str, prompts_file: Path | None, n_predi
               "experts are read from the file for it).")
 @click.option("--spare-slots", type=click.IntRange(0, MAX_SPARES), default=None,
               help="Also say how many of each MoE layer's slots `run --spare-slots` would set aside (default: "
-              f"twice the experts a token uses, at most {MAX_SPARES} and half the layer's slots beyond one token's "
-              f"experts, {SPARES_WITH_LOOKAHEAD} with a draft).")
+              f"{SPARE_SLOTS_DEFAULT}).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as one JSON object.")
 def plan(model: Path, gpu_budget: str, draft: Path | str | None, ctx_size: int | None, device: str, hybrid: str,
          spare_slots: int | None, as_json: bool) -> None:
