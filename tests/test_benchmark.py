@@ -27,7 +27,7 @@ from specter_gguf.bench.matrix import (LLAMA_FAMILIES, Budget, MatrixConfig, Sys
 from specter_gguf.bench.metrics import median, summarize_runs
 from specter_gguf.bench.model_files import find_vocab, llama_sources
 from specter_gguf.bench.ours import OURS_MODES
-from specter_gguf.bench.plots import write_plots
+from specter_gguf.bench.plots import tpot_figure, write_plots
 from specter_gguf.bench.prompts import (PROMPTS_FILE, load_prompts, server_tokenizer, stored_token_ids,
                                         tokenize_prompts, vocab_fingerprint)
 from specter_gguf.bench.report import SPEC_COLUMNS, SPEC_KEYS, append_report, format_size, merge_docs, render_markdown
@@ -616,6 +616,48 @@ def test_plots_from_fake_results(tmp_path):
     assert all(f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for f in files)
 
 
+def test_tpot_figure_keeps_its_panels_wide_beside_long_settings():
+    """Settings of 80+ characters: each panel keeps at least 4 inches, the legend sits below them (it names every
+    system, even one with no bar in the first panel), and the groups are the budgets that have rows."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    doc = _fake_doc()
+    rows = [r for r in doc["results"] if r["status"] == "ok" and "spec-synth" not in r["family"]]
+    for r in rows:
+        r["setting"] += ", a setting long enough to have squeezed the panels beside a legend to their right"
+    sampled_only = dict(rows[1], family="llama-other", summary={"sampled": rows[1]["summary"]["sampled"]})
+    fig = tpot_figure(plt, rows + [sampled_only], ["greedy", "sampled"], ["12GiB", "16GiB"])
+    try:
+        axes = fig.get_axes()
+        assert len(axes) == 2
+        for ax in axes:
+            assert ax.get_position().width * fig.get_figwidth() >= 4.0
+            assert [t.get_text() for t in ax.get_xticklabels()] == ["no limit", "16GiB"]
+            assert ax.get_ylim()[0] == 0
+        (legend,) = fig.legends
+        assert len(legend.get_texts()) == len(rows) + 1
+        assert legend.get_window_extent().y1 < min(ax.get_window_extent().y0 for ax in axes)
+    finally:
+        plt.close(fig)
+
+
+def test_merging_greedy_and_sampled_parts_gives_one_row_with_both():
+    """One part ran a system greedy, another the same system sampled: the merge has one row with both decodings
+    (and the meta both, greedy first); a decoding both parts measured keeps the first part's runs."""
+    a, b = _fake_doc(), _fake_doc()
+    for doc, dec in ((a, "sampled"), (b, "greedy")):
+        doc["meta"]["decodings"] = [dec]
+        for r in doc["results"]:
+            r["runs"] = [dict(run, tpot_ms=run["tpot_ms"] * (2 if doc is b else 1)) for run in r["runs"]
+                         if run["decoding"] == dec or doc is b]
+            r["summary"] = summarize_runs(r["runs"]) if r["runs"] else {}
+    m = merge_docs([a, b])
+    assert m["meta"]["decodings"] == ["greedy", "sampled"]
+    (lru,) = [r for r in m["results"] if r["family"] == "ours-lru"]
+    assert lru["summary"]["greedy"]["tpot_ms"] == pytest.approx(80.0)   # from b
+    assert lru["summary"]["sampled"]["tpot_ms"] == pytest.approx(44.0)  # a's, not b's 88
+    assert len(lru["runs"]) == 6
+
+
 def test_append_report_and_merge(tmp_path):
     rep = tmp_path / "docs" / "B.md"
     append_report(rep, "### one\n")
@@ -641,8 +683,8 @@ def test_merging_a_spare_slot_sweep_keeps_each_row():
     for asked, ran in [(1, 1), (None, 2), (8, 8)]:
         doc = _fake_doc()
         doc["meta"]["spare_slots"] = asked
-        lru = dict(doc["results"][0], family="ours-lru", runs=[{"extra": {"spare_slots": ran}}])
-        doc["results"] = [lru, dict(lru, family="llama-ncmoe", runs=[{"extra": {}}])]
+        lru = dict(doc["results"][0], family="ours-lru", runs=[{"decoding": "greedy", "extra": {"spare_slots": ran}}])
+        doc["results"] = [lru, dict(lru, family="llama-ncmoe", runs=[{"decoding": "greedy", "extra": {}}])]
         docs.append(doc)
     m = merge_docs(docs)
     setting = docs[0]["results"][0]["setting"]

@@ -28,37 +28,13 @@ def write_plots(doc: dict[str, Any], out_dir: str | Path, stem: str = "bench") -
 
     def save(fig: Any, suptitle: str, name: str) -> Path:
         fig.suptitle(suptitle, fontsize=10)
-        fig.tight_layout()
         fig.savefig(out_dir / name, dpi=110, bbox_inches="tight")
         plt.close(fig)
         return out_dir / name
 
-    groups = ["no limit"] + list((doc["meta"].get("budgets") or {}).keys())
     rows = [r for r in res if "spec-synth" not in r["family"]]
     if rows:
-        labels = list(dict.fromkeys(f"{r['family']} {r['setting']}" for r in rows))
-        fig, axes = plt.subplots(1, len(decs), figsize=(max(7, 1.2 * len(labels) + 4) * len(decs) / 1.5, 5),
-                                 squeeze=False)
-        for ax, dec in zip(axes[0], decs):
-            width = 0.8 / max(1, len(labels))
-            cmap = plt.get_cmap("tab20")
-            for j, lab in enumerate(labels):
-                xs, ys = [], []
-                for gi, g in enumerate(groups):
-                    for r in rows:
-                        if f"{r['family']} {r['setting']}" == lab and (r["budget"] or "no limit") == g:
-                            t = (r["summary"].get(dec) or {}).get("tpot_ms")
-                            if t:
-                                xs.append(gi + (j - (len(labels) - 1) / 2) * width)
-                                ys.append(t)
-                if xs:
-                    ax.bar(xs, ys, width=width, label=lab, color=cmap(j % 20))
-            ax.set_xticks(range(len(groups)), groups)
-            ax.set_ylabel("TPOT (ms, log scale)")
-            ax.set_yscale("log")
-            ax.set_title(f"{dec} decoding")
-            ax.grid(axis="y", which="both", alpha=0.3)
-        axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        fig = tpot_figure(plt, rows, decs, list(doc["meta"].get("budgets") or {}))
         written.append(save(fig, f"TPOT per system and GPU budget — {title} — {gpu}", f"{stem}-tpot.png"))
 
     synth = [r for r in res if "spec-synth" in r["family"]]
@@ -91,5 +67,45 @@ def write_plots(doc: dict[str, Any], out_dir: str | Path, stem: str = "bench") -
             ax.set_title(f"{dec} decoding")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
+        fig.tight_layout(rect=(0, 0, 1, 0.95))
         written.append(save(fig, f"TPOT vs synthetic acceptance — {title} — {gpu}", f"{stem}-synth.png"))
     return written
+
+
+def tpot_figure(plt: Any, rows: list[dict[str, Any]], decs: list[str], budgets: list[str]) -> Any:
+    """Bars of TPOT from zero, a group per budget that has rows ("no limit" for rows without one) and a bar per
+    system and setting, labelled with its value; one panel per decoding, the systems' legend beneath the panels
+    (long settings would otherwise squeeze the panels beside it)."""
+    def label(r: dict[str, Any]) -> str:
+        return f"{r['family']} {r['setting']}"
+
+    labels = list(dict.fromkeys(label(r) for r in rows))
+    groups = [g for g in ["no limit", *budgets] if any((r["budget"] or "no limit") == g for r in rows)]
+    width = 0.8 / len(labels)
+    legend_in = 0.3 + 0.17 * len(labels)  # inches: a line per system
+    panel_w = max(4.0, 0.3 * len(labels) * len(groups) + 1.5)
+    fig, axes = plt.subplots(1, len(decs), figsize=(panel_w * len(decs), 4.0 + legend_in), squeeze=False)
+    cmap = plt.get_cmap("tab20")
+    for ax, dec in zip(axes[0], decs):
+        for j, lab in enumerate(labels):
+            xs, ys = [], []
+            for gi, g in enumerate(groups):
+                for r in rows:
+                    t = (r["summary"].get(dec) or {}).get("tpot_ms")
+                    if t and label(r) == lab and (r["budget"] or "no limit") == g:
+                        xs.append(gi + (j - (len(labels) - 1) / 2) * width)
+                        ys.append(t)
+            bars = ax.bar(xs, ys, width=width, color=cmap(j % 20))
+            ax.bar_label(bars, fmt="%.1f", fontsize=6)
+        ax.set_xticks(range(len(groups)), groups)
+        ax.set_ylabel("TPOT (ms)")
+        ax.set_ylim(bottom=0)
+        ax.margins(y=0.1)
+        ax.set_title(f"{dec} decoding")
+        ax.grid(axis="y", alpha=0.3)
+    from matplotlib.patches import Patch  # (a system without a bar in the first panel has no handle there)
+
+    fig.legend(handles=[Patch(color=cmap(j % 20), label=lab) for j, lab in enumerate(labels)], loc="lower center",
+               fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, legend_in / fig.get_figheight(), 1, 0.95))
+    return fig

@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
+from specter_gguf.bench.metrics import summarize_runs
 from specter_gguf.errors import SpecterError
 from specter_gguf.sizes import format_size as _format_size
 
@@ -48,14 +49,17 @@ def _spare_slots_run(result: dict[str, Any]) -> int | None:
 
 def merge_docs(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Several results documents (e.g. the parts of a split run) as one. A system skipped in one part (its
-    deadline) and measured in a later one (a rerun of what was left) appears once, measured. Documents of
-    different `--spare-slots` (a sweep) keep each row: its setting says the spare slots it ran with."""
+    deadline) and measured in a later one (a rerun of what was left) appears once, measured; one measured greedy in
+    one part and sampled in another appears once with both. Documents of different `--spare-slots` (a sweep) keep
+    each row: its setting says the spare slots it ran with."""
     if not docs:
         raise SpecterError("nothing to merge")
     meta = dict(docs[0]["meta"])
     meta["budgets"] = {k: v for d in docs for k, v in (d["meta"].get("budgets") or {}).items()}
     cmds = [d["meta"].get("command") for d in docs if d["meta"].get("command")]
     meta["command"] = " ; ".join(dict.fromkeys(cmds))
+    decodings = {dec for d in docs for dec in d["meta"].get("decodings", [])}
+    meta["decodings"] = sorted(decodings, key=lambda dec: (dec != "greedy", dec))
     sweep = len({d["meta"].get("spare_slots") for d in docs}) > 1
     if sweep:
         meta["spare_slots"] = None  # each row says its own
@@ -67,8 +71,21 @@ def merge_docs(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         key = (r["family"], r["setting"], r["budget"])
         if key not in results or results[key]["status"] == "skipped":
             results[key] = r
+        elif r["status"] == "ok":
+            results[key] = _with_decodings_of(results[key], r)
     return {"meta": meta, "notes": list(dict.fromkeys(n for d in docs for n in d.get("notes", []))),
             "results": list(results.values())}
+
+
+def _with_decodings_of(kept: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    """`kept` with the runs of the decodings that only `other` measured (one part ran greedy, another sampled)."""
+    have = {run["decoding"] for run in kept["runs"]}
+    extra = [run for run in other["runs"] if run["decoding"] not in have]
+    if not extra:
+        return kept
+    runs = kept["runs"] + extra
+    peaks = [p for p in (kept["peak_gpu_bytes"], other["peak_gpu_bytes"]) if p is not None]
+    return dict(kept, runs=runs, summary=summarize_runs(runs), peak_gpu_bytes=max(peaks, default=None))
 
 
 def _fmt(v: Any, spec: str = ".2f", pct: bool = False, size: bool = False, depths: bool = False) -> str:
