@@ -642,7 +642,8 @@ def test_tpot_figure_keeps_its_panels_wide_beside_long_settings():
 
 def test_merging_greedy_and_sampled_parts_gives_one_row_with_both():
     """One part ran a system greedy, another the same system sampled: the merge has one row with both decodings
-    (and the meta both, greedy first); a decoding both parts measured keeps the first part's runs."""
+    (and the meta both, greedy first); a decoding both parts measured keeps the first part's runs; a row that failed
+    in one part gives way to the other part's measured row."""
     a, b = _fake_doc(), _fake_doc()
     for doc, dec in ((a, "sampled"), (b, "greedy")):
         doc["meta"]["decodings"] = [dec]
@@ -656,6 +657,10 @@ def test_merging_greedy_and_sampled_parts_gives_one_row_with_both():
     assert lru["summary"]["greedy"]["tpot_ms"] == pytest.approx(80.0)   # from b
     assert lru["summary"]["sampled"]["tpot_ms"] == pytest.approx(44.0)  # a's, not b's 88
     assert len(lru["runs"]) == 6
+    # a row that failed in the first part and was measured in the second: the measured one
+    failed = dict(lru, status="error", error="SpecterError: out of memory", runs=[], summary={})
+    (again,) = [r for r in merge_docs([dict(a, results=[failed]), b])["results"] if r["family"] == "ours-lru"]
+    assert again["status"] == "ok" and again["summary"]["greedy"]["tpot_ms"] == pytest.approx(80.0)
 
 
 def test_append_report_and_merge(tmp_path):

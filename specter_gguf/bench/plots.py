@@ -76,11 +76,15 @@ def tpot_figure(plt: Any, rows: list[dict[str, Any]], decs: list[str], budgets: 
     """Bars of TPOT from zero, a group per budget that has rows ("no limit" for rows without one) and a bar per
     system and setting, labelled with its value; one panel per decoding, the systems' legend beneath the panels
     (long settings would otherwise squeeze the panels beside it)."""
+    from matplotlib.patches import Patch
+
     def label(r: dict[str, Any]) -> str:
         return f"{r['family']} {r['setting']}"
 
     labels = list(dict.fromkeys(label(r) for r in rows))
-    groups = [g for g in ["no limit", *budgets] if any((r["budget"] or "no limit") == g for r in rows)]
+    present = {r["budget"] or "no limit" for r in rows}
+    groups = [g for g in dict.fromkeys(["no limit", *budgets, *(r["budget"] or "no limit" for r in rows)])
+              if g in present]
     width = 0.8 / len(labels)
     legend_in = 0.3 + 0.17 * len(labels)  # inches: a line per system
     panel_w = max(4.0, 0.3 * len(labels) * len(groups) + 1.5)
@@ -103,8 +107,7 @@ def tpot_figure(plt: Any, rows: list[dict[str, Any]], decs: list[str], budgets: 
         ax.margins(y=0.1)
         ax.set_title(f"{dec} decoding")
         ax.grid(axis="y", alpha=0.3)
-    from matplotlib.patches import Patch  # (a system without a bar in the first panel has no handle there)
-
+    # the legend's own patches: a system without a bar in the first panel has no handle there
     fig.legend(handles=[Patch(color=cmap(j % 20), label=lab) for j, lab in enumerate(labels)], loc="lower center",
                fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, legend_in / fig.get_figheight(), 1, 0.95))

@@ -48,10 +48,10 @@ def _spare_slots_run(result: dict[str, Any]) -> int | None:
 
 
 def merge_docs(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Several results documents (e.g. the parts of a split run) as one. A system skipped in one part (its
-    deadline) and measured in a later one (a rerun of what was left) appears once, measured; one measured greedy in
-    one part and sampled in another appears once with both. Documents of different `--spare-slots` (a sweep) keep
-    each row: its setting says the spare slots it ran with."""
+    """Several results documents (e.g. the parts of a split run) as one. A system skipped or failed in one part
+    and measured in another (a rerun of what was left) appears once, measured; one measured greedy in one part and
+    sampled in another appears once with both. Documents of different `--spare-slots` (a sweep) keep each row: its
+    setting says the spare slots it ran with."""
     if not docs:
         raise SpecterError("nothing to merge")
     meta = dict(docs[0]["meta"])
@@ -69,10 +69,11 @@ def merge_docs(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         if n_spare is not None:
             r = dict(r, setting=f"{r['setting']}, {n_spare} spare slot{'' if n_spare == 1 else 's'} a layer")
         key = (r["family"], r["setting"], r["budget"])
-        if key not in results or results[key]["status"] == "skipped":
+        old = results.get(key)
+        if old is None or old["status"] == "skipped" or (old["status"] != "ok" and r["status"] == "ok"):
             results[key] = r
-        elif r["status"] == "ok":
-            results[key] = _with_decodings_of(results[key], r)
+        elif old["status"] == "ok" and r["status"] == "ok":
+            results[key] = _with_decodings_of(old, r)
     return {"meta": meta, "notes": list(dict.fromkeys(n for d in docs for n in d.get("notes", []))),
             "results": list(results.values())}
 
