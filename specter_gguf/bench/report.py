@@ -59,7 +59,8 @@ def merge_docs(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     cmds = [d["meta"].get("command") for d in docs if d["meta"].get("command")]
     meta["command"] = " ; ".join(dict.fromkeys(cmds))
     decodings = {dec for d in docs for dec in d["meta"].get("decodings", [])}
-    meta["decodings"] = sorted(decodings, key=lambda dec: (dec != "greedy", dec))
+    if decodings:  # (a document without the key renders greedy and sampled)
+        meta["decodings"] = sorted(decodings, key=lambda dec: (dec != "greedy", dec))
     sweep = len({d["meta"].get("spare_slots") for d in docs}) > 1
     if sweep:
         meta["spare_slots"] = None  # each row says its own

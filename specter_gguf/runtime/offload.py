@@ -64,7 +64,8 @@ def default_spare_slots(top_k: int, lookahead: bool = False) -> int:
     the host reads the routing of the forward that filled it, two forwards later on CUDA; with fewer spares, a
     step's misses beyond those free wait for a slot until the fourth step (measured: 8 spares against 2 at top-k 4,
     docs/BENCHMARKS.md 2026-12-06 05:48). Speculative decoding (`lookahead`) keeps SPARES_WITH_LOOKAHEAD: its
-    lookahead prefetches into the same slots, and more spares there are not measured."""
+    lookahead prefetches into the same slots, and 8 spares there were 19% / 38% slower than 2 (greedy / sampled,
+    16 GiB, docs/BENCHMARKS.md 2026-12-06 07:47)."""
     return SPARES_WITH_LOOKAHEAD if lookahead else min(MAX_SPARES, 2 * top_k)
 
 
