@@ -27,7 +27,7 @@ from specter_gguf.bench.matrix import (LLAMA_FAMILIES, Budget, MatrixConfig, Sys
 from specter_gguf.bench.metrics import median, summarize_runs
 from specter_gguf.bench.model_files import find_vocab, llama_sources
 from specter_gguf.bench.ours import OURS_MODES
-from specter_gguf.bench.plots import tpot_figure, write_plots
+from specter_gguf.bench.plots import synth_figure, tpot_figure, write_plots
 from specter_gguf.bench.prompts import (PROMPTS_FILE, load_prompts, server_tokenizer, stored_token_ids,
                                         tokenize_prompts, vocab_fingerprint)
 from specter_gguf.bench.report import SPEC_COLUMNS, SPEC_KEYS, append_report, format_size, merge_docs, render_markdown
@@ -638,6 +638,25 @@ def test_tpot_figure_keeps_its_panels_wide_beside_long_settings():
         assert legend.get_window_extent().y1 < min(ax.get_window_extent().y0 for ax in axes)
     finally:
         plt.close(fig)
+
+
+def test_synth_figure_draws_the_decodings_and_budgets_its_rows_have():
+    """Synthetic rows measured greedy only, at 16 GiB, beside llama.cpp rows at 16 and 24 GiB: one panel (no empty
+    sampled one), one line per system, and llama.cpp's best as a reference at 16 GiB only."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    doc = _fake_doc()
+    res = [r for r in doc["results"] if r["status"] == "ok"]
+    res.append(dict(res[1], budget="24GiB", budget_bytes=24 * 2**30))  # a llama.cpp row of another budget
+    synth = [dict(r, summary={"greedy": r["summary"]["greedy"]}) for r in res if "spec-synth" in r["family"]]
+    fig = synth_figure(plt, res, synth, ["greedy", "sampled"])
+    try:
+        (ax,) = fig.get_axes()
+        assert ax.get_title() == "greedy decoding"
+        labels = [line.get_label() for line in ax.get_lines()]
+        assert labels == ["llama-spec-synth @ 16GiB", "best llama.cpp, no synthetic acceptance @ 16GiB"]
+    finally:
+        plt.close(fig)
+    assert synth_figure(plt, res, [], ["greedy"]) is None
 
 
 def test_merging_greedy_and_sampled_parts_gives_one_row_with_both():

@@ -38,36 +38,8 @@ def write_plots(doc: dict[str, Any], out_dir: str | Path, stem: str = "bench") -
         written.append(save(fig, f"TPOT per system and GPU budget — {title} — {gpu}", f"{stem}-tpot.png"))
 
     synth = [r for r in res if "spec-synth" in r["family"]]
-    if synth:
-        fig, axes = plt.subplots(1, len(decs), figsize=(6 * len(decs), 4.5), squeeze=False)
-        for ax, dec in zip(axes[0], decs):
-            series: dict[str, list[tuple[float, float]]] = {}
-            for r in synth:
-                t = (r["summary"].get(dec) or {}).get("tpot_ms")
-                if t:
-                    series.setdefault(f"{r['family']} @ {r['budget']}", []).append((r["params"]["synth_len"], t))
-            # a colour per system, a line style per budget
-            budgets = list(doc["meta"].get("budgets") or {})
-            families = sorted({r["family"] for r in synth})
-            styles = ["-", "--", ":", "-."]
-            cmap = plt.get_cmap("tab10")
-            for lab, pts in sorted(series.items()):
-                pts.sort()
-                family, b = lab.rsplit(" @ ", 1)
-                style = styles[budgets.index(b) % len(styles)] if b in budgets else "-"
-                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o" if lab.startswith("llama") else "s",
-                        linestyle=style, label=lab, color=cmap(families.index(family) % 10))
-            for bi, b in enumerate(budgets):
-                best = best_llama_setting(res, b, dec)
-                if best:
-                    ax.axhline(best["summary"][dec]["tpot_ms"], linestyle=styles[bi % len(styles)], linewidth=1,
-                               color="gray", label=f"best llama.cpp, no synthetic acceptance @ {b}")
-            ax.set_xlabel("synthetic mean accepted length L")
-            ax.set_ylabel("TPOT (ms)")
-            ax.set_title(f"{dec} decoding")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
-        fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig = synth_figure(plt, res, synth, decs)
+    if fig is not None:
         written.append(save(fig, f"TPOT vs synthetic acceptance — {title} — {gpu}", f"{stem}-synth.png"))
     return written
 
@@ -111,4 +83,43 @@ def tpot_figure(plt: Any, rows: list[dict[str, Any]], decs: list[str], budgets: 
     fig.legend(handles=[Patch(color=cmap(j % 20), label=lab) for j, lab in enumerate(labels)], loc="lower center",
                fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, legend_in / fig.get_figheight(), 1, 0.95))
+    return fig
+
+
+def synth_figure(plt: Any, res: list[dict[str, Any]], synth: list[dict[str, Any]], decs: list[str]) -> Any:
+    """TPOT against the synthetic mean accepted length: a line per system and budget, and llama.cpp's best setting
+    without synthetic acceptance (from `res`) at each budget the lines are at; one panel per decoding that has
+    synthetic rows (None when none has)."""
+    def tpot(r: dict[str, Any], dec: str) -> float | None:
+        return (r["summary"].get(dec) or {}).get("tpot_ms")
+
+    decs = [dec for dec in decs if any(tpot(r, dec) for r in synth)]
+    if not decs:
+        return None
+    budgets = list(dict.fromkeys(r["budget"] for r in synth))
+    families = sorted({r["family"] for r in synth})
+    styles = ["-", "--", ":", "-."]  # a colour per system, a line style per budget
+    cmap = plt.get_cmap("tab10")
+    fig, axes = plt.subplots(1, len(decs), figsize=(6 * len(decs), 4.5), squeeze=False)
+    for ax, dec in zip(axes[0], decs):
+        series: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        for r in synth:
+            if tpot(r, dec):
+                series.setdefault((r["family"], r["budget"]), []).append((r["params"]["synth_len"], tpot(r, dec)))
+        for (family, b), pts in sorted(series.items()):
+            pts.sort()
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o" if family.startswith("llama") else "s",
+                    linestyle=styles[budgets.index(b) % len(styles)], label=f"{family} @ {b}",
+                    color=cmap(families.index(family) % 10))
+        for bi, b in enumerate(budgets):
+            best = best_llama_setting(res, b, dec)
+            if best:
+                ax.axhline(best["summary"][dec]["tpot_ms"], linestyle=styles[bi % len(styles)], linewidth=1,
+                           color="gray", label=f"best llama.cpp, no synthetic acceptance @ {b}")
+        ax.set_xlabel("synthetic mean accepted length L")
+        ax.set_ylabel("TPOT (ms)")
+        ax.set_title(f"{dec} decoding")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
     return fig
