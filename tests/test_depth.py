@@ -24,11 +24,11 @@ from specter_gguf.speculation.depth import expected_tokens, parse_depth
 
 
 def _simulate(acceptance: float, step_s: float, verify_s, iterations: int = 400,
-              chosen: list[int] | None = None) -> DepthChooser:
+              chosen: list[int] | None = None, seed: int = 0) -> DepthChooser:
     """Iterations where each drafted token is kept with probability `acceptance` until the first rejection, a
     draft step costs `step_s` and a verification of depth k `verify_s(k)` (with ±5% noise); `chosen` gets the
     depths."""
-    rng = random.Random(0)
+    rng = random.Random(seed)
     chooser = DepthChooser(first=4)
     for _ in range(iterations):
         k = chooser.choose()
@@ -57,15 +57,23 @@ def test_the_chooser_settles_on_the_fastest_depth(acceptance: float, step_s: flo
     k = Counter(chosen[-100:]).most_common(1)[0][0]  # where it settled (probes aside)
     true = lambda d: (d * step_s + verify(d) + 0.0002) / expected_tokens(d, acceptance)  # noqa: E731
     assert true(k) <= 1.03 * true(best), (k, best)  # a neighbour within 3% of the optimum is as good
-    assert abs(chooser.acceptance - acceptance) < 0.12
+    # the acceptance is decayed counts over the last ~20 tokens tested: at 0.5 one run's estimate is off by ~0.1
+    # (more than 0.12 in a third of the seeds), so the median over runs is what is held to it
+    errors = [abs(_simulate(acceptance, step_s, verify, seed=seed).acceptance - acceptance) for seed in range(9)]
+    assert sorted(errors)[4] < 0.12, errors
 
 
 def test_high_acceptance_drafts_deep_and_low_acceptance_shallow() -> None:
     def verify(k: int) -> float:
         return 0.004 + 0.0002 * (k + 1)
 
-    assert _simulate(0.95, 0.0003, verify).choose() >= 6
-    assert _simulate(0.4, 0.0004, verify).choose() == 1
+    def settled(acceptance: float, step_s: float) -> int:  # the depth chosen most of the last 100 (probes aside)
+        chosen: list[int] = []
+        _simulate(acceptance, step_s, verify, chosen=chosen)
+        return Counter(chosen[-100:]).most_common(1)[0][0]
+
+    assert settled(0.95, 0.0003) >= 6
+    assert settled(0.4, 0.0004) == 1
 
 
 def test_a_draft_that_does_not_pay_is_left_aside_and_probed() -> None:
@@ -82,6 +90,28 @@ def test_a_draft_that_does_not_pay_is_left_aside_and_probed() -> None:
     assert late.count(0) >= 0.9 * len(late)
     probes = [i for i, k in enumerate(late) if k > 0]
     assert probes and all(late[i - PROBE_AFTER:i] == [0] * PROBE_AFTER for i in probes if i >= PROBE_AFTER)
+
+
+def test_plain_steps_are_probed_and_a_stale_time_is_replaced() -> None:
+    """Plain steps measured dear among a generation's first iterations (the expert cache still turning over) and
+    drafting since: after PROBE_AFTER drafting iterations in a row one plain step runs, and its time,
+    cheap now, replaces the stale one instead of joining its mean, so the chooser turns to plain steps."""
+    from specter_gguf.speculation.depth import PROBE_AFTER
+
+    chooser = DepthChooser(first=1)
+    for _ in range(3):
+        chooser.record(0, 0, 0.0, 0.025, 0.0002)  # 25 ms: the cold cache
+    chosen = []
+    for _ in range(PROBE_AFTER + 1):
+        k = chooser.choose()
+        chosen.append(k)
+        if k:  # 4 ms draft steps and a verification of 8.7 ms and more, half the drafts kept
+            chooser.record(k, min(k, len(chosen) % 2), 0.004 * k, 0.0087 + 0.001 * k, 0.0002)
+        else:
+            chooser.record(0, 0, 0.0, 0.005, 0.0002)  # the cache has warmed: 5 ms
+    assert all(chosen[:PROBE_AFTER]) and chosen[PROBE_AFTER] == 0
+    assert chooser.verify_s[0] == pytest.approx(0.005)  # replaced, not averaged with 25 ms
+    assert chooser.choose() == 0
 
 
 def test_untried_depths_are_predicted_optimistically() -> None:
