@@ -52,7 +52,7 @@ def test_the_chooser_settles_on_the_fastest_depth(acceptance: float, step_s: flo
         return 0.004 + 0.0008 * (k + 1)
 
     chosen: list[int] = []
-    chooser = _simulate(acceptance, step_s, verify, chosen=chosen)
+    _simulate(acceptance, step_s, verify, chosen=chosen)
     best = _best(acceptance, step_s, verify)
     k = Counter(chosen[-100:]).most_common(1)[0][0]  # where it settled (probes aside)
     true = lambda d: (d * step_s + verify(d) + 0.0002) / expected_tokens(d, acceptance)  # noqa: E731
