@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from specter_gguf.bench.report import best_llama_setting
+from specter_gguf.bench.report import best_llama_setting, tpot_of
 
 
 def write_plots(doc: dict[str, Any], out_dir: str | Path, stem: str = "bench") -> list[Path]:
@@ -67,7 +67,7 @@ def tpot_figure(plt: Any, rows: list[dict[str, Any]], decs: list[str], budgets: 
             xs, ys = [], []
             for gi, g in enumerate(groups):
                 for r in rows:
-                    t = (r["summary"].get(dec) or {}).get("tpot_ms")
+                    t = tpot_of(r, dec)
                     if t and label(r) == lab and (r["budget"] or "no limit") == g:
                         xs.append(gi + (j - (len(labels) - 1) / 2) * width)
                         ys.append(t)
@@ -90,10 +90,7 @@ def synth_figure(plt: Any, res: list[dict[str, Any]], synth: list[dict[str, Any]
     """TPOT against the synthetic mean accepted length: a line per system and budget, and llama.cpp's best setting
     without synthetic acceptance (from `res`) at each budget the lines are at; one panel per decoding that has
     synthetic rows (None when none has)."""
-    def tpot(r: dict[str, Any], dec: str) -> float | None:
-        return (r["summary"].get(dec) or {}).get("tpot_ms")
-
-    decs = [dec for dec in decs if any(tpot(r, dec) for r in synth)]
+    decs = [dec for dec in decs if any(tpot_of(r, dec) for r in synth)]
     if not decs:
         return None
     budgets = list(dict.fromkeys(r["budget"] for r in synth))
@@ -104,8 +101,8 @@ def synth_figure(plt: Any, res: list[dict[str, Any]], synth: list[dict[str, Any]
     for ax, dec in zip(axes[0], decs):
         series: dict[tuple[str, str], list[tuple[float, float]]] = {}
         for r in synth:
-            if tpot(r, dec):
-                series.setdefault((r["family"], r["budget"]), []).append((r["params"]["synth_len"], tpot(r, dec)))
+            if t := tpot_of(r, dec):
+                series.setdefault((r["family"], r["budget"]), []).append((r["params"]["synth_len"], t))
         for (family, b), pts in sorted(series.items()):
             pts.sort()
             ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o" if family.startswith("llama") else "s",
@@ -114,7 +111,7 @@ def synth_figure(plt: Any, res: list[dict[str, Any]], synth: list[dict[str, Any]
         for bi, b in enumerate(budgets):
             best = best_llama_setting(res, b, dec)
             if best:
-                ax.axhline(best["summary"][dec]["tpot_ms"], linestyle=styles[bi % len(styles)], linewidth=1,
+                ax.axhline(tpot_of(best, dec), linestyle=styles[bi % len(styles)], linewidth=1,
                            color="gray", label=f"best llama.cpp, no synthetic acceptance @ {b}")
         ax.set_xlabel("synthetic mean accepted length L")
         ax.set_ylabel("TPOT (ms)")

@@ -105,13 +105,18 @@ def _pair(summary: dict[str, Any], key: str, decs: Sequence[str], **kw: Any) -> 
     return " / ".join(vals) if any(v != "—" for v in vals) else "—"
 
 
+def tpot_of(result: dict[str, Any], decoding: str) -> float | None:
+    """A result's median TPOT (ms) for `decoding`; None where it measured none."""
+    return (result["summary"].get(decoding) or {}).get("tpot_ms")
+
+
 def best_llama_setting(results: Sequence[dict[str, Any]], budget: str, decoding: str = "greedy") -> dict | None:
     """The fastest llama.cpp configuration of a budget whose measured peak (when known) fits it."""
     cands = [r for r in results if r["kind"] == "llama" and r["budget"] == budget and r["status"] == "ok"
              and r["family"] != "llama-spec-synth"
              and (r["peak_gpu_bytes"] is None or r["peak_gpu_bytes"] <= (r["budget_bytes"] or math.inf))
-             and (r["summary"].get(decoding) or {}).get("tpot_ms")]
-    return min(cands, key=lambda r: r["summary"][decoding]["tpot_ms"], default=None)
+             and tpot_of(r, decoding)]
+    return min(cands, key=lambda r: tpot_of(r, decoding), default=None)
 
 
 # The second table's columns: (header, summary key, _fmt options); `ITER_KEYS` make up the iteration breakdown.

@@ -73,9 +73,13 @@ class DepthChooser:
     kept: float = PRIOR[0]
     tested: float = PRIOR[1]
     plain_run: int = 0                           # depth-0 iterations in a row
-    draft_run: int = 0                           # drafting iterations in a row
-    last_run: dict[int, int] = field(default_factory=dict)  # depth -> the iteration it last ran
+    last_run: dict[int, int] = field(default_factory=dict)  # depth -> the iteration it last ran (1 = the first)
     iterations: int = 0                          # recorded so far
+
+    @property
+    def draft_run(self) -> int:
+        """Drafting iterations in a row: those since the last plain step."""
+        return self.iterations - self.last_run.get(0, 0)
 
     @property
     def acceptance(self) -> float:
@@ -112,7 +116,6 @@ class DepthChooser:
     def record(self, k: int, n_accepted: int, draft_s: float, verify_s: float, other_s: float) -> None:
         """An iteration of depth k kept `n_accepted` drafts; its drafting, verification and other time."""
         self.plain_run = self.plain_run + 1 if k == 0 else 0
-        self.draft_run = self.draft_run + 1 if k else 0
         stale = self.iterations - self.last_run.get(k, self.iterations) >= PROBE_AFTER
         self.iterations += 1
         self.last_run[k] = self.iterations
