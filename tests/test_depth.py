@@ -20,7 +20,7 @@ from specter_gguf.errors import SpecterError
 from specter_gguf.sampling import SamplingParams
 from specter_gguf.speculation import DepthChooser
 from specter_gguf.speculation.decoder import GENERATION_KINDS
-from specter_gguf.speculation.depth import expected_tokens, parse_depth
+from specter_gguf.speculation.depth import PROBE_AFTER, PROBE_AFTER_MAX, expected_tokens, parse_depth
 
 
 def _simulate(acceptance: float, step_s: float, verify_s, iterations: int = 400,
@@ -78,9 +78,8 @@ def test_high_acceptance_drafts_deep_and_low_acceptance_shallow() -> None:
 
 def test_a_draft_that_does_not_pay_is_left_aside_and_probed() -> None:
     """Acceptance 0.1 and a dear draft step: plain steps of the target (depth 0) are faster, so the chooser
-    takes them, and after PROBE_AFTER of them in a row drafts once again to measure the acceptance anew."""
-    from specter_gguf.speculation.depth import PROBE_AFTER
-
+    takes them, and after PROBE_AFTER of them in a row (or more: `test_probes_that_do_not_pay_come_less_often`)
+    drafts once again to measure the acceptance anew."""
     def verify(k: int) -> float:
         return 0.004 + 0.0002 * (k + 1)
 
@@ -92,12 +91,35 @@ def test_a_draft_that_does_not_pay_is_left_aside_and_probed() -> None:
     assert probes and all(late[i - PROBE_AFTER:i] == [0] * PROBE_AFTER for i in probes if i >= PROBE_AFTER)
 
 
+def test_probes_that_do_not_pay_come_less_often() -> None:
+    """Qwen3-30B-A3B shapes at 24 GiB, greedy (H100, 2026-12-06 12:10), simulated: plain steps 6.3 ms, draft steps
+    3.95 ms, a verification of depth k 9.4 + 0.8 (k - 1) ms, 45% acceptance. A probe every PROBE_AFTER plain steps
+    would draft in one iteration of 17; the gap doubles after each probe that left drafting priced far above plain
+    steps, so later on drafting is rare. When the text turns to one the draft predicts (95% accepted), a probe comes
+    within PROBE_AFTER_MAX plain steps and, drafting priced near plain steps again, the gap is PROBE_AFTER again."""
+    rng = random.Random(0)
+    chooser = DepthChooser(first=4)
+    chosen: list[int] = []
+    for i in range(700):
+        acceptance = 0.45 if i < 400 else 0.95
+        k = chooser.choose()
+        chosen.append(k)
+        kept = 0
+        while kept < k and rng.random() < acceptance:
+            kept += 1
+        noise = lambda: 1 + rng.uniform(-0.05, 0.05)  # noqa: E731
+        verify = 0.0063 if k == 0 else 0.0094 + 0.0008 * (k - 1)
+        chooser.record(k, kept, 0.00395 * k * noise(), verify * noise(), 0.00035)
+    settled = chosen[100:400]
+    assert sum(k > 0 for k in settled) < 0.03 * len(settled), Counter(settled)
+    assert any(chosen[400:400 + PROBE_AFTER_MAX + 1])
+    assert chooser.probe_gap == PROBE_AFTER and sum(k > 0 for k in chosen[-100:]) >= 100 // (PROBE_AFTER + 1)
+
+
 def test_plain_steps_are_probed_and_a_stale_time_is_replaced() -> None:
     """Plain steps measured dear among a generation's first iterations (the expert cache still turning over) and
     drafting since: after PROBE_AFTER drafting iterations in a row one plain step runs, and its time,
     cheap now, replaces the stale one instead of joining its mean, so the chooser turns to plain steps."""
-    from specter_gguf.speculation.depth import PROBE_AFTER
-
     chooser = DepthChooser(first=1)
     for _ in range(3):
         chooser.record(0, 0, 0.0, 0.025, 0.0002)  # 25 ms: the cold cache

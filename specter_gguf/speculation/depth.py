@@ -13,14 +13,17 @@ experts, more misses); the acceptance as decayed counts (the text changes). A de
 the nearest tried one, optimistically (the same verification time for a deeper one, time in proportion to tokens
 for a shallower one), so each depth that could win is tried.
 
-What is not chosen is not measured, so both kinds of iteration are probed. After `PROBE_AFTER` plain steps in a
-row one iteration drafts again at the best k ≥ 1, so the acceptance is measured anew. After `PROBE_AFTER` drafting
-iterations in a row one plain step runs where, costing no more than the cheapest verification, it would come within
-`PROBE_MARGIN` of the best depth: the expert cache warms as decoding goes on, and plain steps measured at 25 ms among
-the first iterations had kept greedy generations of Qwen3-30B-A3B shapes at 24 GiB drafting at depth 1 for 75
-iterations (8.7 ms verifications, 1.54 tokens each), where the same run's sampled ones ran plain steps at 5.3 ms
-(H100, 2026-12-06). A measurement of a depth that has not run for `PROBE_AFTER` iterations replaces the stale one
-instead of joining its mean.
+What is not chosen is not measured, so both kinds of iteration are probed. After `probe_gap` plain steps in a row one
+iteration drafts again at the best k ≥ 1, so the acceptance is measured anew. The gap starts at `PROBE_AFTER`; a
+probe followed by a plain step with drafting still priced above `PROBE_MARGIN` times a plain step doubles it, up to
+`PROBE_AFTER_MAX`, and any other probe sets it back: with a probe every 16 plain steps, greedy generations of
+Qwen3-30B-A3B shapes at 24 GiB (45% accepted, depth 1 costing 9.4 ms a token against plain steps' 6.3) spent 22 of
+116 iterations at depth 1 (H100, 2026-12-06 12:10). After `PROBE_AFTER` drafting iterations in a row one plain step
+runs where, costing no more than the cheapest verification, it would come within `PROBE_MARGIN` of the best depth:
+the expert cache warms as decoding goes on, and plain steps measured at 25 ms among the first iterations had kept
+greedy generations of Qwen3-30B-A3B shapes at 24 GiB drafting at depth 1 for 75 iterations (8.7 ms verifications,
+1.54 tokens each), where the same run's sampled ones ran plain steps at 5.3 ms (H100, 2026-12-06). A measurement of a
+depth that has not run for `PROBE_AFTER` iterations replaces the stale one instead of joining its mean.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ MEAN = 0.2  # weight of the newest measurement in the running means
 DECAY = 0.95  # per iteration, of the acceptance counts
 PRIOR = (1.6, 2.0)  # (kept, tested) before any iteration: an acceptance of 0.8 worth two tokens
 PROBE_AFTER = 16  # plain steps (depth 0) in a row before one iteration drafts again, and the converse
+PROBE_AFTER_MAX = 128  # the most plain steps in a row before drafting is probed (after probes far from paying)
 PROBE_MARGIN = 1.25  # a plain step is probed where, bounded by the cheapest verification, it comes this close
 
 
@@ -73,6 +77,8 @@ class DepthChooser:
     kept: float = PRIOR[0]
     tested: float = PRIOR[1]
     plain_run: int = 0                           # depth-0 iterations in a row
+    probe_gap: int = PROBE_AFTER                 # ... before an iteration drafts to measure the acceptance anew
+    probed: bool = False                         # whether the last iteration was such a probe
     last_run: dict[int, int] = field(default_factory=dict)  # depth -> the iteration it last ran (1 = the first)
     iterations: int = 0                          # recorded so far
 
@@ -101,7 +107,7 @@ class DepthChooser:
         """The depth of the next iteration."""
         if self.step_s is None or not self.verify_s:
             return min(self.first, self.max_depth)
-        lowest = 1 if self.plain_run >= PROBE_AFTER else 0
+        lowest = 1 if self.plain_run >= self.probe_gap else 0
         best = min(range(lowest, self.max_depth + 1), key=self.seconds_per_token)
         return 0 if best and self._plain_worth_probing(best) else best
 
@@ -113,8 +119,17 @@ class DepthChooser:
         bound = min(self.verify_s.values()) + (self.plain_other_s or 0.0)
         return bound <= PROBE_MARGIN * self.seconds_per_token(best)
 
+    def _drafting_far_off(self) -> bool:
+        """Whether the best drafting depth is priced above PROBE_MARGIN times a plain step."""
+        drafting = min(self.seconds_per_token(k) for k in range(1, self.max_depth + 1))
+        return drafting > PROBE_MARGIN * self.seconds_per_token(0)
+
     def record(self, k: int, n_accepted: int, draft_s: float, verify_s: float, other_s: float) -> None:
         """An iteration of depth k kept `n_accepted` drafts; its drafting, verification and other time."""
+        if self.probed:  # the iteration after a probe
+            self.probe_gap = min(2 * self.probe_gap, PROBE_AFTER_MAX) if k == 0 and self._drafting_far_off() \
+                else PROBE_AFTER
+        self.probed = k > 0 and self.plain_run >= self.probe_gap
         self.plain_run = self.plain_run + 1 if k == 0 else 0
         stale = self.iterations - self.last_run.get(k, self.iterations) >= PROBE_AFTER
         self.iterations += 1
