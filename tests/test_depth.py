@@ -20,7 +20,7 @@ from specter_gguf.errors import SpecterError
 from specter_gguf.sampling import SamplingParams
 from specter_gguf.speculation import DepthChooser
 from specter_gguf.speculation.decoder import GENERATION_KINDS
-from specter_gguf.speculation.depth import PROBE_AFTER, PROBE_AFTER_MAX, expected_tokens, parse_depth
+from specter_gguf.speculation.depth import MEAN, PROBE_AFTER, PROBE_AFTER_MAX, expected_tokens, parse_depth
 
 
 def _simulate(acceptance: float, step_s: float, verify_s, iterations: int = 400,
@@ -165,6 +165,24 @@ def test_plain_steps_measured_cold_do_not_keep_generations_drafting() -> None:
 
     mean = sum(per_token_ms(seed) for seed in range(10)) / 10
     assert mean < 1.25 * 5.3, mean
+
+
+def test_a_restarted_mean_averages_its_first_measurements() -> None:
+    """A depth's verification time, first measured or measured again after PROBE_AFTER iterations away, is the plain
+    average of its measurements until a running mean's weight (MEAN) takes over: one measurement, cheap by chance,
+    does not set the price for the next several iterations."""
+    chooser = DepthChooser(first=1)
+    first = [0.004, 0.008, 0.012]
+    for t in first:
+        chooser.record(0, 0, 0.0, t, 0.0)
+    assert chooser.verify_s[0] == pytest.approx(sum(first) / 3)
+    for _ in range(PROBE_AFTER):
+        chooser.record(1, 1, 0.004, 0.009, 0.0)
+    again = [0.005, 0.011, 0.008, 0.006, 0.010, 0.020]
+    for t in again:
+        chooser.record(0, 0, 0.0, t, 0.0)
+    five = sum(again[:5]) / 5
+    assert chooser.verify_s[0] == pytest.approx((1 - MEAN) * five + MEAN * again[5])
 
 
 def test_untried_depths_are_predicted_optimistically() -> None:

@@ -4,14 +4,15 @@ With a per-token acceptance a (drafted tokens kept / drafted tokens tested: thos
 rejected one), an iteration of depth k commits E(k) = (1 - a^(k+1)) / (1 - a) tokens on average (the accepted drafts
 and the target's own) and costs T(k) = k * draft step + verification(k) + other, so the chooser takes the k in 0 ..
 `max_depth` with the least T(k) / E(k); k = 0 is a plain step of the target (nothing drafted: the draft does not
-pay). Every figure is measured on the iterations so far (the decoder leaves out a generation's first): the draft
-step and the time around the steps (`other`: from one read of a verdict to the next, the host's work and the
-caller's between tokens, less the steps' device time) as running means, one for drafting iterations and one for
-plain steps (whose host work mostly overlaps the step run ahead: in one mean, the plain steps, the more numerous,
-set a drafting iteration's price too); the verification per depth (it grows with k: more tokens, more distinct
-experts, more misses); the acceptance as decayed counts (the text changes). A depth not tried yet is predicted from
-the nearest tried one, optimistically (the same verification time for a deeper one, time in proportion to tokens
-for a shallower one), so each depth that could win is tried.
+pay). Every figure is measured on the iterations so far (the decoder leaves out a generation's first): the draft step
+and the time around the steps (`other`: from one read of a verdict to the next, the host's work and the caller's
+between tokens, less the steps' device time) as running means, one for drafting iterations and one for plain steps
+(whose host work mostly overlaps the step run ahead: in one mean, the plain steps, the more numerous, set a drafting
+iteration's price too); the verification per depth (it grows with k: more tokens, more distinct experts, more
+misses), whose running mean is the plain average of its first 1 / MEAN measurements; the acceptance as decayed counts
+(the text changes). A depth not tried yet is predicted from the nearest tried one, optimistically (the same
+verification time for a deeper one, time in proportion to tokens for a shallower one), so each depth that could win
+is tried.
 
 What is not chosen is not measured, so both kinds of iteration are probed. After `probe_gap` plain steps in a row one
 iteration drafts again at the best k ≥ 1, so the acceptance is measured anew. The gap starts at `PROBE_AFTER`; a
@@ -22,8 +23,8 @@ Qwen3-30B-A3B shapes at 24 GiB (45% accepted, depth 1 costing 9.4 ms a token aga
 runs where, costing no more than the cheapest verification, it would come within `PROBE_MARGIN` of the best depth:
 the expert cache warms as decoding goes on, and plain steps measured at 25 ms among the first iterations had kept
 greedy generations of Qwen3-30B-A3B shapes at 24 GiB drafting at depth 1 for 75 iterations (8.7 ms verifications,
-1.54 tokens each), where the same run's sampled ones ran plain steps at 5.3 ms (H100, 2026-12-06). A measurement of a
-depth that has not run for `PROBE_AFTER` iterations replaces the stale one instead of joining its mean.
+1.54 tokens each), where the same run's sampled ones ran plain steps at 5.3 ms (H100, 2026-12-06). A depth that has
+not run for `PROBE_AFTER` iterations starts its mean anew.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class DepthChooser:
     probe_gap: int = PROBE_AFTER                 # ... before an iteration drafts to measure the acceptance anew
     probed: bool = False                         # whether the last iteration was such a probe
     last_run: dict[int, int] = field(default_factory=dict)  # depth -> the iteration it last ran (1 = the first)
+    samples: dict[int, int] = field(default_factory=dict)   # depth -> measurements in its mean since it (re)started
     iterations: int = 0                          # recorded so far
 
     @property
@@ -139,10 +141,14 @@ class DepthChooser:
             self.tested = DECAY * self.tested + n_accepted + (n_accepted < k)
             self.step_s = _mean(self.step_s, draft_s / k)
             self.other_s = _mean(self.other_s, other_s)
-        else:
-            self.plain_other_s = _mean(None if stale else self.plain_other_s, other_s)
-        self.verify_s[k] = _mean(None if stale else self.verify_s.get(k), verify_s)
+        n = self.samples[k] = 1 if stale else self.samples.get(k, 0) + 1
+        if not k:
+            self.plain_other_s = _mean(self.plain_other_s, other_s, n)
+        self.verify_s[k] = _mean(self.verify_s.get(k), verify_s, n)
 
 
-def _mean(old: float | None, new: float) -> float:
-    return new if old is None else (1 - MEAN) * old + MEAN * new
+def _mean(old: float | None, new: float, n: int = 0) -> float:
+    """A running mean; over its first n < 1 / MEAN measurements the plain average (one measurement alone, after a
+    restart, would otherwise weigh as much as the next four together)."""
+    weight = max(MEAN, 1 / n) if n else MEAN
+    return new if old is None else (1 - weight) * old + weight * new
