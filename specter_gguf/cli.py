@@ -314,7 +314,9 @@ def run(model: Path | None, prompt: str | None, prompt_file: Path | None, n_pred
         click.echo(gen.stats.summary(), err=True)
     if show_stats:
         for key, value in gen.stats.to_dict().items():
-            if isinstance(value, list):  # per layer
+            if key == "iterations" and value:  # per verification pass: depth/drafts kept:verification ms
+                value = " ".join(f"{k}/{kept}:{1000 * t:.2f}" for k, kept, t in value)
+            elif isinstance(value, list):  # per layer
                 value = " ".join("-" if v is None else f"{v:.4g}" for v in value)
             elif isinstance(value, dict):  # per draft depth
                 value = " ".join(f"{k}:{v:.4g}" for k, v in value.items()) or None

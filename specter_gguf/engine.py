@@ -190,6 +190,7 @@ class GenerationStats:
     verify_s: float | None = None       # time spent verifying, the lookahead's prefetch planning included
     depth_rounds: dict[int, int] | None = None       # verification passes per draft depth
     depth_verify_s: dict[int, float] | None = None   # their verification time, per draft depth
+    iterations: list[tuple[int, int, float]] | None = None  # each pass in order: depth, drafts kept, verification s
     prefetched: int | None = None       # experts the lookahead buffer copied in ahead of verifications
     prefetched_used: int | None = None  # ... that the verification then used
     verify_missing: int | None = None   # (layer, expert) pairs the verifications used that were prefetched

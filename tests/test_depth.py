@@ -231,6 +231,10 @@ def test_auto_is_the_default_and_lossless(tiny_models) -> None:
     assert sum(got.stats.depth_rounds.values()) == got.stats.draft_rounds
     assert sum(k * n for k, n in got.stats.depth_rounds.items()) == got.stats.draft_tokens
     assert set(got.stats.depth_verify_s) == set(got.stats.depth_rounds) and sum(got.stats.depth_verify_s.values()) > 0
+    passes = got.stats.iterations  # in order, as the chooser ran them
+    assert len(passes) == got.stats.draft_rounds and sum(k for k, _, _ in passes) == got.stats.draft_tokens
+    assert sum(kept for _, kept, _ in passes) == got.stats.draft_accepted and all(0 <= n <= k for k, n, _ in passes)
+    assert sum(t for *_, t in passes) == pytest.approx(sum(got.stats.depth_verify_s.values()))
     assert Model.load(target, draft=draft, device="cpu", progress=False, n_draft=3).decoder.depth is None
     # the summary says how many of the verifications were plain steps, and "no token drafted" rather than 0 of 0
     s = got.stats

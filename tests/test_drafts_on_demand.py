@@ -113,6 +113,10 @@ def test_run_with_a_draft_type_reports_the_agreement(target: Path) -> None:
     assert len(per_layer) == 2 and all(0 < float(v) <= 1 for v in per_layer)
     rounds = next(line for line in r.output.splitlines() if "depth_rounds" in line).split()[1:]  # depth:count
     assert rounds and all(re.fullmatch(r"\d+:\d+", pair) for pair in rounds)
+    passes = next(line for line in r.output.splitlines() if " iterations " in line).split()[1:]  # depth/kept:ms
+    assert len(passes) == sum(int(pair.split(":")[1]) for pair in rounds)
+    assert all(re.fullmatch(r"\d+/\d+:\d+\.\d\d", p) and int(p.split("/")[0]) >= int(p.split("/")[1].split(":")[0])
+               for p in passes)
 
 
 def test_agreement_counts_shared_experts_per_layer_and_position() -> None:

@@ -52,7 +52,7 @@ def ours_worker(job_path: str | Path) -> int:
             d = g.stats.to_dict()
             known = {"prompt_tokens", "generated_tokens", "prefill_s", "decode_s", "tpot_ms", "tokens_per_s"}
             extra = {k: v for k, v in d.items() if k not in known and isinstance(v, (int, float))}
-            extra.update({k: d[k] for k in ("depth_rounds", "depth_verify_s") if d.get(k)})
+            extra.update({k: d[k] for k in ("depth_rounds", "depth_verify_s", "iterations") if d.get(k)})
             return {"generated_tokens": int(d["generated_tokens"]), "prompt_tokens": int(d["prompt_tokens"]),
                     "prefill_ms": 1000.0 * d["prefill_s"], "decode_ms": 1000.0 * d["decode_s"],
                     "tpot_ms": tpot_ms(d["decode_s"], int(d["generated_tokens"])), "tokens": list(g.tokens),

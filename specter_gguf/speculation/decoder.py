@@ -157,7 +157,7 @@ class SpeculativeDecoder:
     def tokens(self, model: Model, logits: torch.Tensor, cache: KVCache, sampler: Sampler, history: list[int],
                stats: GenerationStats, n_wanted: int) -> Iterator[int]:
         stats.draft_tokens = stats.draft_accepted = stats.draft_rounds = 0
-        stats.depth_rounds, stats.depth_verify_s = {}, {}
+        stats.depth_rounds, stats.depth_verify_s, stats.iterations = {}, {}, []
         if self.agreement is None or self.agreement.depth < self.n_draft:  # its buffers hold n_draft rows
             self.agreement = RoutingAgreement.of(model.transformer, model.device, self.n_draft)
             self._observers.clear()
@@ -240,7 +240,7 @@ class SpeculativeDecoder:
                     wall = now - read_at  # the caller's time since the last verdict and this iteration's host work
                     depth.record(k, len(accepted), draft_s, verify_s, max(0.0, wall - draft_s - verify_s))
                 read_at = now
-                self._account(model, stats, k, verify_s)
+                self._account(model, stats, k, len(accepted), verify_s)
                 first_iteration = False
                 for t in accepted:  # counted as handed out: a stop string may end the generation among them
                     stats.draft_accepted += 1
@@ -299,7 +299,7 @@ class SpeculativeDecoder:
                 verify_s = clock.last("verify", back=int(ahead))
                 if measure and not pending[1]:
                     depth.record(0, 0, 0.0, verify_s, max(0.0, now - read_at - verify_s))
-                self._count(stats, 0, verify_s)
+                self._count(stats, 0, 0, verify_s)
                 measure, read_at = True, now
                 if following is None:
                     break
@@ -386,14 +386,15 @@ class SpeculativeDecoder:
         return chunk_ends(k, self._step_s, 0.25 * per_token / rate)  # about a quarter of them new per token
 
     @staticmethod
-    def _count(stats: GenerationStats, k: int, verify_s: float) -> None:
+    def _count(stats: GenerationStats, k: int, kept: int, verify_s: float) -> None:
         stats.draft_tokens += k
         stats.draft_rounds += 1
         stats.depth_rounds[k] = stats.depth_rounds.get(k, 0) + 1
         stats.depth_verify_s[k] = stats.depth_verify_s.get(k, 0.0) + verify_s
+        stats.iterations.append((k, kept, verify_s))
 
-    def _account(self, model: Model, stats: GenerationStats, k: int, verify_s: float) -> None:
-        self._count(stats, k, verify_s)
+    def _account(self, model: Model, stats: GenerationStats, k: int, kept: int, verify_s: float) -> None:
+        self._count(stats, k, kept, verify_s)
         if self.lookahead is None:
             return
         model.offload.settle(wait=True)  # the verification is done (its verdict was read): nothing waits
