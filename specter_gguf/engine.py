@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 
 SHIPPED_MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-qwen2moe.gguf"
 SHIPPED_DRAFT = "q4_k_m"  # the CLI's draft for the shipped model (made on first use: speculation.draft_files)
+# the summary says the draft did not pay where depth auto ran plain steps in this share of a generation's iterations,
+# of at least this many (a short generation's few iterations are mostly the chooser's first measurements)
+DRAFT_IDLE_SHARE, DRAFT_IDLE_AFTER = 0.75, 16
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -308,6 +311,9 @@ class GenerationStats:
             if self.prefetch_precision is not None:
                 text += (f", prefetch precision {100 * self.prefetch_precision:.0f}% recall "
                          f"{100 * (self.prefetch_recall or 0):.0f}%")
+            if self.draft_rounds >= DRAFT_IDLE_AFTER and plain >= DRAFT_IDLE_SHARE * self.draft_rounds:
+                text += ("; depth auto found drafting slower than plain steps in most iterations: decoding without "
+                         "the draft may be faster (an offloaded model's expert cache then gets the draft's memory)")
         if self.gpu_s is not None and self.generated_tokens > 1:
             text += f"; the GPU {1000 * self.gpu_s / (self.generated_tokens - 1):.2f} ms a decode step"
         if self.peak_gpu_bytes is not None:

@@ -244,6 +244,22 @@ def test_auto_is_the_default_and_lossless(tiny_models) -> None:
     assert "speculative: no token drafted (0.0 drafted per verification" in s.summary()
 
 
+def test_the_summary_says_when_the_draft_did_not_pay() -> None:
+    """Depth auto running plain steps in most of a generation's iterations means drafting was slower there: the
+    summary says that decoding without the draft may be faster; not for a few iterations or mostly drafting ones."""
+    from specter_gguf.engine import DRAFT_IDLE_AFTER, GenerationStats
+
+    def summary(plain: int, drafting: int) -> str:
+        return GenerationStats(prompt_tokens=4, generated_tokens=plain + 3 * drafting + 1, prefill_s=0.01,
+                               decode_s=0.1, draft_tokens=4 * drafting, draft_accepted=2 * drafting,
+                               draft_rounds=plain + drafting, draft_s=0.01, verify_s=0.08,
+                               depth_rounds={0: plain, 4: drafting}).summary()
+
+    hint = "depth auto found drafting slower than plain steps in most iterations: decoding without the draft may be"
+    assert hint in summary(94, 22) and hint in summary(DRAFT_IDLE_AFTER, 0)
+    assert hint not in summary(40, 40) and hint not in summary(DRAFT_IDLE_AFTER - 1, 0)
+
+
 def test_a_generation_s_first_iteration_is_not_measured(tiny_models) -> None:
     """The first verification after a prompt turns the expert cache over (on the GPU 4-6x the next ones at any
     depth): measured, it kept the depth it ran at from being chosen again. Every later iteration is measured."""
