@@ -148,7 +148,7 @@ class DepthChooser:
 
 
 def _mean(old: float | None, new: float, n: int = 0) -> float:
-    """A running mean; over its first n < 1 / MEAN measurements the plain average (one measurement alone, after a
-    restart, would otherwise weigh as much as the next four together)."""
+    """A running mean, `new` its nth measurement: weighted max(MEAN, 1 / n), so the plain average of the first
+    1 / MEAN (at weight MEAN alone the first keeps 41% of the weight after four more); n = 0: weight MEAN."""
     weight = max(MEAN, 1 / n) if n else MEAN
     return new if old is None else (1 - weight) * old + weight * new
