@@ -484,7 +484,7 @@ class _ScriptedDepths(DepthChooser):
         super().__init__(first=4)
         self.script = list(script)
 
-    def choose(self) -> int:
+    def choose(self, opening: bool = False) -> int:  # the script decides, the opening included
         return self.script.pop(0) if self.script else 0
 
 

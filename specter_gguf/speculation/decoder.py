@@ -187,7 +187,8 @@ class SpeculativeDecoder:
                     token, start = sampler.sample(logits, history), None
                     continue
                 # an iteration yields its accepted drafts and one token more: none drafted past what is wanted
-                k = min(self.n_draft if depth is None else depth.choose(), room, max(0, n_wanted - n_yielded - 1))
+                k = min(self.n_draft if depth is None else depth.choose(opening=first_iteration), room,
+                        max(0, n_wanted - n_yielded - 1))
                 if on_device and k == 0 and depth is not None:
                     token, start, n = yield from self._plain_run(model, cache, token if start is None else start,
                                                                  sampler, depth, stats, clock, n_wanted - n_yielded,

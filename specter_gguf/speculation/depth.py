@@ -24,7 +24,10 @@ runs where, costing no more than the cheapest verification, it would come within
 the expert cache warms as decoding goes on, and plain steps measured at 25 ms among the first iterations had kept
 greedy generations of Qwen3-30B-A3B shapes at 24 GiB drafting at depth 1 for 75 iterations (8.7 ms verifications,
 1.54 tokens each), where the same run's sampled ones ran plain steps at 5.3 ms (H100, 2026-12-06). A depth that has
-not run for `PROBE_AFTER` iterations starts its mean anew.
+not run for `PROBE_AFTER` iterations starts its mean anew. A generation's first iteration drafts whatever plain steps
+cost (`choose(opening=True)`): after a new prompt the expert cache is cold, and plain steps measured there (81-97 ms
+against 6-9 later, Qwen3-30B-A3B shapes at 16 GiB, H100, 2026-12-06 13:33) kept the chooser drafting for
+`PROBE_AFTER` iterations.
 """
 
 from __future__ import annotations
@@ -107,13 +110,15 @@ class DepthChooser:
         other = (self.other_s if k else self.plain_other_s) or 0.0  # not measured yet: optimistically nothing
         return (k * self.step_s + self.verification_s(k) + other) / expected_tokens(k, self.acceptance)
 
-    def choose(self) -> int:
-        """The depth of the next iteration."""
+    def choose(self, opening: bool = False) -> int:
+        """The depth of the next iteration; `opening`: a generation's first, which drafts at the best k >= 1 (a
+        plain step after a new prompt meets a cold expert cache and waits for each layer's misses in turn, where a
+        drafting iteration's lookahead copies them while the draft runs)."""
         if self.step_s is None or not self.verify_s:
             return min(self.first, self.max_depth)
-        lowest = 1 if self.plain_run >= self.probe_gap else 0
+        lowest = 1 if opening or self.plain_run >= self.probe_gap else 0
         best = min(range(lowest, self.max_depth + 1), key=self.seconds_per_token)
-        return 0 if best and self._plain_worth_probing(best) else best
+        return 0 if best and not opening and self._plain_worth_probing(best) else best
 
     def _plain_worth_probing(self, best: int) -> bool:
         """After PROBE_AFTER drafting iterations in a row: whether a plain step could come within PROBE_MARGIN of
