@@ -314,8 +314,14 @@ def test_a_generation_opens_with_a_drafting_iteration() -> None:
     assert chooser.choose() == 0
     best = min(range(1, chooser.max_depth + 1), key=chooser.seconds_per_token)
     assert chooser.choose(opening=True) == best >= 1
-    for _ in range(PROBE_AFTER):  # a plain-step probe is due: the opening drafts all the same
-        chooser.record(1, 0, 0.004, 0.009, 0.0002)
+    # plain steps measured dear, then PROBE_AFTER drafting iterations: drafting is priced best, and a plain-step
+    # probe is due (`test_plain_steps_are_probed_and_a_stale_time_is_replaced`); the opening drafts all the same
+    chooser = DepthChooser(first=1)
+    for _ in range(3):
+        chooser.record(0, 0, 0.0, 0.025, 0.0002)
+    for i in range(PROBE_AFTER):
+        chooser.record(1, i % 2, 0.004, 0.0097, 0.0002)
+    assert min(range(chooser.max_depth + 1), key=chooser.seconds_per_token) >= 1
     assert chooser.choose() == 0 and chooser.choose(opening=True) >= 1
 
 
