@@ -17,6 +17,8 @@ from click.testing import CliRunner
 from specter_gguf.cli import cli
 from specter_gguf.engine import Model
 from specter_gguf.errors import SpecterError
+from specter_gguf.gguf_file import GGUFFile
+from specter_gguf.runtime.budget import plan_memory
 from specter_gguf.sampling import SamplingParams
 from specter_gguf.speculation import DepthChooser
 from specter_gguf.speculation.decoder import GENERATION_KINDS
@@ -325,16 +327,23 @@ def test_a_generation_opens_with_a_drafting_iteration() -> None:
     assert chooser.choose() == 0 and chooser.choose(opening=True) >= 1
 
 
-def test_generations_open_with_a_drafting_iteration_and_stay_lossless(tiny_models) -> None:
+def test_offloaded_generations_open_with_a_drafting_iteration_and_stay_lossless(tiny_models) -> None:
+    """With the experts offloaded (host buffers as the cache's slots on the CPU) a generation opens drafting, then
+    runs the plain steps its chooser prices best, and its tokens are the target's; with every expert resident (no
+    cache to warm) it follows the chooser from the first iteration."""
     target, draft = tiny_models[("qwen3moe", "f16")], tiny_models[("qwen3moe", "q2_k")]
     greedy = SamplingParams(temperature=0)
-    spec = Model.load(target, draft=draft, device="cpu", progress=False, ctx_size=256)
-    spec.decoder.depth["greedy"] = _settled_on_plain_steps()
+    plan = plan_memory(GGUFFile(target), 1 << 40, 256, "cpu", draft=GGUFFile(draft))
     want = Model.load(target, device="cpu", progress=False, ctx_size=256).generate([5, 17, 300], 32, greedy).wait()
-    got = spec.generate([5, 17, 300], 32, greedy).wait()
-    assert got.tokens == want.tokens
-    depths = [k for k, _, _ in got.stats.iterations]
-    assert depths[0] >= 1 and depths[1:4] == [0, 0, 0], depths  # then plain steps again, as the chooser prices them
+    for budget, first in [(plan.minimum + plan.n_moe_layers * plan.slot_bytes, "drafts"), (None, "plain")]:
+        spec = Model.load(target, draft=draft, device="cpu", progress=False, ctx_size=256, gpu_budget=budget,
+                          offload="lru" if budget else None)
+        assert (spec.decoder.lookahead is not None) == (budget is not None)
+        spec.decoder.depth["greedy"] = _settled_on_plain_steps()
+        got = spec.generate([5, 17, 300], 32, greedy).wait()
+        assert got.tokens == want.tokens
+        depths = [k for k, _, _ in got.stats.iterations]
+        assert (depths[0] >= 1) == (first == "drafts") and depths[1:4] == [0, 0, 0], (first, depths)
 
 
 def test_cli_n_draft_errors_are_one_line(tiny_models) -> None:

@@ -186,8 +186,10 @@ class SpeculativeDecoder:
                     logits = model.forward(torch.tensor([token], device=model.device), cache)[-1]
                     token, start = sampler.sample(logits, history), None
                     continue
-                # an iteration yields its accepted drafts and one token more: none drafted past what is wanted
-                k = min(self.n_draft if depth is None else depth.choose(opening=first_iteration), room,
+                # an iteration yields its accepted drafts and one token more: none drafted past what is wanted; a
+                # generation's first drafts where the experts are offloaded (`DepthChooser.choose`)
+                opening = first_iteration and self.lookahead is not None
+                k = min(self.n_draft if depth is None else depth.choose(opening), room,
                         max(0, n_wanted - n_yielded - 1))
                 if on_device and k == 0 and depth is not None:
                     token, start, n = yield from self._plain_run(model, cache, token if start is None else start,

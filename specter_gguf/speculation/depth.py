@@ -24,10 +24,10 @@ runs where, costing no more than the cheapest verification, it would come within
 the expert cache warms as decoding goes on, and plain steps measured at 25 ms among the first iterations had kept
 greedy generations of Qwen3-30B-A3B shapes at 24 GiB drafting at depth 1 for 75 iterations (8.7 ms verifications,
 1.54 tokens each), where the same run's sampled ones ran plain steps at 5.3 ms (H100, 2026-12-06). A depth that has
-not run for `PROBE_AFTER` iterations starts its mean anew. A generation's first iteration drafts whatever plain steps
-cost (`choose(opening=True)`): after a new prompt the expert cache is cold, and plain steps measured there (81-97 ms
-against 6-9 later, Qwen3-30B-A3B shapes at 16 GiB, H100, 2026-12-06 13:33) kept the chooser drafting for
-`PROBE_AFTER` iterations.
+not run for `PROBE_AFTER` iterations starts its mean anew. With offloaded experts a generation's first iteration
+drafts whatever plain steps cost (`choose(opening=True)`): after a new prompt the expert cache is cold, and plain steps
+measured there (81-97 ms against 6-9 later, Qwen3-30B-A3B shapes at 16 GiB, H100, 2026-12-06 13:33) kept the chooser
+drafting for `PROBE_AFTER` iterations.
 """
 
 from __future__ import annotations
@@ -111,9 +111,9 @@ class DepthChooser:
         return (k * self.step_s + self.verification_s(k) + other) / expected_tokens(k, self.acceptance)
 
     def choose(self, opening: bool = False) -> int:
-        """The depth of the next iteration; `opening`: a generation's first, which drafts at the best k >= 1 (a
-        plain step after a new prompt meets a cold expert cache and waits for each layer's misses in turn, where a
-        drafting iteration's lookahead copies them while the draft runs)."""
+        """The depth of the next iteration; `opening`: a generation's first with offloaded experts, which drafts at
+        the best k >= 1 (a plain step after a new prompt meets a cold expert cache and waits for each layer's misses
+        in turn, where a drafting iteration's lookahead copies them while the draft runs)."""
         if self.step_s is None or not self.verify_s:
             return min(self.first, self.max_depth)
         lowest = 1 if opening or self.plain_run >= self.probe_gap else 0
