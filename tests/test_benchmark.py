@@ -546,6 +546,35 @@ def test_report_formatting_from_fake_results():
     assert want in render_markdown(doc, [])
 
 
+def test_report_holds_each_row_against_llama_cpps_best_at_its_budget_and_length():
+    """The main table's "/ llama.cpp" column: a row's TPOT over llama.cpp's fastest setting that fits its budget,
+    per decoding (-ncmoe 11, 12.0 ms but measured above the budget, does not count), and at a synthetic L over
+    llama.cpp's own speculation at that L where that is faster (L = 8 here, not L = 4)."""
+    doc = _fake_doc()
+
+    def at(row: dict, setting: str, tpot: float, synth_len: float) -> dict:
+        runs = [dict(run, tpot_ms=tpot * (1.1 if run["decoding"] == "sampled" else 1)) for run in row["runs"]]
+        return dict(row, setting=setting, params={"synth_len": synth_len}, runs=runs, summary=summarize_runs(runs))
+
+    spec = next(r for r in doc["results"] if r["family"] == "ours-spec")
+    llama_l4 = next(r for r in doc["results"] if r["setting"].endswith("L=4"))
+    doc["results"] += [at(dict(spec, family="ours-spec-synth"), "synthetic, L=4", 10.0, 4.0),
+                       at(dict(spec, family="ours-spec-synth"), "synthetic, L=8", 4.5, 8.0),
+                       at(llama_l4, "draft Q4_K_M, -ncmoe 16, L=8", 9.0, 8.0)]
+    lines = render_markdown(doc).splitlines()
+    header = next(i for i, ln in enumerate(lines) if ln.startswith("| System | Setting | Budget | TPOT"))
+    cols = [c.strip() for c in lines[header].strip("|").split("|")]
+    cells = {}
+    for ln in itertools.takewhile(lambda ln: ln.startswith("| "), lines[header + 2:]):
+        row = dict(zip(cols, (c.strip() for c in ln.strip("|").split("|"))))
+        cells[(row["System"], row["Setting"])] = row["/ llama.cpp"]
+    assert cells[("llama-ncmoe", "-ncmoe 12")] == "1.00 / 1.00"
+    assert cells[("ours-spec", "speculative decoding with the draft's experts")] == "1.45 / 1.45"  # 20 / 13.8
+    assert cells[("ours-spec-synth", "synthetic, L=4")] == "0.72 / 0.72"  # against -ncmoe 12: L = 4's is 30 ms
+    assert cells[("ours-spec-synth", "synthetic, L=8")] == "0.50 / 0.50"  # against llama.cpp's L = 8: 9 ms
+    assert cells[("llama-gpu", "all on GPU")] == "—" and cells[("ours", "whole model")] == "—"  # no budget
+
+
 def test_lru_rows_take_the_jobs_spare_slots(tiny_models):
     """--spare-slots reaches ours-lru, ours-lru-hybrid and the speculative rows (None: the engine's default, here
     half the room a layer has beyond its top-k); the -inplace rows keep 0."""

@@ -110,13 +110,43 @@ def tpot_of(result: dict[str, Any], decoding: str) -> float | None:
     return (result["summary"].get(decoding) or {}).get("tpot_ms")
 
 
+def _llama_rows(results: Sequence[dict[str, Any]], budget: str, decoding: str) -> list[dict[str, Any]]:
+    """llama.cpp's results of a budget that measured `decoding` and whose measured peak (when known) fits it."""
+    return [r for r in results if r["kind"] == "llama" and r["budget"] == budget and r["status"] == "ok"
+            and (r["peak_gpu_bytes"] is None or r["peak_gpu_bytes"] <= (r["budget_bytes"] or math.inf))
+            and tpot_of(r, decoding)]
+
+
 def best_llama_setting(results: Sequence[dict[str, Any]], budget: str, decoding: str = "greedy") -> dict | None:
-    """The fastest llama.cpp configuration of a budget whose measured peak (when known) fits it."""
-    cands = [r for r in results if r["kind"] == "llama" and r["budget"] == budget and r["status"] == "ok"
-             and r["family"] != "llama-spec-synth"
-             and (r["peak_gpu_bytes"] is None or r["peak_gpu_bytes"] <= (r["budget_bytes"] or math.inf))
-             and tpot_of(r, decoding)]
+    """The fastest llama.cpp configuration of a budget whose measured peak (when known) fits it, synthetic
+    acceptance left out (its output is invalid)."""
+    cands = [r for r in _llama_rows(results, budget, decoding) if r["family"] != "llama-spec-synth"]
     return min(cands, key=lambda r: tpot_of(r, decoding), default=None)
+
+
+def llama_best_tpot(results: Sequence[dict[str, Any]], budget: str, decoding: str,
+                    synth_len: float | None = None) -> float | None:
+    """llama.cpp's best TPOT (ms) at `budget` for `decoding`, the one a row of ours is held against: its
+    `best_llama_setting` and, for a row at synthetic acceptance L (`synth_len`), its own speculation at the same
+    L too. None where neither was measured."""
+    best = best_llama_setting(results, budget, decoding)
+    times = [tpot_of(best, decoding)] if best else []
+    if synth_len is not None:
+        times += [tpot_of(r, decoding) for r in _llama_rows(results, budget, decoding)
+                  if r["family"] == "llama-spec-synth" and (r.get("params") or {}).get("synth_len") == synth_len]
+    return min(times, default=None)
+
+
+def _against_llama(r: dict[str, Any], results: Sequence[dict[str, Any]], decs: Sequence[str]) -> str:
+    """The main table's "/ llama.cpp" cell: a row's TPOT over `llama_best_tpot` at its budget, L and decoding."""
+    if r["status"] != "ok" or r.get("budget") is None:
+        return "—"
+    synth_len = (r.get("params") or {}).get("synth_len")
+    vals = []
+    for dec in decs:
+        tpot, llama = tpot_of(r, dec), llama_best_tpot(results, r["budget"], dec, synth_len)
+        vals.append(f"{tpot / llama:.2f}" if tpot and llama else "—")
+    return " / ".join(vals) if any(v != "—" for v in vals) else "—"
 
 
 # The second table's columns: (header, summary key, _fmt options); `ITER_KEYS` make up the iteration breakdown.
@@ -216,15 +246,17 @@ def render_markdown(doc: dict[str, Any], images: Sequence[str] = ()) -> str:
         f"- Command: `{m.get('command', '?')}`",
         "",
         f"Values are `{' / '.join(decs)}`. TPOT: median over prompts of decode time per generated token after the "
-        "first; tok/s = 1000 / TPOT. Prefill: median over prompts of the time to the first generated token "
+        "first; tok/s = 1000 / TPOT. / llama.cpp: TPOT over llama.cpp's best at the same budget and decoding (its "
+        "fastest setting that fits, synthetic acceptance left out; for a row at synthetic L, its own speculation at "
+        "that L too). Prefill: median over prompts of the time to the first generated token "
         "(the same prompts for every system; llama-server's prompt_ms, its prompt cache off). Peak GPU: device "
         "memory in use above idle (nvidia-smi; includes the CUDA context); for ours, torch's peak allocation in "
         "brackets (the rows of one draft and budget run in one process, loaded once, and share its peak). Fits: "
         "measured peak within the budget.",
         "",
-        "| System | Setting | Budget | TPOT ms | tok/s | Prefill ms | Peak GPU | Fits | Acceptance | Hit rate "
-        "| Bytes/token | Hidden copy | Prompts | Note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| System | Setting | Budget | TPOT ms | tok/s | / llama.cpp | Prefill ms | Peak GPU | Fits | Acceptance "
+        "| Hit rate | Bytes/token | Hidden copy | Prompts | Note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res:
         s = r.get("summary") or {}
@@ -245,7 +277,8 @@ def render_markdown(doc: dict[str, Any], images: Sequence[str] = ()) -> str:
         bpt = _pair(s, "bytes_per_token", decs, spec=".3g")
         lines.append("| " + " | ".join([
             r["family"], r["setting"].replace("|", "\\|"), r.get("budget") or "no limit",
-            _pair(s, "tpot_ms", decs), _pair(s, "tokens_per_s", decs, spec=".1f"), _pair(s, "prefill_ms", decs),
+            _pair(s, "tpot_ms", decs), _pair(s, "tokens_per_s", decs, spec=".1f"), _against_llama(r, res, decs),
+            _pair(s, "prefill_ms", decs),
             peak, fits,
             _pair(s, "acceptance", decs, pct=True), _pair(s, "cache_hit_rate", decs, pct=True), bpt,
             _pair(s, "hidden_copy_share", decs, pct=True), nprompts, note.replace("|", "\\|").replace("\n", " "),
