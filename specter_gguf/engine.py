@@ -191,8 +191,6 @@ class GenerationStats:
                                         # drafting and verification: their waits for copies and the CPU included)
     draft_s: float | None = None        # time spent drafting (GPU time on CUDA)
     verify_s: float | None = None       # time spent verifying, the lookahead's prefetch planning included
-    depth_rounds: dict[int, int] | None = None       # verification passes per draft depth
-    depth_verify_s: dict[int, float] | None = None   # their verification time, per draft depth
     iterations: list[tuple[int, int, float]] | None = None  # each pass in order: depth, drafts kept, verification s
     prefetched: int | None = None       # experts the lookahead buffer copied in ahead of verifications
     prefetched_used: int | None = None  # ... that the verification then used
@@ -203,6 +201,21 @@ class GenerationStats:
     expert_agreement: float | None = None  # share of the draft's chosen experts the target chose too, on the
                                            # drafted positions the verifications checked (speculation.agreement)
     expert_agreement_layers: list[float | None] | None = None  # the same per layer (None: a dense layer)
+
+    @property
+    def depth_rounds(self) -> dict[int, int] | None:
+        """Verification passes per draft depth, in the order the depths were first run (from `iterations`)."""
+        return None if self.iterations is None else dict(Counter(k for k, _, _ in self.iterations))
+
+    @property
+    def depth_verify_s(self) -> dict[int, float] | None:
+        """Their verification time per draft depth (from `iterations`)."""
+        if self.iterations is None:
+            return None
+        seconds: dict[int, float] = {}
+        for k, _, verify_s in self.iterations:
+            seconds[k] = seconds.get(k, 0.0) + verify_s
+        return seconds
 
     @property
     def cache_hit_rate(self) -> float | None:
@@ -268,7 +281,8 @@ class GenerationStats:
         return 1000.0 / t if t else None
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "tpot_ms": self.tpot_ms, "tokens_per_s": self.tokens_per_s,
+        return {**asdict(self), "depth_rounds": self.depth_rounds, "depth_verify_s": self.depth_verify_s,
+                "tpot_ms": self.tpot_ms, "tokens_per_s": self.tokens_per_s,
                 "cache_hit_rate": self.cache_hit_rate, "bytes_copied_per_token": self.bytes_copied_per_token,
                 "bytes_moved_per_token": self.bytes_moved_per_token,
                 "hidden_copy_share": self.hidden_copy_share, "acceptance_rate": self.acceptance_rate,

@@ -255,13 +255,12 @@ def test_auto_is_the_default_and_lossless(tiny_models) -> None:
     passes = got.stats.iterations  # in order, as the chooser ran them
     assert len(passes) == got.stats.draft_rounds and sum(k for k, _, _ in passes) == got.stats.draft_tokens
     assert sum(kept for _, kept, _ in passes) == got.stats.draft_accepted and all(0 <= n <= k for k, n, _ in passes)
-    assert sum(t for *_, t in passes) == pytest.approx(sum(got.stats.depth_verify_s.values()))
     assert Model.load(target, draft=draft, device="cpu", progress=False, n_draft=3).decoder.depth is None
     # the summary says how many of the verifications were plain steps, and "no token drafted" rather than 0 of 0
     s = got.stats
     plain = s.depth_rounds.get(0, 0)
     assert (f"{plain} of {s.draft_rounds} of them plain steps (depth 0)" in s.summary()) == (plain > 0)
-    s = dataclasses.replace(s, draft_tokens=0, draft_accepted=0, depth_rounds={0: s.draft_rounds})
+    s = dataclasses.replace(s, draft_tokens=0, draft_accepted=0, iterations=[(0, 0, 0.001)] * s.draft_rounds)
     assert "speculative: no token drafted (0.0 drafted per verification" in s.summary()
 
 
@@ -274,7 +273,7 @@ def test_the_summary_says_when_the_draft_did_not_pay() -> None:
         return GenerationStats(prompt_tokens=4, generated_tokens=plain + 3 * drafting + 1, prefill_s=0.01,
                                decode_s=0.1, draft_tokens=4 * drafting, draft_accepted=2 * drafting,
                                draft_rounds=plain + drafting, draft_s=0.01, verify_s=0.08,
-                               depth_rounds={0: plain, 4: drafting}).summary()
+                               iterations=[(0, 0, 0.001)] * plain + [(4, 2, 0.01)] * drafting).summary()
 
     hint = "depth auto found drafting slower than plain steps in most iterations: decoding without the draft may be"
     assert hint in summary(94, 22) and hint in summary(DRAFT_IDLE_AFTER, 0)

@@ -157,7 +157,7 @@ class SpeculativeDecoder:
     def tokens(self, model: Model, logits: torch.Tensor, cache: KVCache, sampler: Sampler, history: list[int],
                stats: GenerationStats, n_wanted: int) -> Iterator[int]:
         stats.draft_tokens = stats.draft_accepted = stats.draft_rounds = 0
-        stats.depth_rounds, stats.depth_verify_s, stats.iterations = {}, {}, []
+        stats.iterations = []
         if self.agreement is None or self.agreement.depth < self.n_draft:  # its buffers hold n_draft rows
             self.agreement = RoutingAgreement.of(model.transformer, model.device, self.n_draft)
             self._observers.clear()
@@ -392,8 +392,6 @@ class SpeculativeDecoder:
     def _count(stats: GenerationStats, k: int, kept: int, verify_s: float) -> None:
         stats.draft_tokens += k
         stats.draft_rounds += 1
-        stats.depth_rounds[k] = stats.depth_rounds.get(k, 0) + 1
-        stats.depth_verify_s[k] = stats.depth_verify_s.get(k, 0.0) + verify_s
         stats.iterations.append((k, kept, verify_s))
 
     def _account(self, model: Model, stats: GenerationStats, k: int, kept: int, verify_s: float) -> None:
