@@ -183,10 +183,8 @@ class GenerationStats:
     copy_hidden_s: float | None = None   # copy_s - copy_exposed_s: overlapped with compute
     peak_gpu_bytes: int | None = None   # torch.cuda.max_memory_allocated since the model was loaded
     # speculative decoding (None without a draft; see specter_gguf.speculation)
-    draft_tokens: int | None = None     # tokens drafted
     draft_accepted: int | None = None   # drafted tokens the target accepted and the generation handed out (a stop
                                         # string may end it among an iteration's accepted ones)
-    draft_rounds: int | None = None     # verification passes
     gpu_s: float | None = None          # the GPU's time in the decode forwards (CUDA events around the steps, or
                                         # drafting and verification: their waits for copies and the CPU included)
     draft_s: float | None = None        # time spent drafting (GPU time on CUDA)
@@ -201,6 +199,16 @@ class GenerationStats:
     expert_agreement: float | None = None  # share of the draft's chosen experts the target chose too, on the
                                            # drafted positions the verifications checked (speculation.agreement)
     expert_agreement_layers: list[float | None] | None = None  # the same per layer (None: a dense layer)
+
+    @property
+    def draft_tokens(self) -> int | None:
+        """Tokens drafted (from `iterations`)."""
+        return None if self.iterations is None else sum(k for k, _, _ in self.iterations)
+
+    @property
+    def draft_rounds(self) -> int | None:
+        """Verification passes, depth auto's plain steps included (from `iterations`)."""
+        return None if self.iterations is None else len(self.iterations)
 
     @property
     def depth_rounds(self) -> dict[int, int] | None:
@@ -281,7 +289,8 @@ class GenerationStats:
         return 1000.0 / t if t else None
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "depth_rounds": self.depth_rounds, "depth_verify_s": self.depth_verify_s,
+        return {**asdict(self), "draft_tokens": self.draft_tokens, "draft_rounds": self.draft_rounds,
+                "depth_rounds": self.depth_rounds, "depth_verify_s": self.depth_verify_s,
                 "tpot_ms": self.tpot_ms, "tokens_per_s": self.tokens_per_s,
                 "cache_hit_rate": self.cache_hit_rate, "bytes_copied_per_token": self.bytes_copied_per_token,
                 "bytes_moved_per_token": self.bytes_moved_per_token,

@@ -260,7 +260,7 @@ def test_auto_is_the_default_and_lossless(tiny_models) -> None:
     s = got.stats
     plain = s.depth_rounds.get(0, 0)
     assert (f"{plain} of {s.draft_rounds} of them plain steps (depth 0)" in s.summary()) == (plain > 0)
-    s = dataclasses.replace(s, draft_tokens=0, draft_accepted=0, iterations=[(0, 0, 0.001)] * s.draft_rounds)
+    s = dataclasses.replace(s, draft_accepted=0, iterations=[(0, 0, 0.001)] * s.draft_rounds)
     assert "speculative: no token drafted (0.0 drafted per verification" in s.summary()
 
 
@@ -271,8 +271,7 @@ def test_the_summary_says_when_the_draft_did_not_pay() -> None:
 
     def summary(plain: int, drafting: int) -> str:
         return GenerationStats(prompt_tokens=4, generated_tokens=plain + 3 * drafting + 1, prefill_s=0.01,
-                               decode_s=0.1, draft_tokens=4 * drafting, draft_accepted=2 * drafting,
-                               draft_rounds=plain + drafting, draft_s=0.01, verify_s=0.08,
+                               decode_s=0.1, draft_accepted=2 * drafting, draft_s=0.01, verify_s=0.08,
                                iterations=[(0, 0, 0.001)] * plain + [(4, 2, 0.01)] * drafting).summary()
 
     hint = "depth auto found drafting slower than plain steps in most iterations: decoding without the draft may be"
@@ -382,8 +381,8 @@ def test_a_profile_row_without_drafts_shows_no_acceptance_or_draft_step() -> Non
     from specter_gguf.engine import GenerationStats
     from specter_gguf.speculation.profile import _row, markdown_table
 
-    stats = GenerationStats(prompt_tokens=4, generated_tokens=9, prefill_s=0.01, decode_s=0.08, draft_tokens=0,
-                            draft_accepted=0, draft_rounds=8, draft_s=0.004, verify_s=0.07)
+    stats = GenerationStats(prompt_tokens=4, generated_tokens=9, prefill_s=0.01, decode_s=0.08, draft_accepted=0,
+                            draft_s=0.004, verify_s=0.07, iterations=[(0, 0, 0.07 / 8)] * 8)
     row = _row("auto", [stats])
     assert row.acceptance is None and row.draft_step_ms is None and row.mean_accepted_len == 1
     assert markdown_table([row]).splitlines()[-1].startswith("| auto | 10.00 | 100.00 | 0.00 | — | 1.00 | — |")

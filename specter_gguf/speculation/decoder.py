@@ -156,8 +156,7 @@ class SpeculativeDecoder:
     # -- the iterations -----------------------------------------------------------------------------------
     def tokens(self, model: Model, logits: torch.Tensor, cache: KVCache, sampler: Sampler, history: list[int],
                stats: GenerationStats, n_wanted: int) -> Iterator[int]:
-        stats.draft_tokens = stats.draft_accepted = stats.draft_rounds = 0
-        stats.iterations = []
+        stats.draft_accepted, stats.iterations = 0, []
         if self.agreement is None or self.agreement.depth < self.n_draft:  # its buffers hold n_draft rows
             self.agreement = RoutingAgreement.of(model.transformer, model.device, self.n_draft)
             self._observers.clear()
@@ -302,7 +301,7 @@ class SpeculativeDecoder:
                 verify_s = clock.last("verify", back=int(ahead))
                 if measure and not pending[1]:
                     depth.record(0, 0, 0.0, verify_s, max(0.0, now - read_at - verify_s))
-                self._count(stats, 0, 0, verify_s)
+                stats.iterations.append((0, 0, verify_s))
                 measure, read_at = True, now
                 if following is None:
                     break
@@ -388,14 +387,8 @@ class SpeculativeDecoder:
         per_token = model.config.n_expert_used * len(model.offload.layers) * model.offload.plan.slot_bytes
         return chunk_ends(k, self._step_s, 0.25 * per_token / rate)  # about a quarter of them new per token
 
-    @staticmethod
-    def _count(stats: GenerationStats, k: int, kept: int, verify_s: float) -> None:
-        stats.draft_tokens += k
-        stats.draft_rounds += 1
-        stats.iterations.append((k, kept, verify_s))
-
     def _account(self, model: Model, stats: GenerationStats, k: int, kept: int, verify_s: float) -> None:
-        self._count(stats, k, kept, verify_s)
+        stats.iterations.append((k, kept, verify_s))
         if self.lookahead is None:
             return
         model.offload.settle(wait=True)  # the verification is done (its verdict was read): nothing waits
