@@ -508,9 +508,9 @@ def _fake_doc():
         res("ours-spec", "speculative decoding with the draft's experts", "16GiB", 20.0, 15 * G, draft_tokens=64,
             draft_accepted=32, draft_rounds=16, draft_s=0.08, verify_s=0.24, other_s=0.04, copy_exposed_s=0.016,
             prefetched=50, prefetched_used=40, verify_missing=80, bytes_copied=3 * 2**20, zero_copy_bytes=2**20,
-            mean_accepted_len=3.0),
+            mean_accepted_len=3.0, cache_slots=226),
         res("ours-lru", "experts in host memory, LRU expert cache", "16GiB", 40.0, 14 * G, cache_hits=1,
-            cache_lookups=4, bytes_copied=2**20),
+            cache_lookups=4, bytes_copied=2**20, cache_slots=735),
     ]
     meta = {"date": "2026-01-01 00:00 UTC", "stamp": "test", "gpu": {"gpu": "FAKE GPU", "cpu": "fake"},
             "model": "/w/m-f16.gguf", "model_label": "fake model", "model_bytes": 28 * G, "draft": "/w/m-q4_k_m.gguf",
@@ -623,12 +623,14 @@ def test_report_speculation_table_from_fake_results():
     assert ours["Draft step ms"] == "1.25 / 1.25"  # 3 × 0.08 s over 3 × 64 drafted tokens
     assert ours["Prefetch precision"] == "80.0% / 80.0%" and ours["Prefetch recall"] == "50.0% / 50.0%"
     assert ours["Moved/token"] == "64 KiB / 64 KiB"  # 3 × (3 + 1) MiB over 3 × 64 tokens
+    assert ours["Cache slots"] == "226 / 226"  # the draft's experts took the rest of the LRU mode's slots
     assert ours["Draft ms/iter"] == "5.00 / 5.00" and ours["Verify ms/iter"] == "15.00 / 15.00"
     assert ours["Copy wait ms/iter"] == "1.00 / 1.00" and ours["Other ms/iter"] == "2.50 / 2.50"
     llama = rows[("llama-spec", "draft Q4_K_M, -ncmoe 16")]
     assert all(llama[h] == "—" for h, _, _ in SPEC_COLUMNS)  # llama.cpp reports none of it
     lru = rows[("ours-lru", "experts in host memory, LRU expert cache")]
     assert lru["Moved/token"] == "16 KiB / 16 KiB"  # 3 × 1 MiB over 3 × 64 tokens
+    assert lru["Cache slots"] == "735 / 735"
     assert lru["Prefetch precision"] == "—" and lru["Draft ms/iter"] == "—"
     assert "llama-gpu" not in {k[0] for k in rows} and "llama-ncmoe" not in {k[0] for k in rows}
     # the JSON document carries the same figures
@@ -746,6 +748,21 @@ def test_merging_a_spare_slot_sweep_keeps_each_row():
     assert [r["setting"] for r in m["results"] if r["family"] == "llama-ncmoe"] == [setting]
     assert m["meta"]["spare_slots"] is None and "spare slots a layer**" not in render_markdown(m, [])
     assert [r["setting"] for r in merge_docs(docs[:1] * 2)["results"]] == [setting, setting]
+
+
+def test_a_merge_summarizes_results_from_their_runs():
+    """Results written before a column existed get it when rendered again: the merge summarizes every measured
+    result from its runs (here a stored summary without the cache's slots), and leaves the others as they are."""
+    doc = _fake_doc()
+    for r in doc["results"]:
+        for summary in r["summary"].values():
+            summary.pop("cache_slots", None)
+    m = merge_docs([doc])
+    (spec,) = [r for r in m["results"] if r["family"] == "ours-spec"]
+    assert spec["summary"]["greedy"]["cache_slots"] == 226
+    assert spec["summary"] == summarize_runs(spec["runs"])
+    (failed,) = [r for r in m["results"] if r["status"] == "error"]
+    assert failed["summary"] == {} and failed["runs"] == []
 
 
 # ------------------------------------------------------------------------------------- end to end

@@ -18,7 +18,8 @@ how a system's runs are summarized:
   verification pass and tokens drafted for it, the verifications per draft depth with their mean time (``depths``:
   where depth auto settles), prefetch precision (prefetched experts the verification used / prefetched) and recall
   (used and prefetched / experts the verifications used that were prefetched or read in place), the share of
-  prefetches that landed after their verification began, counted experts refused a slot per iteration, expert
+  prefetches that landed after their verification began, counted experts refused a slot per iteration, the expert
+  cache's slots (what the budget left it beside everything else: with a draft, its experts), expert
   bytes moved over PCIe per processed token (copied plus read in place, prompt and generated tokens), the
   draft step time (drafting time / drafted tokens) and the speculative iteration in ms per verification
   pass: drafting, verification, the exposed copy time (compute waiting for copies) and the other decode time
@@ -84,6 +85,7 @@ STAT_RATES = {
     "prefetch_precision": "prefetch_precision",
     "prefetch_recall": "prefetch_recall",
     "draft_step_ms": "draft_step_ms",
+    "cache_slots": "cache_slots",
 }
 # bytes over PCIe during a generation, prefill included, summed and divided by prompt + generated tokens:
 # copied host->GPU (`bytes_copied_per_token`), and moved = copied + read in place by the kernels

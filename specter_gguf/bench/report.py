@@ -48,10 +48,11 @@ def _spare_slots_run(result: dict[str, Any]) -> int | None:
 
 
 def merge_docs(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Several results documents (e.g. the parts of a split run) as one. A system skipped or failed in one part
-    and measured in another (a rerun of what was left) appears once, measured; one measured greedy in one part and
-    sampled in another appears once with both. Documents of different `--spare-slots` (a sweep) keep each row: its
-    setting says the spare slots it ran with."""
+    """Several results documents (e.g. the parts of a split run) as one, each measured result summarized from its
+    runs by this version's `summarize_runs`. A system skipped or failed in one part and measured in another (a rerun
+    of what was left) appears once, measured; one measured greedy in one part and sampled in another appears once
+    with both. Documents of different `--spare-slots` (a sweep) keep each row: its setting says the spare slots it
+    ran with."""
     if not docs:
         raise SpecterError("nothing to merge")
     meta = dict(docs[0]["meta"])
@@ -66,6 +67,8 @@ def merge_docs(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         meta["spare_slots"] = None  # each row says its own
     results: dict[tuple[str, str, str | None], dict[str, Any]] = {}
     for r in (r for d in docs for r in d["results"]):
+        if r["status"] == "ok":  # summarized anew from its runs: results written before a column came get it too
+            r = dict(r, summary=summarize_runs(r["runs"]))
         n_spare = _spare_slots_run(r) if sweep else None
         if n_spare is not None:
             r = dict(r, setting=f"{r['setting']}, {n_spare} spare slot{'' if n_spare == 1 else 's'} a layer")
@@ -159,6 +162,7 @@ SPEC_COLUMNS = (
     ("Prefetch recall", "prefetch_recall", {"pct": True}),
     ("Late prefetches", "prefetch_late_share", {"pct": True}),
     ("Refused/iter", "prefetch_refused_per_iter", {"spec": ".1f"}),
+    ("Cache slots", "cache_slots", {"spec": ".0f"}),
     ("Moved/token", "bytes_moved_per_token", {"size": True}),
     ("Draft ms/iter", "iter_draft_ms", {}),
     ("Verify ms/iter", "iter_verify_ms", {}),
@@ -189,7 +193,9 @@ def _speculation_table(res: Sequence[dict[str, Any]], decs: Sequence[str]) -> li
          "the verification used / experts prefetched; recall: the same / experts the verifications used that were "
          "prefetched or read in place (what they would have missed without the lookahead). Late prefetches: "
          "prefetched experts whose copy had not landed when the verification began (read in place). Refused/iter: "
-         "experts the lookahead counted that found no evictable slot, per iteration. "
+         "experts the lookahead counted that found no evictable slot, per iteration. Cache slots: the target's "
+         "expert cache, a slot per expert of one layer (spare slots included): what the budget leaves it beside the "
+         "fixed part and, with a draft, the draft's experts. "
          "Moved/token: expert bytes over PCIe (copied plus read in place) per prompt or generated token. Per "
          "iteration (verification pass): drafting, verification, other decode time (host work between them, plain "
          "steps); copy wait: compute waiting for expert copies (whole generation, prefill included), mostly inside "
