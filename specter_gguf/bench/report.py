@@ -67,7 +67,7 @@ def merge_docs(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         meta["spare_slots"] = None  # each row says its own
     results: dict[tuple[str, str, str | None], dict[str, Any]] = {}
     for r in (r for d in docs for r in d["results"]):
-        if r["status"] == "ok":  # summarized anew from its runs: results written before a column came get it too
+        if r["status"] == "ok" and r.get("runs"):  # summarized anew: results written before a column came get it
             r = dict(r, summary=summarize_runs(r["runs"]))
         n_spare = _spare_slots_run(r) if sweep else None
         if n_spare is not None:
