@@ -763,6 +763,8 @@ def test_a_merge_summarizes_results_from_their_runs():
     assert spec["summary"] == summarize_runs(spec["runs"])
     (failed,) = [r for r in m["results"] if r["status"] == "error"]
     assert failed["summary"] == {} and failed["runs"] == []
+    bare = dict(spec, runs=[], summary={"greedy": {"tpot_ms": 5.0}})  # no runs to summarize: its summary stays
+    assert merge_docs([dict(doc, results=[bare])])["results"][0]["summary"] == bare["summary"]
 
 
 # ------------------------------------------------------------------------------------- end to end
