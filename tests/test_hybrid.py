@@ -251,6 +251,26 @@ def test_hybrid_decoding_equals_the_target_alone(tiny_models, arch: str) -> None
     assert "pairs computed on the CPU" in got.stats.summary()
 
 
+@pytest.mark.parametrize("arch", ["qwen2moe", "qwen3moe"])
+def test_the_split_leaves_the_cache_as_transfers_only_would(tiny_models, arch: str) -> None:
+    """Why the split weighs no future hits: a miss the CPU computes is cached afterwards as one read over the link
+    would be (a spare slot takes it before the split runs; lru brings in every expert a forward used), so with
+    hybrid on the expert cache holds what it holds with hybrid off, slot for slot, after each generation; plain
+    offloaded decoding and speculative decoding, where every miss goes to the CPU (the CPU device)."""
+    target, draft = tiny_models[(arch, "f16")], tiny_models[(arch, "q4_k_m")]
+    for extra in ({}, {"draft": draft, "n_draft": 4}):
+        budget = _budget(target, extra.get("draft"))
+        models = {mode: Model.load(target, device="cpu", progress=False, ctx_size=CTX, gpu_budget=budget,
+                                   offload="lru", hybrid=mode, **extra) for mode in ("off", "on")}
+        pairs = 0
+        for prompt in PROMPTS[:6]:
+            gens = {mode: m.generate(prompt, 32, GREEDY).wait() for mode, m in models.items()}
+            assert gens["on"].tokens == gens["off"].tokens
+            pairs += gens["on"].stats.cpu_expert_pairs
+            assert models["on"].offload.cache.key == models["off"].offload.cache.key, (extra, prompt)
+        assert pairs > 0 and gens["off"].stats.cpu_expert_pairs == 0
+
+
 def _split_reference(slot_of: list[int], routed: list[int], per_expert: int, per_token: int,
                      link: int) -> list[int]:
     """The split's definition: misses ranked by (tokens, expert); the CPU takes the longest prefix along which

@@ -83,7 +83,10 @@ SPECTER_HOST_DEVICE inline bool has_cpu_pair(const int32_t * ids, int64_t k, int
 // ascending, the one of rank r (`tokens` of them; `before`: the tokens of those ranked before it) goes to the CPU
 // when the later of the CPU's finish (cpu_ns_per_expert + tokens * cpu_ns_per_token for each it takes) and the
 // link's is earlier with it on the CPU than without. The CPU's time grows and the link's shrinks along the ranks,
-// so the ones that go form a prefix. In integers: the CPU and CUDA versions decide alike.
+// so the ones that go form a prefix. In integers: the CPU and CUDA versions decide alike. No future hits are weighed:
+// the cache ends up the same either way. Spare slots take their misses before the split runs, a forward that brings
+// its experts in (plain lru decoding) brings in the CPU's too, and the lookahead's prefetches come from the draft's
+// routing (tests/test_hybrid.py: the split leaves the cache as transfers only would).
 SPECTER_HOST_DEVICE inline bool cpu_takes(int64_t r, int64_t before, int64_t tokens, int64_t m,
                                           const specter_hybrid_costs & c) {
     const int64_t cpu_without = r * c.cpu_ns_per_expert + before * c.cpu_ns_per_token;
