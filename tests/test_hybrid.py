@@ -258,10 +258,13 @@ def test_the_split_leaves_the_cache_as_transfers_only_would(tiny_models, arch: s
     hybrid on the expert cache holds what it holds with hybrid off, slot for slot, after each generation; plain
     offloaded decoding and speculative decoding, where every miss goes to the CPU (the CPU device)."""
     target, draft = tiny_models[(arch, "f16")], tiny_models[(arch, "q4_k_m")]
-    for extra in ({}, {"draft": draft, "n_draft": 4}):
-        budget = _budget(target, extra.get("draft"))
+    slot_layers = plan_memory(GGUFFile(target), 1 << 40, CTX, "cpu")
+    more = 4 * slot_layers.n_moe_layers * slot_layers.slot_bytes  # four slots a layer more: spare slots too
+    for extra, budget_more in (({}, 0), ({}, more), ({"draft": draft, "n_draft": 4}, 0)):
+        budget = _budget(target, extra.get("draft")) + budget_more
         models = {mode: Model.load(target, device="cpu", progress=False, ctx_size=CTX, gpu_budget=budget,
                                    offload="lru", hybrid=mode, **extra) for mode in ("off", "on")}
+        assert (models["on"].offload.cache.n_spare > 0) == (budget_more > 0)
         pairs = 0
         for prompt in PROMPTS[:6]:
             gens = {mode: m.generate(prompt, 32, GREEDY).wait() for mode, m in models.items()}
