@@ -74,7 +74,7 @@ STAT_MS_PER_TOKEN = {"cpu_experts_ms_per_token": "cpu_expert_s", "copy_ms_per_to
                      "cpu_wait_ms_per_token": "cpu_wait_s"}
 # ... per decode step (generated tokens after each prompt's first, as TPOT): the GPU's time in the decode forwards
 STAT_MS_PER_STEP = {"gpu_ms_per_token": "gpu_s"}
-# ... or ready-made per-generation rates (median over prompts).
+# ... or ready-made per-generation rates and sizes (median over prompts; the cache's slots are one load's).
 STAT_RATES = {
     "acceptance": "acceptance_rate",
     "cache_hit_rate": "cache_hit_rate",
