@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 from .engine import stop_list
 from .errors import SpecterError
+from .gguf_file import model_name
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -130,7 +131,7 @@ def _refuse(call: str, unsupported: Mapping[str, Any]) -> None:
 
 
 def _model_name(model: Model) -> str:
-    return model.path.stem
+    return model_name(model.path)
 
 
 def create_completion(model: Model, prompt: str | Sequence[int], max_tokens: int | None = 16,

@@ -17,6 +17,7 @@ from specter_gguf.engine import (DEFAULT_HYBRID, DRAFT_TYPES, HYBRID_CHOICES, MA
                                  MAX_SPARES, OFFLOAD_CHOICES, POLICIES, SHIPPED_DRAFT, SPARES_WITH_LOOKAHEAD,
                                  draft_file_or_type, parse_depth)
 from specter_gguf.errors import ContextFullError, SpecterError
+from specter_gguf.gguf_file import model_name
 from specter_gguf.outputs import check_output_file, check_output_folder
 from specter_gguf.quantize import FTYPES
 from specter_gguf.sizes import format_size, parse_size
@@ -527,7 +528,8 @@ def inspect(model: Path) -> None:
     from specter_gguf.engine import read_config, summarize_file
 
     f = summarize_file(model)
-    click.echo(f"file          {f.path} ({format_size(f.file_bytes)})")
+    split = f" in {f.n_files} files: a split model" if f.n_files > 1 else ""
+    click.echo(f"file          {f.path} ({format_size(f.file_bytes)}{split})")
     click.echo(f"name          {'-' if f.name is None else f.name}")
     click.echo(f"architecture  {f.architecture}")
     c = read_config(model)
@@ -592,7 +594,7 @@ def serve(model: Path | None, host: str, port: int, api_key: str | None, insecur
     m = load(model, progress=True)
 
     def listening(url: str) -> None:
-        click.echo(f"serving {m.path.stem} on {url}/v1 (device {m.device}, context {m.ctx_size}, "
+        click.echo(f"serving {model_name(m.path)} on {url}/v1 (device {m.device}, context {m.ctx_size}, "
                    f"{f'draft {m.draft}, ' if m.draft else ''}chat template: "
                    f"{chat_template(m).source}{', API key required' if api_key else ''}); requests are served "
                    f"one at a time; Ctrl-C stops", err=True)
@@ -624,7 +626,7 @@ def chat(model: Path | None, system: str | None, n_predict: int, sampling: Any, 
     interactive = sys.stdin.isatty()
     m = load(model, progress=interactive)
     session = ChatSession(m, system=system, n_predict=n_predict, sampling=sampling)
-    click.echo(f"chatting with {m.path.stem} (context {m.ctx_size}, {f'draft {m.draft}, ' if m.draft else ''}"
+    click.echo(f"chatting with {model_name(m.path)} (context {m.ctx_size}, {f'draft {m.draft}, ' if m.draft else ''}"
                f"chat template: {chat_template(m).source}); "
                "/reset clears the history, /exit or Ctrl-D quits", err=True)
     if interactive:

@@ -79,7 +79,8 @@ class FileSummary:
     """What a GGUF file holds, from its header (no tensor data is read)."""
 
     path: Path
-    file_bytes: int
+    n_files: int                   # more than one: a split model, opened from its first file (`GGUFFile.paths`)
+    file_bytes: int                # all its files'
     name: str | None               # general.name
     architecture: str              # general.architecture, whether we run it or not
     n_tensors: int
@@ -99,7 +100,7 @@ def summarize_file(path: str | os.PathLike[str]) -> FileSummary:
             experts += t.n_bytes
         else:
             other += t.n_bytes
-    return FileSummary(f.path, f.path.stat().st_size, f.get("general.name"), f.architecture, len(f.tensors),
+    return FileSummary(f.path, len(f.paths), f.file_bytes, f.get("general.name"), f.architecture, len(f.tensors),
                        dict(by_type.most_common()), experts, other)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,10 @@ _CHECKED: set[tuple[str, int, int]] = set()  # (path, size, mtime) of files GGUF
 SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K,
                    T.Q6_K)
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
+
+# A model split into several files (llama.cpp's `llama-gguf-split`, or its converter's --split-max-*): each file
+# says its index and the count, the first also the tensors of all of them.
+SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS = "split.no", "split.count", "split.tensors.count"
 
 # A MoE layer's routed experts in llama.cpp's layout: one tensor per part, all the layer's experts stacked.
 EXPERT_PARTS = ("gate", "up", "down")
@@ -73,40 +78,44 @@ class GGUFTensor:
 
 
 class GGUFFile:
-    """An open GGUF file: metadata by key, tensors by name."""
+    """An open GGUF model: metadata by key, tensors by name. A model that llama.cpp's tools split into several
+    files (`<name>-00001-of-00003.gguf`, ...) is opened from its first file, as llama.cpp opens it: the metadata
+    are the first file's, the tensors those of every file (`paths`)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        if not self.path.exists():
-            raise SpecterError(f"{self.path}: no such file")
-        if not self.path.is_file():
-            raise SpecterError(f"{self.path}: not a file; give the path of a .gguf model file")
-        with open(self.path, "rb") as f:
-            magic = f.read(4)
-        if magic != GGUF_MAGIC:
-            raise SpecterError(f"{self.path}: not a GGUF file (it does not start with 'GGUF'); "
-                               f"convert the model with llama.cpp's convert_hf_to_gguf.py first")
-        check_structure(self.path)
-        try:
-            reader = GGUFReader(self.path, "r")
-        except ValueError as e:
-            if "GGMLQuantizationType" in str(e):
-                raise SpecterError(f"{self.path}: uses a tensor type unknown to this version of gguf ({e}); "
-                                   f"re-quantize it to one of {type_names(SUPPORTED_TYPES)}") from None
-            raise self._corrupt(e) from None
-        except Exception as e:  # a parser of untrusted bytes: whatever it trips on, the file is corrupt
-            raise self._corrupt(e) from None
+        reader = _read(self.path)
         self._fields = reader.fields
         self._check_vocabulary()
+        self.paths = [self.path]
+        readers = [reader]
+        n_split = self.get(SPLIT_COUNT, 1)
+        if n_split > 1:
+            index = self.get(SPLIT_NO, 0)
+            if index != 0:
+                first = split_paths(self.path, index, n_split)[0]
+                raise SpecterError(f"{self.path}: file {index + 1} of a model split into {n_split} files; give the "
+                                   f"first one, {first.name}")
+            self.paths = split_paths(self.path, 0, n_split)
+            readers += [_read_split(p, i, n_split, self.path) for i, p in enumerate(self.paths[1:], 1)]
+        self.tensors: dict[str, GGUFTensor] = {}
+        for p, r in zip(self.paths, readers):
+            for t in r.tensors:
+                if t.name in self.tensors:
+                    raise SpecterError(f"{p}: tensor '{t.name}' is in an earlier file of the split model too; the "
+                                       f"files are not one model's — download or split the model again")
+                shape = tuple(int(d) for d in reversed(t.shape))
+                self.tensors[t.name] = GGUFTensor(t.name, T(t.tensor_type), shape, t.data)
+        expected = self.get(SPLIT_TENSORS, len(self.tensors)) if n_split > 1 else len(self.tensors)
+        if expected != len(self.tensors):
+            raise SpecterError(f"{self.path}: the {n_split} split files hold {len(self.tensors)} tensors where the "
+                               f"first says {expected}; a file is incomplete — download or split the model again")
         _CHECKED.add(_identity(self.path))
-        self.tensors: dict[str, GGUFTensor] = {
-            t.name: GGUFTensor(t.name, T(t.tensor_type), tuple(int(d) for d in reversed(t.shape)), t.data)
-            for t in reader.tensors
-        }
 
-    def _corrupt(self, cause: Exception) -> SpecterError:
-        return SpecterError(f"{self.path}: truncated or corrupt GGUF file ({self.path.stat().st_size} bytes; "
-                            f"reading it failed: {cause}); download or convert it again")
+    @property
+    def file_bytes(self) -> int:
+        """The size of the model's file, or of all its files when it is split."""
+        return sum(p.stat().st_size for p in self.paths)
 
     # -- metadata ------------------------------------------------------------------------------------
     def get(self, key: str, default: Any = None) -> Any:
@@ -188,6 +197,71 @@ class GGUFFile:
             raise SpecterError(f"{self.path}: token id {bad} has token type "
                                f"{self.get('tokenizer.ggml.token_type')[bad]} (llama.cpp's are 0 to 6); the "
                                f"vocabulary is corrupt — convert the model again")
+
+
+def _read(path: Path) -> GGUFReader:
+    """`gguf.GGUFReader` of `path`, after `check_structure`; every way the file can be unusable a `SpecterError`."""
+    if not path.exists():
+        raise SpecterError(f"{path}: no such file")
+    if not path.is_file():
+        raise SpecterError(f"{path}: not a file; give the path of a .gguf model file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise SpecterError(f"{path}: not a GGUF file (it does not start with 'GGUF'); "
+                           f"convert the model with llama.cpp's convert_hf_to_gguf.py first")
+    check_structure(path)
+    try:
+        return GGUFReader(path, "r")
+    except ValueError as e:
+        if "GGMLQuantizationType" in str(e):
+            raise SpecterError(f"{path}: uses a tensor type unknown to this version of gguf ({e}); "
+                               f"re-quantize it to one of {type_names(SUPPORTED_TYPES)}") from None
+        raise _corrupt(path, e) from None
+    except Exception as e:  # a parser of untrusted bytes: whatever it trips on, the file is corrupt
+        raise _corrupt(path, e) from None
+
+
+def _corrupt(path: Path, cause: Exception) -> SpecterError:
+    return SpecterError(f"{path}: truncated or corrupt GGUF file ({path.stat().st_size} bytes; reading it failed: "
+                        f"{cause}); download or convert it again")
+
+
+def split_paths(path: Path, index: int, n_split: int) -> list[Path]:
+    """The files of a model split into `n_split`, from the path of its file `index` (0-based), named as llama.cpp
+    names them: `<prefix>-00001-of-0000N.gguf` to `<prefix>-0000N-of-0000N.gguf` (`llama_split_path`)."""
+    suffix = f"-{index + 1:05d}-of-{n_split:05d}.gguf"
+    if not path.name.endswith(suffix) or path.name == suffix:
+        raise SpecterError(f"{path}: file {index + 1} of a model split into {n_split} files, but not named "
+                           f"'<name>{suffix}' as llama.cpp names split files, so the others cannot be found; give "
+                           f"the files their split names again, or merge them with llama.cpp's `llama-gguf-split "
+                           f"--merge`")
+    prefix = path.name[:-len(suffix)]
+    return [path.with_name(f"{prefix}-{i + 1:05d}-of-{n_split:05d}.gguf") for i in range(n_split)]
+
+
+_SPLIT_SUFFIX = re.compile(r"-\d{5}-of-\d{5}$")
+
+
+def model_name(path: str | os.PathLike[str]) -> str:
+    """The model's name from its file name: the stem, less the split suffix of a split model's file
+    (`qwen3-q8_0-00001-of-00002.gguf` -> `qwen3-q8_0`)."""
+    return _SPLIT_SUFFIX.sub("", Path(path).stem)
+
+
+def _read_split(path: Path, index: int, n_split: int, first: Path) -> GGUFReader:
+    """File `index` (0-based) of the split model whose first file is `first`, checked to be that file."""
+    if not path.exists():
+        raise SpecterError(f"{path}: no such file; {first.name} is the first of {n_split} files of a split model, "
+                           f"and all of them must be in its folder")
+    reader = _read(path)
+    field = reader.fields.get(SPLIT_NO)
+    got = None if field is None else field.contents()
+    if got != index:
+        said = "no split number" if got is None else f"split number {got + 1}"
+        raise SpecterError(f"{path}: has {said} where file {index + 1} of {first.name}'s split model belongs; the "
+                           f"files are not one model's — download or split the model again")
+    return reader
 
 
 def same_shape(a: tuple[int, ...], b: tuple[int, ...]) -> bool:

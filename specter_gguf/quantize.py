@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from .errors import SpecterError
-from .gguf_file import GGUFFile
+from .gguf_file import GGUFFile, model_name
 from .outputs import check_output_file
 
 # llama_ftype values, checked against llama.h of llama-cpp-python 0.3.36 (vendor/llama.cpp/include).
@@ -48,9 +48,10 @@ def ftype_for(qtype: str) -> int:
 
 
 def quantized_path(src: str | Path, qtype: str) -> Path:
-    """Where a quantized copy of `src` goes by default: `dir/<stem without -f16>-<qtype>.gguf`."""
+    """Where a quantized copy of `src` goes by default: `dir/<name without -f16>-<qtype>.gguf` (`model_name`: a split
+    model's name, less the split suffix)."""
     src = Path(src)
-    stem = src.stem
+    stem = model_name(src)
     for suf in _DTYPE_SUFFIXES:
         if stem.lower().endswith(suf):
             stem = stem[: -len(suf)]

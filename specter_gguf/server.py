@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator
 from . import api
 from .engine import stop_list
 from .errors import ContextFullError, SpecterError, TemplateError
+from .gguf_file import model_name as file_model_name
 from .sampling import SamplingOptionError, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -565,7 +566,7 @@ def create_app(model: Model, model_name: str | None = None, api_key: str | None 
     from .chat import chat_template
 
     limits = limits or ServerLimits()
-    name = model_name or model.path.stem
+    name = model_name or file_model_name(model.path)
     created = int(model.path.stat().st_mtime)
     template = chat_template(model)
     metrics = Metrics()

@@ -246,20 +246,24 @@ def write_hf_model(arch: str, out: Path, seed: int = SEED) -> Path:
     return out
 
 
-def convert(hf_dir: Path, out: Path, outtype: str) -> Path:
-    """llama.cpp's converter on `hf_dir` -> `out` (`outtype` f16 / bf16 / f32 / q8_0), in a subprocess."""
+def convert(hf_dir: Path, out: Path, outtype: str, *extra: str) -> Path:
+    """llama.cpp's converter on `hf_dir` -> `out` (`outtype` f16 / bf16 / f32 / q8_0; `extra`: more of its
+    arguments), in a subprocess. With `--split-max-tensors N` it writes `<out stem>-00001-of-0000K.gguf`, ...:
+    returns the first."""
     root = converter_dir()
     if root is None:
         raise FileNotFoundError("llama.cpp's convert_hf_to_gguf.py: " + "; ".join(missing()))
-    cmd = [sys.executable, "-c", _CONVERT, str(root), str(hf_dir), "--outtype", outtype, "--outfile", str(out)]
+    cmd = [sys.executable, "-c", _CONVERT, str(root), str(hf_dir), "--outtype", outtype, "--outfile", str(out),
+           *extra]
     # offline (no hub), and the converter's own gguf-py rather than the installed gguf
     env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     res = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if res.returncode != 0 or not out.is_file():
+    first = out if out.is_file() else next(iter(sorted(out.parent.glob(f"{out.stem}-00001-of-*.gguf"))), out)
+    if res.returncode != 0 or not first.is_file():
         raise RuntimeError(f"llama.cpp's converter failed on {hf_dir} ({outtype}), exit {res.returncode}:\n"
                            + res.stdout[-3000:] + res.stderr[-6000:])
-    return out
+    return first
 
 
 # --------------------------------------------------------------------------------------------------

@@ -19,7 +19,9 @@ from typing import Any
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+
+from gguf_edit import DROP, rewrite
 
 from specter_gguf.cli import cli
 from specter_gguf.engine import Model
@@ -27,52 +29,6 @@ from specter_gguf.errors import SpecterError
 
 BASE = ("llama", "f16")  # the tiny Mixtral-style model: every crafted file starts from it
 SUPPORTED = ("llama", "olmoe", "qwen2moe", "qwen3moe")
-DROP = object()
-
-
-def rewrite(src: Path, dst: Path, *, arch: str | None = None, kv: dict[str, Any] | None = None,
-            tensors: dict[str, Any] | None = None) -> Path:
-    """A copy of GGUF `src` at `dst` with edits. `arch`: a new general.architecture. `kv`: key -> DROP, or
-    (value, GGUFValueType) to set. `tensors`: name -> DROP, or (array, raw_dtype or None) to store instead
-    (raw_dtype given: `array` holds the raw bytes of that type, rows last)."""
-    kv, tensors = kv or {}, tensors or {}
-    reader = GGUFReader(src)
-    old_arch = str(reader.fields["general.architecture"].contents())
-    w = _Writer(dst, arch or old_arch)
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture" or name in kv:
-            continue
-        vtype = GGUFValueType(field.types[0])
-        sub = GGUFValueType(field.types[-1]) if vtype == GGUFValueType.ARRAY else None
-        w.add_key_value(name, field.contents(), vtype, sub)
-    for name, edit in kv.items():
-        if edit is not DROP:
-            value, vtype, *sub = edit
-            w.add_key_value(name, value, vtype, *sub)
-    for t in reader.tensors:
-        edit = tensors.get(t.name)
-        if edit is DROP:
-            continue
-        if edit is not None:
-            data, raw_dtype = edit
-            w.add_tensor(t.name, data, raw_dtype=raw_dtype)
-            continue
-        quantized = t.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
-        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type if quantized else None)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
-
-
-class _Writer(GGUFWriter):
-    """GGUFWriter that also writes empty arrays (of the item type given), as a hostile file may hold."""
-
-    def _pack_val(self, val: Any, vtype: GGUFValueType, add_vtype: bool, sub_type: GGUFValueType | None = None):
-        if vtype == GGUFValueType.ARRAY and len(val) == 0:
-            return (self._pack("I", vtype) if add_vtype else b"") + self._pack("I", sub_type) + self._pack("Q", 0)
-        return super()._pack_val(val, vtype, add_vtype, sub_type)
 
 
 def patch_offset(src: Path, dst: Path, name: str, offset: Callable[[dict[str, int]], int]) -> Path:
@@ -245,6 +201,49 @@ def directory(base: Path, d: Path) -> Path:
     return p
 
 
+# A model split into files of at most SPLIT_TENSORS tensors each (the tiny model's 23 in four files), as llama.cpp's
+# `llama-gguf-split` and its converter's --split-max-tensors split models; each case in a folder of its own.
+SPLIT_TENSORS = 6
+
+
+def split_model(base: Path, d: Path, name: str) -> list[Path]:
+    """The files of `base` split in folder d/name, in order (`tiny-00001-of-0000N.gguf`, ...)."""
+    (d / name).mkdir()
+    first = rewrite(base, d / name / "tiny.gguf", split_max_tensors=SPLIT_TENSORS)
+    return sorted(first.parent.glob("tiny-*-of-*.gguf"))
+
+
+def split_second_file(base: Path, d: Path) -> Path:
+    return split_model(base, d, "split-second")[1]
+
+
+def split_file_missing(base: Path, d: Path) -> Path:
+    files = split_model(base, d, "split-missing")
+    files[2].unlink()
+    return files[0]
+
+
+def split_first_renamed(base: Path, d: Path) -> Path:
+    first = split_model(base, d, "split-renamed")[0]
+    return first.rename(first.with_name("tiny.gguf"))
+
+
+def split_file_out_of_place(base: Path, d: Path) -> Path:
+    files = split_model(base, d, "split-out-of-place")
+    files[2].replace(files[1])  # the third file under the second's name
+    return files[0]
+
+
+def split_file_short_of_a_tensor(base: Path, d: Path) -> Path:
+    files = split_model(base, d, "split-short")
+    last = GGUFReader(base).tensors[-1].name  # in the last file: the other three hold the same tensors either way
+    (d / "split-short" / "without-last").mkdir()
+    short = rewrite(base, d / "split-short" / "without-last" / "tiny.gguf", tensors={last: DROP},
+                    split_max_tensors=SPLIT_TENSORS)
+    short.with_name(files[3].name).replace(files[3])
+    return files[0]
+
+
 CASES: dict[str, tuple[Callable[[Path, Path], Path], str, bool]] = {
     "not_gguf": (not_gguf, r"not a GGUF file", True),
     "empty": (empty, r"not a GGUF file|empty", True),
@@ -285,6 +284,16 @@ CASES: dict[str, tuple[Callable[[Path, Path], Path], str, bool]] = {
     "gap_in_data": (gap_before_last_tensor, r"output\.weight' data is at offset \d+, where llama\.cpp expects", True),
     "nonexistent": (nonexistent, r"no such file|does not exist", True),
     "directory": (directory, r"directory|not a file", True),
+    "split_second_file": (split_second_file, r"tiny-00002-of-00004\.gguf: file 2 of a model split into 4 files; "
+                          r"give the first one, tiny-00001-of-00004\.gguf", True),
+    "split_file_missing": (split_file_missing, r"tiny-00003-of-00004\.gguf: no such file; tiny-00001-of-00004\.gguf "
+                           r"is the first of 4 files of a split model", True),
+    "split_first_renamed": (split_first_renamed, r"tiny\.gguf: file 1 of a model split into 4 files, but not named "
+                            r"'<name>-00001-of-00004\.gguf'.*llama-gguf-split --merge", True),
+    "split_file_out_of_place": (split_file_out_of_place, r"tiny-00002-of-00004\.gguf: has split number 3 where file 2 "
+                                r"of tiny-00001-of-00004\.gguf's split model belongs", True),
+    "split_file_short_of_a_tensor": (split_file_short_of_a_tensor, r"the 4 split files hold \d+ tensors where the "
+                                     r"first says \d+", True),
 }
 
 

@@ -1,7 +1,7 @@
 """Drafts made on demand: `--draft q4_k_m` (or `Model.load(draft="q4_k_m")`) quantizes the target with llama.cpp's
 quantizer (`quantize.quantize_with_progress`, a progress bar over tensors) the first time and reuses the file after.
 
-The file goes into `.specter-drafts/` beside the target, named `<target stem>-<type>.gguf`; when the target's
+The file goes into `.specter-drafts/` beside the target, named `<target's name>-<type>.gguf` (`gguf_file.model_name`: a split model's without the split suffix); when the target's
 folder is not writable, into the user cache (`$SPECTER_CACHE`, else `$XDG_CACHE_HOME/specter-gguf`, else
 `~/.cache/specter-gguf`) under `drafts/<a hash of the target's path>/`. A JSON file beside each draft records the
 target's size and modification time and the draft's size: a draft of a target that changed since, or a draft
@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 
 from specter_gguf.errors import SpecterError
+from specter_gguf.gguf_file import model_name
 from specter_gguf.quantize import FTYPES, quantize_with_progress
 
 DRAFT_TYPES = ("q2_k", "q3_k_m", "q4_k_m", "q8_0")
@@ -45,7 +46,7 @@ def _writable(folder: Path) -> bool:
 def draft_path(target: Path, qtype: str) -> Path:
     """Where the `qtype` draft of `target` is kept (see the module docstring)."""
     target = Path(target).absolute()
-    name = f"{target.stem}-{qtype}.gguf"
+    name = f"{model_name(target)}-{qtype}.gguf"
     beside = target.parent / FOLDER
     if _writable(beside):
         return beside / name
