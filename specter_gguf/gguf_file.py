@@ -240,13 +240,23 @@ def split_paths(path: Path, index: int, n_split: int) -> list[Path]:
     return [path.with_name(f"{prefix}-{i + 1:05d}-of-{n_split:05d}.gguf") for i in range(n_split)]
 
 
-_SPLIT_SUFFIX = re.compile(r"-\d{5}-of-\d{5}$")
+_SPLIT_SUFFIX = re.compile(r"-(\d{5})-of-(\d{5})$")
 
 
 def model_name(path: str | os.PathLike[str]) -> str:
     """The model's name from its file name: the stem, less the split suffix of a split model's file
     (`qwen3-q8_0-00001-of-00002.gguf` -> `qwen3-q8_0`)."""
     return _SPLIT_SUFFIX.sub("", Path(path).stem)
+
+
+def named_files(path: str | os.PathLike[str]) -> list[Path]:
+    """The files of the model that `path` names, by name alone (nothing is read): a split model's every file where
+    `path` has a split name, else `path`."""
+    path = Path(path)
+    found = _SPLIT_SUFFIX.search(path.stem)
+    if found is None or not 1 <= int(found[1]) <= int(found[2]):
+        return [path]
+    return split_paths(path, int(found[1]) - 1, int(found[2]))
 
 
 def _read_split(path: Path, index: int, n_split: int, first: Path) -> GGUFReader:

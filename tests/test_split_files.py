@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,7 @@ from specter_gguf.engine import Model
 from specter_gguf.gguf_file import GGUFFile, is_routed_expert
 from specter_gguf.runtime.budget import plan_memory
 from specter_gguf.sampling import SamplingParams
-from specter_gguf.speculation.draft_files import draft_path
+from specter_gguf.speculation.draft_files import draft_path, resolve_draft
 
 SPLIT_TENSORS = 10  # tensors per file: the tiny qwen2moe model's 37 in four files, layer 1's experts in two
 GREEDY = SamplingParams(temperature=0)
@@ -85,6 +86,23 @@ def test_offloaded_and_speculative_from_a_split_model(split, tmp_path: Path) -> 
     assert GGUFFile(made).get("split.count") is None  # one file
     for prompt in PROMPTS:
         assert spec.generate(prompt, 32, GREEDY).wait().tokens == plain.generate(prompt, 32, GREEDY).wait().tokens
+
+
+def test_a_draft_is_made_again_when_a_later_file_changes(split, tmp_path: Path) -> None:
+    """The record beside a draft of a split model covers every file of it: a later file replaced (here touched)
+    makes the draft again, as a changed whole file does."""
+    pytest.importorskip("llama_cpp")
+    whole, first = split
+    files = [tmp_path / p.name for p in GGUFFile(first).paths]
+    for src, dst in zip(GGUFFile(first).paths, files):
+        shutil.copyfile(src, dst)
+    made = resolve_draft(files[0], "q8_0", progress=False)
+    t = made.stat().st_mtime_ns
+    assert resolve_draft(files[0], "q8_0", progress=False) == made and made.stat().st_mtime_ns == t  # kept
+    later = files[-1].stat()
+    os.utime(files[-1], ns=(later.st_atime_ns, later.st_mtime_ns + 10**9))
+    resolve_draft(files[0], "q8_0", progress=False)
+    assert made.stat().st_mtime_ns != t
 
 
 def test_inspect_names_the_split(split) -> None:

@@ -4,8 +4,8 @@ quantizer (`quantize.quantize_with_progress`, a progress bar over tensors) the f
 The file goes into `.specter-drafts/` beside the target, named `<target's name>-<type>.gguf` (`gguf_file.model_name`: a split model's without the split suffix); when the target's
 folder is not writable, into the user cache (`$SPECTER_CACHE`, else `$XDG_CACHE_HOME/specter-gguf`, else
 `~/.cache/specter-gguf`) under `drafts/<a hash of the target's path>/`. A JSON file beside each draft records the
-target's size and modification time and the draft's size: a draft of a target that changed since, or a draft
-file that changed (e.g. cut short), is made again. A draft is written under a temporary name and renamed when
+target's size and modification time (of a split model, of all its files) and the draft's size: a draft of a target
+that changed since, or a draft file that changed (e.g. cut short), is made again. A draft is written under a temporary name and renamed when
 complete, so an interrupted quantization leaves no draft behind.
 """
 
@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 
 from specter_gguf.errors import SpecterError
-from specter_gguf.gguf_file import model_name
+from specter_gguf.gguf_file import model_name, named_files
 from specter_gguf.quantize import FTYPES, quantize_with_progress
 
 DRAFT_TYPES = ("q2_k", "q3_k_m", "q4_k_m", "q8_0")
@@ -55,8 +55,11 @@ def draft_path(target: Path, qtype: str) -> Path:
 
 
 def _stamp(target: Path) -> dict[str, object]:
-    st = target.stat()
-    return {"target": str(target.absolute()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    """The target's path, size and modification time; of a split model, the total size and the latest time of its
+    files."""
+    stats = [p.stat() for p in named_files(target) if p.exists()]
+    return {"target": str(target.absolute()), "size": sum(st.st_size for st in stats),
+            "mtime_ns": max(st.st_mtime_ns for st in stats)}
 
 
 def draft_file_or_type(draft: str | os.PathLike[str]) -> Path | str:
