@@ -60,7 +60,8 @@ NOMINAL_TBS = 4.3
 L2_DEFEAT_BYTES = 384 << 20  # cycle through at least this much weight memory
 TYPES = {"Q8_0": native.Q8_0, "Q4_0": native.Q4_0, "Q4_1": native.Q4_1, "Q5_0": native.Q5_0,
          "Q5_1": native.Q5_1, "Q2_K": native.Q2_K, "Q3_K": native.Q3_K, "Q4_K": native.Q4_K,
-         "Q5_K": native.Q5_K, "Q6_K": native.Q6_K, "F16": native.F16, "BF16": native.BF16}
+         "Q5_K": native.Q5_K, "Q6_K": native.Q6_K, "IQ4_NL": native.IQ4_NL, "IQ4_XS": native.IQ4_XS,
+         "F16": native.F16, "BF16": native.BF16}
 SHAPES = {"qwen 2048->1408": (1408, 2048), "qwen 1408->2048": (2048, 1408),
           "phi 4096->6400": (6400, 4096), "phi 6400->4096": (4096, 6400)}
 

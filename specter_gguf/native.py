@@ -26,7 +26,8 @@ LIB_NAME = _LIB_NAMES.get(sys.platform, "libspecter.so")
 _FIX = "reinstall with `pip install .` (needs cmake and a C++ compiler)"
 
 # ggml type ids (same numbering as ggml.h / gguf.GGMLQuantizationType).
-F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14
+IQ4_NL, IQ4_XS, BF16 = 20, 23, 30
 
 _lock = threading.Lock()
 _handle: tuple[Any, Any] | None = None  # (ffi, lib)

@@ -33,6 +33,8 @@ FTYPES: dict[str, int] = {
     "q5_k_s": 16,
     "q5_k_m": 17,
     "q6_k": 18,
+    "iq4_nl": 25,
+    "iq4_xs": 30,
     "bf16": 32,
 }
 

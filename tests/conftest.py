@@ -6,8 +6,8 @@ under pytest's tmp dir and reused by every later test:
 - ``arch``: a GGUF ``general.architecture`` of :data:`specter_gguf.synthetic.shapes.TINY_ARCH_PRESETS`
   (``qwen2moe``, ``qwen3moe``, ``llama`` = Mixtral-style, ``olmoe``);
 - ``kind``: ``f32`` or ``f16`` (written by the synthetic writer, same seed: the F16 file is the F32 one
-  rounded), or ``q8_0`` / ``q4_k_m`` / ``q2_k`` (llama.cpp's quantizer applied to the F16 file; these
-  need llama-cpp-python and skip the test without it).
+  rounded), or ``q8_0`` / ``q4_k_m`` / ``q2_k`` / ``iq4_xs`` / ``iq4_nl`` (llama.cpp's quantizer applied to the
+  F16 file; these need llama-cpp-python and skip the test without it).
 
 ``shipped_model`` is models/tiny-qwen2moe.gguf, the model that ships with the repository: a small MoE trained on
 the Python standard library (docs/TINY_MODEL.md; 4 layers, context 512). The random-weight model that shipped
@@ -27,7 +27,7 @@ from specter_gguf.synthetic.shapes import PRESETS, TINY_ARCH_PRESETS
 from specter_gguf.synthetic.writer import write_synthetic
 
 TINY_WRITTEN = ("f32", "f16")
-TINY_QUANTIZED = ("q8_0", "q4_k_m", "q2_k")
+TINY_QUANTIZED = ("q8_0", "q4_k_m", "q2_k", "iq4_xs", "iq4_nl")
 TINY_KINDS = TINY_WRITTEN + TINY_QUANTIZED
 TINY_SEED = 0
 

@@ -38,13 +38,16 @@ TOL_F16 = 1.5e-3
 TOL_MOE = 1e-4
 ERR_BAD_SHAPE = -3
 
-QUANT_TYPES = [GT.Q8_0, GT.Q4_0, GT.Q4_1, GT.Q5_0, GT.Q5_1, GT.Q2_K, GT.Q3_K, GT.Q4_K, GT.Q5_K, GT.Q6_K]
+QUANT_TYPES = [GT.Q8_0, GT.Q4_0, GT.Q4_1, GT.Q5_0, GT.Q5_1, GT.Q2_K, GT.Q3_K, GT.Q4_K, GT.Q5_K, GT.Q6_K, GT.IQ4_NL,
+               GT.IQ4_XS]
 FLOAT_TYPES = [GT.F16, GT.BF16, GT.F32]
 ALL_TYPES = QUANT_TYPES + FLOAT_TYPES
 M_VALUES = [1, 2, 3, 7, 8, 9, 16, 33, 64]
 
-# offsets of the fp16 super-block scale fields (d, and dmin where there is one) in a K-quant block
-K_SCALE_FIELDS = {GT.Q2_K: (80, 82), GT.Q3_K: (108,), GT.Q4_K: (0, 2), GT.Q5_K: (0, 2), GT.Q6_K: (208,)}
+# Types made of random blocks (gguf's quantizer has no K-quants or IQ4 types): the offsets of their fp16 (super-)block
+# scale fields (d, and dmin where there is one), set to small scales
+RANDOM_BLOCK_SCALES = {GT.Q2_K: (80, 82), GT.Q3_K: (108,), GT.Q4_K: (0, 2), GT.Q5_K: (0, 2), GT.Q6_K: (208,),
+                       GT.IQ4_NL: (0,), GT.IQ4_XS: (0,)}
 
 
 def _has_cuda() -> bool:
@@ -63,9 +66,9 @@ def make_weight(qtype: GT, rows: int, cols: int, rng: np.random.Generator) -> tu
     """(raw GGUF bytes uint8 [rows, row_bytes], exact float32 values [rows, cols])."""
     block, nbytes = GGML_QUANT_SIZES[qtype]
     assert cols % block == 0
-    if qtype in K_SCALE_FIELDS:
+    if qtype in RANDOM_BLOCK_SCALES:
         raw = rng.integers(0, 256, size=(rows * cols // block, nbytes), dtype=np.uint8)
-        for off in K_SCALE_FIELDS[qtype]:
+        for off in RANDOM_BLOCK_SCALES[qtype]:
             scale = (rng.uniform(0.5e-3, 4e-3, size=raw.shape[0]) * rng.choice([-1, 1], raw.shape[0]))
             raw[:, off:off + 2] = scale.astype(np.float16).view(np.uint8).reshape(-1, 2)
         raw = raw.reshape(rows, -1)
@@ -117,11 +120,10 @@ def rel_err_terms(y: np.ndarray, x: np.ndarray, w: np.ndarray) -> float:
 def _shape_for(qtype: GT) -> tuple[int, int]:
     # n = 67 rows: not a multiple of the GEMV's 2 rows or the tile's 64; k: 2 K-quant blocks, or a
     # non-multiple of the tile's 128 for the 32-blocks and float types.
-    if qtype in K_SCALE_FIELDS:
+    block = GGML_QUANT_SIZES[qtype][0]
+    if block == 256:
         return 67, 512
-    if qtype in (GT.Q8_0, GT.Q4_0, GT.Q4_1, GT.Q5_0, GT.Q5_1):
-        return 67, 544
-    return 67, 520
+    return (67, 544) if block == 32 else (67, 520)
 
 
 @pytest.mark.parametrize("device", DEVICES)

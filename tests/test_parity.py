@@ -38,7 +38,7 @@ from specter_gguf.sampling import SamplingParams  # noqa: E402
 
 ARCHS = ("qwen2moe", "qwen3moe", "llama", "olmoe")
 FLOAT_KINDS = ("f32", "f16")
-QUANT_KINDS = ("q8_0", "q4_k_m", "q2_k")
+QUANT_KINDS = ("q8_0", "q4_k_m", "q2_k", "iq4_xs", "iq4_nl")
 KINDS = FLOAT_KINDS + QUANT_KINDS
 
 # On quantized files llama.cpp's 8-bit activations alone give per-position errors of ~1-2.5e-2 on these
@@ -53,7 +53,7 @@ N_CTX = 128
 
 # The type llama.cpp's quantizer gives the routed experts' gate/up matrices in each mix (down may differ:
 # Q4_K_M uses Q6_K for some layers' ffn_down, Q2_K uses Q3_K).
-EXPERT_TYPE = {"q8_0": "Q8_0", "q4_k_m": "Q4_K", "q2_k": "Q2_K"}
+EXPERT_TYPE = {"q8_0": "Q8_0", "q4_k_m": "Q4_K", "q2_k": "Q2_K", "iq4_xs": "IQ4_XS", "iq4_nl": "IQ4_NL"}
 
 RESULTS: dict[tuple[str, str, str], tuple[float, float]] = {}  # (arch, kind, reference) -> (median, max)
 

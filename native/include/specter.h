@@ -62,6 +62,8 @@ enum specter_ggml_type {
     SPECTER_TYPE_Q4_K = 12,
     SPECTER_TYPE_Q5_K = 13,
     SPECTER_TYPE_Q6_K = 14,
+    SPECTER_TYPE_IQ4_NL = 20,
+    SPECTER_TYPE_IQ4_XS = 23,
     SPECTER_TYPE_BF16 = 30
 };
 

@@ -134,6 +134,38 @@ void dec_q8_0(const uint8_t * b, float * y) {
     for (int l = 0; l < 32; ++l) y[l] = float(qs[l]) * d;
 }
 
+// The 16 levels of an IQ4_NL or IQ4_XS quant (kvalues_iq4nl of ggml-common.h): a non-linear 4-bit code.
+constexpr int8_t kIq4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// block_iq4_nl: f16 d; uint8 qs[16] laid out as Q4_0's. Value d * level[q].
+void dec_iq4_nl(const uint8_t * b, float * y) {
+    const float d = load_half(b);
+    const uint8_t * qs = b + 2;
+    for (int l = 0; l < 16; ++l) {
+        y[l] = d * float(kIq4Levels[qs[l] & 0x0f]);
+        y[l + 16] = d * float(kIq4Levels[qs[l] >> 4]);
+    }
+}
+
+// block_iq4_xs: f16 d; uint16 scales_h; uint8 scales_l[4]; uint8 qs[128]. Sub-block j of 32 elements: its 6-bit
+// scale ls is nibble j of scales_l (low nibble first) with bits 2j, 2j+1 of scales_h above it, its quants the 16
+// bytes at 16 j laid out as IQ4_NL's. Value (d * (ls - 32)) * level[q].
+void dec_iq4_xs(const uint8_t * b, float * y) {
+    const float d = load_half(b);
+    uint16_t scales_h;
+    std::memcpy(&scales_h, b + 2, 2);
+    const uint8_t * scales_l = b + 4;
+    const uint8_t * qs = b + 8;
+    for (int j = 0; j < QK_K / 32; ++j) {
+        const int ls = ((scales_l[j / 2] >> (4 * (j % 2))) & 0x0f) | (((scales_h >> (2 * j)) & 3) << 4);
+        const float dl = d * float(ls - 32);
+        for (int l = 0; l < 16; ++l) {
+            y[32 * j + l] = dl * float(kIq4Levels[qs[16 * j + l] & 0x0f]);
+            y[32 * j + l + 16] = dl * float(kIq4Levels[qs[16 * j + l] >> 4]);
+        }
+    }
+}
+
 // block_q2_K: uint8 scales[16] (low nibble scale, high nibble min); uint8 qs[64]; f16 d; f16 dmin.
 // Element j*128 + s*32 + l is bits 2s..2s+1 of qs[j*32 + l]; sub-block of 16 = element / 16.
 void dec_q2_k(const uint8_t * b, float * y) {
@@ -296,6 +328,8 @@ const TypeInfo kTypes[] = {
     {SPECTER_TYPE_Q4_K, QK_K, 144, dec_q4_k},
     {SPECTER_TYPE_Q5_K, QK_K, 176, dec_q5_k},
     {SPECTER_TYPE_Q6_K, QK_K, 210, dec_q6_k},
+    {SPECTER_TYPE_IQ4_NL, 32, 18, dec_iq4_nl},
+    {SPECTER_TYPE_IQ4_XS, QK_K, 136, dec_iq4_xs},
 };
 
 }  // namespace

@@ -11,7 +11,7 @@ from specter_gguf.kernels import QuantizedTensor
 # byte offsets of the fp16 scales inside a block of each quantized type
 SCALE_FIELDS = {native.Q8_0: (0,), native.Q4_0: (0,), native.Q4_1: (0, 2), native.Q5_0: (0,), native.Q5_1: (0, 2),
                 native.Q2_K: (80, 82), native.Q3_K: (108,),
-                native.Q4_K: (0, 2), native.Q5_K: (0, 2), native.Q6_K: (208,)}
+                native.Q4_K: (0, 2), native.Q5_K: (0, 2), native.Q6_K: (208,), native.IQ4_NL: (0,), native.IQ4_XS: (0,)}
 
 
 def random_weight(ggml_type: int, rows: int, cols: int, device: torch.device | str,

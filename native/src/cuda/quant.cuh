@@ -275,6 +275,60 @@ struct TQ2_K {  // uint8 scales[16]; uint8 qs[64]; f16 d, dmin
     }
 };
 
+// The 16 levels of an IQ4_NL / IQ4_XS quant (kvalues_iq4nl of ggml-common.h) as int8 bytes, four to a word.
+constexpr uint32_t iq4_word(int a, int b, int c, int d) {
+    return uint32_t(uint8_t(a)) | uint32_t(uint8_t(b)) << 8 | uint32_t(uint8_t(c)) << 16 | uint32_t(uint8_t(d)) << 24;
+}
+constexpr uint32_t kIq4Levels0 = iq4_word(-127, -104, -83, -65), kIq4Levels1 = iq4_word(-49, -35, -22, -10);
+constexpr uint32_t kIq4Levels2 = iq4_word(1, 13, 25, 38), kIq4Levels3 = iq4_word(53, 69, 89, 113);
+
+// The levels of four IQ4 quants (q: one index 0..15 a byte) as floats: two byte permutes pick each index's level
+// among levels 0..7 and 8..15 by its low three bits, its fourth bit chooses; the int8 levels, offset by 128, convert
+// exactly (quants_f4).
+__device__ __forceinline__ void iq4_levels_f4(uint32_t q, float * o) {
+    const uint32_t low3 = q & 0x07070707u, nibbles = low3 | (low3 >> 4);
+    const uint32_t sel = (nibbles & 0xffu) | ((nibbles >> 8) & 0xff00u);  // index t's low bits in nibble t
+    const uint32_t lo = __byte_perm(kIq4Levels0, kIq4Levels1, sel), hi = __byte_perm(kIq4Levels2, kIq4Levels3, sel);
+    const uint32_t upper = ((q >> 3) & 0x01010101u) * 0xffu;
+    quants_f4<true>(((lo & ~upper) | (hi & upper)) ^ 0x80808080u, 128.0f, o);
+}
+
+struct TIQ4_NL {  // f16 d; uint8 qs[16] laid out as Q4_0's: value d * level[q]
+    static constexpr int QK = 32, BYTES = 18, NU = 4, E = 8, G = 4;
+    __device__ static int xoff(int u, int g) { return 4 * u + 16 * g; }
+    template <bool EXACT>
+    __device__ static void decode(const uint8_t * b, int u, float * v) {
+        const float d = ldh(b);
+        const uint32_t w = ld32a2(b + 2 + 4 * u);
+        iq4_levels_f4(w & 0x0f0f0f0fu, v);
+        iq4_levels_f4((w >> 4) & 0x0f0f0f0fu, v + 4);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = __fmul_rn(d, v[i]);
+    }
+};
+
+struct TIQ4_XS {  // f16 d; uint16 scales_h; uint8 scales_l[4]; uint8 qs[128]
+    // unit u: sub-block u of 32 elements, its 16 quant bytes at 16 u: low nibbles elements 0..15, high 16..31;
+    // value (d * (ls - 32)) * level[q], ls the sub-block's 6-bit scale (nibble u of scales_l, bits 2u.. of scales_h)
+    static constexpr int QK = 256, BYTES = 136, NU = 8, E = 32, G = 4;
+    __device__ static int xoff(int u, int g) { return 32 * u + 4 * (g & 3) + 16 * (g >> 2); }
+    template <bool EXACT>
+    __device__ static void decode(const uint8_t * b, int u, float * v) {
+        const uint8_t * qs = b + 8 + 16 * u;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const uint32_t q = ld32(qs + 4 * i);
+            iq4_levels_f4(q & 0x0f0f0f0fu, v + 4 * i);
+            iq4_levels_f4((q >> 4) & 0x0f0f0f0fu, v + 16 + 4 * i);
+        }
+        const int scales_h = *reinterpret_cast<const uint16_t *>(b + 2);
+        const int ls = ((b[4 + u / 2] >> (4 * (u & 1))) & 0x0f) | (((scales_h >> (2 * u)) & 3) << 4);
+        const float dl = __fmul_rn(ldh(b), float(ls - 32));
+#pragma unroll
+        for (int i = 0; i < 32; ++i) v[i] = __fmul_rn(dl, v[i]);
+    }
+};
+
 // ---- float types: vector variants (k a multiple of the unit, 16-byte aligned rows) and scalar -----
 
 __device__ __forceinline__ float bf16f(uint32_t h) { return __uint_as_float(h << 16); }
@@ -474,6 +528,8 @@ bool with_type(int type, bool vec, Fn && fn) {
         case SPECTER_TYPE_Q4_K: fn(Tag<TQ4_K>{}); return true;
         case SPECTER_TYPE_Q5_K: fn(Tag<TQ5_K>{}); return true;
         case SPECTER_TYPE_Q6_K: fn(Tag<TQ6_K>{}); return true;
+        case SPECTER_TYPE_IQ4_NL: fn(Tag<TIQ4_NL>{}); return true;
+        case SPECTER_TYPE_IQ4_XS: fn(Tag<TIQ4_XS>{}); return true;
         case SPECTER_TYPE_F32: vec ? fn(Tag<TF32V>{}) : fn(Tag<TF32S>{}); return true;
         case SPECTER_TYPE_F16: vec ? fn(Tag<TF16V>{}) : fn(Tag<TF16S>{}); return true;
         case SPECTER_TYPE_BF16: vec ? fn(Tag<TBF16V>{}) : fn(Tag<TBF16S>{}); return true;
@@ -490,7 +546,8 @@ inline bool vec_ok(int type, long long k, uintptr_t p) {
 // Quantized types whose decoders use 4-byte loads need 4-byte aligned rows.
 inline bool aligned_for(int type, uintptr_t p) {
     if (type == SPECTER_TYPE_Q4_K || type == SPECTER_TYPE_Q5_K || type == SPECTER_TYPE_Q2_K ||
-        type == SPECTER_TYPE_Q4_1 || type == SPECTER_TYPE_Q5_1 || type == SPECTER_TYPE_F32)
+        type == SPECTER_TYPE_Q4_1 || type == SPECTER_TYPE_Q5_1 || type == SPECTER_TYPE_IQ4_XS ||
+        type == SPECTER_TYPE_F32)
         return p % 4 == 0;
     return p % 2 == 0;
 }
