@@ -293,9 +293,9 @@ __device__ __forceinline__ void iq4_levels_f4(uint32_t q, float * o) {
     quants_f4<true>(((lo & ~upper) | (hi & upper)) ^ 0x80808080u, 128.0f, o);
 }
 
-struct TIQ4_NL {  // f16 d; uint8 qs[16] laid out as Q4_0's: value d * level[q]
+struct TIQ4_NL {  // f16 d; uint8 qs[16] laid out as Q4_0's, units as Q4_0's: value d * level[q]
     static constexpr int QK = 32, BYTES = 18, NU = 4, E = 8, G = 4;
-    __device__ static int xoff(int u, int g) { return 4 * u + 16 * g; }
+    __device__ static int xoff(int u, int g) { return TQ4_0::xoff(u, g); }
     template <bool EXACT>
     __device__ static void decode(const uint8_t * b, int u, float * v) {
         const float d = ldh(b);
