@@ -190,13 +190,12 @@ def test_qmatmul_f16_input_and_python_api(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("qtype,k", [(GT.Q4_K, 512), (GT.Q8_0, 544), (GT.F16, 520), (GT.BF16, 520)],
-                         ids=lambda v: v.name if isinstance(v, GT) else str(v))
+@pytest.mark.parametrize("qtype,k", [(GT.Q4_K, 512), (GT.Q8_0, 544), (GT.F16, 520), (GT.BF16, 520), (GT.IQ4_XS, 512),
+                                     (GT.IQ4_NL, 544)], ids=lambda v: v.name if isinstance(v, GT) else str(v))
 def test_gemv_rows_independent_of_batch(device: str, qtype: GT, k: int) -> None:
     """GEMV: each output row depends on its input row only (bitwise), whatever m is (on CUDA passes of 8 rows
-    and a remainder: 9 = 8 + 1, 14 = 8 + 6, 19 = 16 + 3; on the CPU one row of x takes the fused decode-and-dot
-    of F16/BF16/Q8_0 rows, several a dequantized row, a float row's tail of k % 16 included); and runs repeat
-    exactly."""
+    and a remainder: 9 = 8 + 1, 14 = 8 + 6, 19 = 16 + 3; on the CPU a few rows of x take the fused decode-and-dot
+    of a row, many a dequantized row, a float row's tail of k % 16 included); and runs repeat exactly."""
     rng = np.random.default_rng(5)
     raw, _ = make_weight(qtype, 96, k, rng)
     w = qt(raw, qtype, (96, k), device)

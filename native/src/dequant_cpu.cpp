@@ -29,7 +29,7 @@ namespace {
 
 constexpr int QK_K = 256;
 
-// ---- F16, Q8_0, Q4_K and Q6_K rows with AVX2 where the CPU has it (cpu_avx2) -------------------------
+// ---- F16, Q8_0, Q4_K, Q6_K and IQ4 rows with AVX2 where the CPU has it (cpu_avx2) --------------------
 // The conversions are exact (half to float, int8 to float) and each weight takes the scalar decoder's float
 // operations: the same bits, several times faster (the scalar half conversion is a dozen integer operations).
 
@@ -134,10 +134,7 @@ void dec_q8_0(const uint8_t * b, float * y) {
     for (int l = 0; l < 32; ++l) y[l] = float(qs[l]) * d;
 }
 
-// The 16 levels of an IQ4_NL or IQ4_XS quant (kvalues_iq4nl of ggml-common.h): a non-linear 4-bit code.
-constexpr int8_t kIq4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-
-// block_iq4_nl: f16 d; uint8 qs[16] laid out as Q4_0's. Value d * level[q].
+// block_iq4_nl: f16 d; uint8 qs[16] laid out as Q4_0's. Value d * level[q] (kIq4Levels).
 void dec_iq4_nl(const uint8_t * b, float * y) {
     const float d = load_half(b);
     const uint8_t * qs = b + 2;
@@ -147,21 +144,16 @@ void dec_iq4_nl(const uint8_t * b, float * y) {
     }
 }
 
-// block_iq4_xs: f16 d; uint16 scales_h; uint8 scales_l[4]; uint8 qs[128]. Sub-block j of 32 elements: its 6-bit
-// scale ls is nibble j of scales_l (low nibble first) with bits 2j, 2j+1 of scales_h above it, its quants the 16
-// bytes at 16 j laid out as IQ4_NL's. Value (d * (ls - 32)) * level[q].
+// block_iq4_xs: f16 d; uint16 scales_h; uint8 scales_l[4]; uint8 qs[128]. Sub-block j of 32 elements: its quants the
+// 16 bytes at 16 j laid out as IQ4_NL's, value iq4_xs_scale(j) * level[q].
 void dec_iq4_xs(const uint8_t * b, float * y) {
     const float d = load_half(b);
-    uint16_t scales_h;
-    std::memcpy(&scales_h, b + 2, 2);
-    const uint8_t * scales_l = b + 4;
-    const uint8_t * qs = b + 8;
     for (int j = 0; j < QK_K / 32; ++j) {
-        const int ls = ((scales_l[j / 2] >> (4 * (j % 2))) & 0x0f) | (((scales_h >> (2 * j)) & 3) << 4);
-        const float dl = d * float(ls - 32);
+        const float dl = iq4_xs_scale(b, d, j);
+        const uint8_t * qs = b + 8 + 16 * j;
         for (int l = 0; l < 16; ++l) {
-            y[32 * j + l] = dl * float(kIq4Levels[qs[16 * j + l] & 0x0f]);
-            y[32 * j + l + 16] = dl * float(kIq4Levels[qs[16 * j + l] >> 4]);
+            y[32 * j + l] = dl * float(kIq4Levels[qs[l] & 0x0f]);
+            y[32 * j + l + 16] = dl * float(kIq4Levels[qs[l] >> 4]);
         }
     }
 }
@@ -312,6 +304,20 @@ __attribute__((target("avx2"))) void q6_k_avx2(const uint8_t * b, float * y, int
             }
     }
 }
+
+// IQ4_NL and IQ4_XS blocks (kBlock elements, kBytes bytes): the decoders' weights, 32 at a time (iq4_weights32).
+template <bool XS>
+__attribute__((target("avx2"))) void iq4_avx2(const uint8_t * src, float * y, int64_t n_blocks) {
+    constexpr int kBlock = XS ? QK_K : 32, kBytes = XS ? 136 : 18;
+    for (int64_t b = 0; b < n_blocks; ++b, src += kBytes, y += kBlock) {
+        const float d = load_half(src);
+        for (int j = 0; j < kBlock / 32; ++j) {
+            __m256 w[4];
+            iq4_weights32(src + (XS ? 8 + 16 * j : 2), XS ? iq4_xs_scale(src, d, j) : d, w);
+            for (int i = 0; i < 4; ++i) _mm256_storeu_ps(y + 32 * j + 8 * i, w[i]);
+        }
+    }
+}
 #endif
 
 const TypeInfo kTypes[] = {
@@ -368,6 +374,8 @@ void dequantize_rows_f32(const TypeInfo & t, const uint8_t * src, float * dst, i
             case SPECTER_TYPE_Q8_0: return q8_0_avx2(src, dst, n_blocks);
             case SPECTER_TYPE_Q4_K: return q4_k_avx2(src, dst, n_blocks);
             case SPECTER_TYPE_Q6_K: return q6_k_avx2(src, dst, n_blocks);
+            case SPECTER_TYPE_IQ4_NL: return iq4_avx2<false>(src, dst, n_blocks);
+            case SPECTER_TYPE_IQ4_XS: return iq4_avx2<true>(src, dst, n_blocks);
             default: break;
         }
     }

@@ -49,8 +49,8 @@ float dot_f32(const float * a, const float * b, int64_t k) {
 
 // ---- one weight row dotted with up to four rows of x, decoded in registers --------------------------------
 // For each row of x, dot_f32 of the dequantized row bit for bit (the same lanes, order and rounding), without
-// writing the row out: F16, BF16, Q8_0, Q4_K and Q6_K with AVX2. A step covers x row t's 16 lanes with two 8-lane
-// sums acc[t][0..1]; each decoded group of 8 weights serves all N rows of x.
+// writing the row out: F16, BF16, Q8_0, Q4_K, Q6_K, IQ4_NL and IQ4_XS with AVX2. A step covers x row t's 16 lanes
+// with two 8-lane sums acc[t][0..1]; each decoded group of 8 weights serves all N rows of x.
 #ifdef SPECTER_X86_VECTORS
 __attribute__((target("avx2,f16c"))) inline __m256 halfs8_avx2(const uint16_t * h, bool bf) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i *>(h));
@@ -157,6 +157,26 @@ __attribute__((target("avx2"))) void dot_q6_k_avx2(const uint8_t * w, const floa
     for (int t = 0; t < N; ++t) out[t] = fold16_avx2(acc[t]);
 }
 
+// IQ4_NL (`block` 32 elements, 18 bytes) and IQ4_XS (256, 136): each run of 32 weights the decoder's d * level (with
+// IQ4_XS's sub-block scale), two 16-lane steps.
+template <int N, bool XS>
+__attribute__((target("avx2"))) void dot_iq4_avx2(const uint8_t * w, const float * const * xs, int64_t k,
+                                                  float * out) {
+    __m256 acc[N][2];
+    for (int t = 0; t < N; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    constexpr int64_t kBlock = XS ? 256 : 32, kBytes = XS ? 136 : 18;
+    for (int64_t i = 0; i < k; i += kBlock, w += kBytes) {
+        const float d = load_half(w);
+        for (int j = 0; j < kBlock / 32; ++j) {
+            __m256 wv[4];
+            iq4_weights32(w + (XS ? 8 + 16 * j : 2), XS ? iq4_xs_scale(w, d, j) : d, wv);
+            for (int part = 0; part < 4; ++part)
+                for (int t = 0; t < N; ++t) add_product(acc[t][part & 1], wv[part], xs[t] + i + 32 * j + 8 * part);
+        }
+    }
+    for (int t = 0; t < N; ++t) out[t] = fold16_avx2(acc[t]);
+}
+
 // A decoded row `a` (dot_f32's own input) dotted with N rows of x: one load of the row's elements serves them all.
 template <int N>
 __attribute__((target("avx2"))) void dot_f32_avx2(const float * a, const float * const * xs, int64_t k, float * out) {
@@ -182,6 +202,8 @@ bool dot_row_avx2(int type, const uint8_t * w, const float * const * xs, int64_t
         case SPECTER_TYPE_Q8_0: dot_q8_0_avx2<N>(w, xs, k, out); return true;
         case SPECTER_TYPE_Q4_K: dot_q4_k_avx2<N>(w, xs, k, out); return true;
         case SPECTER_TYPE_Q6_K: dot_q6_k_avx2<N>(w, xs, k, out); return true;
+        case SPECTER_TYPE_IQ4_NL: dot_iq4_avx2<N, false>(w, xs, k, out); return true;
+        case SPECTER_TYPE_IQ4_XS: dot_iq4_avx2<N, true>(w, xs, k, out); return true;
         default: return false;
     }
 }

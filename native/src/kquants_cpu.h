@@ -1,4 +1,4 @@
-// Pieces of the K-quant block layouts that the CPU decoders (dequant_cpu.cpp) and the fused row dots
+// Pieces of the K-quant and IQ4 block layouts that the CPU decoders (dequant_cpu.cpp) and the fused row dots
 // (kernels_cpu.cpp) share (internal header of libspecter).
 #pragma once
 
@@ -19,7 +19,31 @@ inline void k4_scale_min(const uint8_t * s, int j, int & sc, int & m) {
     }
 }
 
+// The 16 levels of an IQ4_NL or IQ4_XS quant (kvalues_iq4nl of ggml-common.h): a non-linear 4-bit code.
+alignas(16) inline constexpr int8_t kIq4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                      1,    13,   25,  38,  53,  69,  89,  113};
+
+// IQ4_XS: sub-block j's scale, d * (ls - 32), ls the 6-bit scale (nibble j of scales_l, low nibble first, with bits
+// 2j and 2j + 1 of scales_h above it) of block b.
+inline float iq4_xs_scale(const uint8_t * b, float d, int j) {
+    const int scales_h = b[2] | (b[3] << 8);
+    const int ls = ((b[4 + j / 2] >> (4 * (j % 2))) & 0x0f) | (((scales_h >> (2 * j)) & 3) << 4);
+    return d * float(ls - 32);
+}
+
 #ifdef SPECTER_X86_VECTORS
+// IQ4_NL / IQ4_XS: the 32 weights of 16 quant bytes (low nibbles elements 0..15, high 16..31), d * level[q] as
+// the decoder rounds them (one multiply), in four groups of 8.
+__attribute__((target("avx2"))) inline void iq4_weights32(const uint8_t * qs, float d, __m256 (&w)[4]) {
+    const __m128i levels = _mm_load_si128(reinterpret_cast<const __m128i *>(kIq4Levels));
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i *>(qs)), low = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_shuffle_epi8(levels, _mm_and_si128(q, low));
+    const __m128i hi = _mm_shuffle_epi8(levels, _mm_and_si128(_mm_srli_epi16(q, 4), low));
+    const __m256 dv = _mm256_set1_ps(d);
+    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[i])), dv);
+}
+
 // Q4_K: the scale and the offset of sub-block 2c + h of block b (scales d, dmin) as the decoder computes them.
 __attribute__((target("avx2"))) inline void q4_k_sub_block(const uint8_t * b, int c, int h, float d, float dmin,
                                                           __m256 & d1, __m256 & m1) {
