@@ -702,7 +702,8 @@ def quantize(model: Path, qtype: str, output: Path | None, threads: int, allow_r
     """Quantize MODEL (an F32/F16/BF16 GGUF) with llama.cpp's own quantizer.
 
     Routers and 1-D tensors stay F32 and llama.cpp's type mixes apply (Q4_K_M keeps some tensors at Q6_K);
-    K-quants need input dimensions that are multiples of 256, else llama.cpp picks another type per tensor.
+    K-quants and IQ4_XS need input dimensions that are multiples of 256, else llama.cpp picks another type per
+    tensor (for IQ4_XS, IQ4_NL).
     """
     from specter_gguf.gguf_file import GGUFFile
     from specter_gguf.quantize import quantize_with_progress, quantized_path
