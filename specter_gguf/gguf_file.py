@@ -138,6 +138,11 @@ class GGUFFile:
     def tensor(self, name: str, shape: tuple[int, ...] | None = None) -> GGUFTensor:
         """The tensor `name`, checked for presence, a supported type and (when given) its numpy-order shape."""
         t = self.tensors.get(name)
+        if t is None and is_routed_expert(name) and name.replace("_exps.weight", ".0.weight") in self.tensors:
+            raise SpecterError(f"{self.path}: the routed experts are stored one tensor each ('"
+                               f"{name.replace('_exps.weight', '.0.weight')}', ...), as llama.cpp's converter wrote "
+                               f"them until early 2024, where llama.cpp now reads '{name}' (a layer's experts in one "
+                               f"tensor) and refuses such files too; convert the model again with a current llama.cpp")
         if t is None:
             raise SpecterError(f"{self.path}: tensor '{name}' is missing; the file is incomplete or not a "
                                f"{self.get('general.architecture')} model as llama.cpp lays it out")

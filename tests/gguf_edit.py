@@ -15,8 +15,9 @@ DROP = object()
 def rewrite(src: Path, dst: Path, *, arch: str | None = None, kv: dict[str, Any] | None = None,
             tensors: dict[str, Any] | None = None, split_max_tensors: int = 0, metadata_first: bool = False) -> Path:
     """A copy of GGUF `src` at `dst` with edits. `arch`: a new general.architecture. `kv`: key -> DROP, or
-    (value, GGUFValueType) to set. `tensors`: name -> DROP, or (array, raw_dtype or None) to store instead
-    (raw_dtype given: `array` holds the raw bytes of that type, rows last). `split_max_tensors` > 0: split into
+    (value, GGUFValueType) to set. `tensors`: name -> DROP, or (array, raw_dtype or None) to store instead, or to
+    add after the others where `src` has no such tensor (raw_dtype given: `array` holds the raw bytes of that type,
+    rows last). `split_max_tensors` > 0: split into
     files of at most that many tensors, as llama.cpp's converter and `llama-gguf-split` do (gguf's writer names them
     `<dst stem>-00001-of-0000N.gguf`, ...), with `metadata_first` the first file holding no tensor (the converter's
     --no-tensor-first-split); returns the first."""
@@ -44,6 +45,11 @@ def rewrite(src: Path, dst: Path, *, arch: str | None = None, kv: dict[str, Any]
             continue
         quantized = t.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
         w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type if quantized else None)
+    present = {t.name for t in reader.tensors}
+    for name, edit in tensors.items():
+        if edit is not DROP and name not in present:
+            data, raw_dtype = edit
+            w.add_tensor(name, data, raw_dtype=raw_dtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -201,6 +201,17 @@ def directory(base: Path, d: Path) -> Path:
     return p
 
 
+
+def experts_one_tensor_each(base: Path, d: Path) -> Path:
+    """Mixtral's experts as llama.cpp's converter wrote them until early 2024: `blk.N.ffn_gate.E.weight`, ...."""
+    edits: dict[str, Any] = {}
+    for t in GGUFReader(base).tensors:
+        if t.name.endswith("_exps.weight"):
+            edits[t.name] = DROP
+            for e, rows in enumerate(np.asarray(t.data)):
+                edits[t.name.replace("_exps.weight", f".{e}.weight")] = (np.ascontiguousarray(rows), None)
+    return rewrite(base, d / "experts-one-each.gguf", tensors=edits)
+
 # A model split into files of at most SPLIT_TENSORS tensors each (the tiny model's 23 in four files), as llama.cpp's
 # `llama-gguf-split` and its converter's --split-max-tensors split models; each case in a folder of its own.
 SPLIT_TENSORS = 6
@@ -284,6 +295,9 @@ CASES: dict[str, tuple[Callable[[Path, Path], Path], str, bool]] = {
     "gap_in_data": (gap_before_last_tensor, r"output\.weight' data is at offset \d+, where llama\.cpp expects", True),
     "nonexistent": (nonexistent, r"no such file|does not exist", True),
     "directory": (directory, r"directory|not a file", True),
+    "experts_one_tensor_each": (experts_one_tensor_each, r"routed experts are stored one tensor each \('blk\.0\."
+                                r"ffn_gate\.0\.weight', \.\.\.\).*convert the model again with a current llama\.cpp",
+                                False),
     "split_second_file": (split_second_file, r"tiny-00002-of-00004\.gguf: file 2 of a model split into 4 files; "
                           r"give the first one, tiny-00001-of-00004\.gguf", True),
     "split_file_missing": (split_file_missing, r"tiny-00003-of-00004\.gguf: no such file; tiny-00001-of-00004\.gguf "
