@@ -89,9 +89,12 @@ class GGUFFile:
         self._check_vocabulary()
         self.paths = [self.path]
         readers = [reader]
-        n_split = self.get(SPLIT_COUNT, 1)
+        n_split = self._count(SPLIT_COUNT, 1)
         if n_split > 1:
-            index = self.get(SPLIT_NO, 0)
+            index = self._count(SPLIT_NO, 0)
+            if index >= n_split:
+                raise SpecterError(f"{self.path}: {SPLIT_NO} is {index}, not below {SPLIT_COUNT} ({n_split}); the "
+                                   f"file's metadata is corrupt — download or split the model again")
             if index != 0:
                 first = split_paths(self.path, index, n_split)[0]
                 raise SpecterError(f"{self.path}: file {index + 1} of a model split into {n_split} files; give the "
@@ -111,6 +114,14 @@ class GGUFFile:
             raise SpecterError(f"{self.path}: the {n_split} split files hold {len(self.tensors)} tensors where the "
                                f"first says {expected}; a file is incomplete — download or split the model again")
         _CHECKED.add(_identity(self.path))
+
+    def _count(self, key: str, default: int) -> int:
+        """The whole number >= 0 at metadata `key` (`default` when absent)."""
+        value = self.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise SpecterError(f"{self.path}: {key} is {value!r}, expected a whole number; the file's metadata is "
+                               f"corrupt — download or split the model again")
+        return value
 
     @property
     def file_bytes(self) -> int:

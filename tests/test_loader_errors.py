@@ -224,6 +224,10 @@ def split_model(base: Path, d: Path, name: str) -> list[Path]:
     return sorted(first.parent.glob("tiny-*-of-*.gguf"))
 
 
+def split_no_past_count(base: Path, d: Path) -> Path:
+    return rewrite(base, d / "split-no-past.gguf", kv={"split.count": (2, GGUFValueType.UINT16),
+                                                       "split.no": (5, GGUFValueType.UINT16)})
+
 def split_second_file(base: Path, d: Path) -> Path:
     return split_model(base, d, "split-second")[1]
 
@@ -298,6 +302,9 @@ CASES: dict[str, tuple[Callable[[Path, Path], Path], str, bool]] = {
     "experts_one_tensor_each": (experts_one_tensor_each, r"routed experts are stored one tensor each \('blk\.0\."
                                 r"ffn_gate\.0\.weight', \.\.\.\).*convert the model again with a current llama\.cpp",
                                 False),
+    "split_count_string": (kv_edit("split.count", "4", GGUFValueType.STRING),
+                           r"split\.count is '4', expected a whole number", True),
+    "split_no_past_count": (split_no_past_count, r"split\.no is 5, not below split\.count \(2\)", True),
     "split_second_file": (split_second_file, r"tiny-00002-of-00004\.gguf: file 2 of a model split into 4 files; "
                           r"give the first one, tiny-00001-of-00004\.gguf", True),
     "split_file_missing": (split_file_missing, r"tiny-00003-of-00004\.gguf: no such file; tiny-00001-of-00004\.gguf "
