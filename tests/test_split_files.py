@@ -71,19 +71,23 @@ def test_a_split_model_decodes_as_the_whole_file(split) -> None:
         assert got == want, prompt
 
 
-def test_offloaded_and_speculative_from_a_split_model(split, tmp_path: Path) -> None:
+def test_offloaded_and_speculative_from_a_split_model(split) -> None:
     """Under a budget the expert store serves each layer's experts from whichever file holds them, and a draft made
     from the split model by llama.cpp's quantizer (`draft="q4_k_m"`, which reads every file) is named after the
     model and drafts losslessly."""
     pytest.importorskip("llama_cpp")
     whole, first = split
-    plain = Model.load(whole, device="cpu", progress=False, ctx_size=256)
-    plan = plan_memory(GGUFFile(first), 1 << 40, 256, "cpu")  # eight slots a layer over the minimum: it evicts
-    spec = Model.load(first, device="cpu", progress=False, ctx_size=256, offload="lru", draft="q4_k_m", n_draft=4,
-                      gpu_budget=plan.minimum + 8 * plan.n_moe_layers * plan.slot_bytes)
-    made = draft_path(first, "q4_k_m")
-    assert made.name == "tiny-q4_k_m.gguf" and spec.draft.startswith(made.name)
+    made = resolve_draft(first, "q4_k_m", progress=False)
+    assert made == draft_path(first, "q4_k_m") and made.name == "tiny-q4_k_m.gguf"
     assert GGUFFile(made).get("split.count") is None  # one file
+    # the minimum and one slot a layer more: top-k + 1 of the 8 experts a layer, so the cache evicts and misses
+    plan = plan_memory(GGUFFile(first), 1 << 40, 256, "cpu", draft=GGUFFile(made))
+    budget = plan.minimum + plan.n_moe_layers * plan.slot_bytes
+    assert plan_memory(GGUFFile(first), budget, 256, "cpu", draft=GGUFFile(made)).n_slots < plan.n_experts_total
+    plain = Model.load(whole, device="cpu", progress=False, ctx_size=256)
+    spec = Model.load(first, device="cpu", progress=False, ctx_size=256, offload="lru", draft="q4_k_m", n_draft=4,
+                      gpu_budget=budget)
+    assert spec.draft.startswith(made.name)
     for prompt in PROMPTS:
         assert spec.generate(prompt, 32, GREEDY).wait().tokens == plain.generate(prompt, 32, GREEDY).wait().tokens
 
@@ -92,7 +96,7 @@ def test_a_draft_is_made_again_when_a_later_file_changes(split, tmp_path: Path) 
     """The record beside a draft of a split model covers every file of it: a later file replaced (here touched)
     makes the draft again, as a changed whole file does."""
     pytest.importorskip("llama_cpp")
-    whole, first = split
+    _, first = split
     files = [tmp_path / p.name for p in GGUFFile(first).paths]
     for src, dst in zip(GGUFFile(first).paths, files):
         shutil.copyfile(src, dst)
@@ -106,7 +110,7 @@ def test_a_draft_is_made_again_when_a_later_file_changes(split, tmp_path: Path) 
 
 
 def test_inspect_names_the_split(split) -> None:
-    whole, first = split
+    _, first = split
     result = CliRunner().invoke(cli, ["inspect", str(first)])
     assert result.exit_code == 0, result.output
     n_files = len(GGUFFile(first).paths)
