@@ -275,22 +275,28 @@ struct TQ2_K {  // uint8 scales[16]; uint8 qs[64]; f16 d, dmin
     }
 };
 
-// The 16 levels of an IQ4_NL / IQ4_XS quant (kvalues_iq4nl of ggml-common.h) as int8 bytes, four to a word.
+// The 16 levels of an IQ4_NL / IQ4_XS quant (kvalues_iq4nl of ggml-common.h), each plus 128 as a byte (1..241),
+// four to a word.
 constexpr uint32_t iq4_word(int a, int b, int c, int d) {
-    return uint32_t(uint8_t(a)) | uint32_t(uint8_t(b)) << 8 | uint32_t(uint8_t(c)) << 16 | uint32_t(uint8_t(d)) << 24;
+    return uint32_t(a + 128) | uint32_t(b + 128) << 8 | uint32_t(c + 128) << 16 | uint32_t(d + 128) << 24;
 }
 constexpr uint32_t kIq4Levels0 = iq4_word(-127, -104, -83, -65), kIq4Levels1 = iq4_word(-49, -35, -22, -10);
 constexpr uint32_t kIq4Levels2 = iq4_word(1, 13, 25, 38), kIq4Levels3 = iq4_word(53, 69, 89, 113);
 
-// The levels of four IQ4 quants (q: one index 0..15 a byte) as floats: two byte permutes pick each index's level
-// among levels 0..7 and 8..15 by its low three bits, its fourth bit chooses; the int8 levels, offset by 128, convert
-// exactly (quants_f4).
-__device__ __forceinline__ void iq4_levels_f4(uint32_t q, float * o) {
-    const uint32_t low3 = q & 0x07070707u, nibbles = low3 | (low3 >> 4);
-    const uint32_t sel = (nibbles & 0xffu) | ((nibbles >> 8) & 0xff00u);  // index t's low bits in nibble t
-    const uint32_t lo = __byte_perm(kIq4Levels0, kIq4Levels1, sel), hi = __byte_perm(kIq4Levels2, kIq4Levels3, sel);
-    const uint32_t upper = ((q >> 3) & 0x01010101u) * 0xffu;
-    quants_f4<true>(((lo & ~upper) | (hi & upper)) ^ 0x80808080u, 128.0f, o);
+// The levels of the eight IQ4 quants of w, the nibbles of four quant bytes (low nibbles elements 0..3 of a run, high
+// nibbles elements 16..19), as floats: lo[i] of low nibble i, hi[i] of high nibble i. Per two bytes, the four nibbles
+// select among levels 0..7 and 8..15 by their low three bits and a third permute picks by the fourth bit; two more
+// permutes sort low from high nibbles. The biased bytes convert exactly (quants_f4).
+__device__ __forceinline__ void iq4_levels_f8(uint32_t w, float * lo, float * hi) {
+    uint32_t two[2];  // bytes: element 2h's level, element 2h + 16's, 2h + 1's, 2h + 17's
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const uint32_t s = w >> (16 * h), low3 = s & 0x7777u;
+        const uint32_t a = __byte_perm(kIq4Levels0, kIq4Levels1, low3), b = __byte_perm(kIq4Levels2, kIq4Levels3, low3);
+        two[h] = __byte_perm(a, b, 0x3210u | ((s & 0x8888u) >> 1));
+    }
+    quants_f4<true>(__byte_perm(two[0], two[1], 0x6420), 128.0f, lo);
+    quants_f4<true>(__byte_perm(two[0], two[1], 0x7531), 128.0f, hi);
 }
 
 struct TIQ4_NL {  // f16 d; uint8 qs[16] laid out as Q4_0's, units as Q4_0's: value d * level[q]
@@ -299,9 +305,7 @@ struct TIQ4_NL {  // f16 d; uint8 qs[16] laid out as Q4_0's, units as Q4_0's: va
     template <bool EXACT>
     __device__ static void decode(const uint8_t * b, int u, float * v) {
         const float d = ldh(b);
-        const uint32_t w = ld32a2(b + 2 + 4 * u);
-        iq4_levels_f4(w & 0x0f0f0f0fu, v);
-        iq4_levels_f4((w >> 4) & 0x0f0f0f0fu, v + 4);
+        iq4_levels_f8(ld32a2(b + 2 + 4 * u), v, v + 4);
 #pragma unroll
         for (int i = 0; i < 8; ++i) v[i] = __fmul_rn(d, v[i]);
     }
@@ -316,11 +320,7 @@ struct TIQ4_XS {  // f16 d; uint16 scales_h; uint8 scales_l[4]; uint8 qs[128]
     __device__ static void decode(const uint8_t * b, int u, float * v) {
         const uint8_t * qs = b + 8 + 16 * u;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const uint32_t q = ld32(qs + 4 * i);
-            iq4_levels_f4(q & 0x0f0f0f0fu, v + 4 * i);
-            iq4_levels_f4((q >> 4) & 0x0f0f0f0fu, v + 16 + 4 * i);
-        }
+        for (int i = 0; i < 4; ++i) iq4_levels_f8(ld32(qs + 4 * i), v + 4 * i, v + 16 + 4 * i);
         const int scales_h = *reinterpret_cast<const uint16_t *>(b + 2);
         const int ls = ((b[4 + u / 2] >> (4 * (u & 1))) & 0x0f) | (((scales_h >> (2 * u)) & 3) << 4);
         const float dl = __fmul_rn(ldh(b), float(ls - 32));
