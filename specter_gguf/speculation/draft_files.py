@@ -1,11 +1,12 @@
 """Drafts made on demand: `--draft q4_k_m` (or `Model.load(draft="q4_k_m")`) quantizes the target with llama.cpp's
 quantizer (`quantize.quantize_with_progress`, a progress bar over tensors) the first time and reuses the file after.
 
-The file goes into `.specter-drafts/` beside the target, named `<target's name>-<type>.gguf` (`gguf_file.model_name`: a split model's without the split suffix); when the target's
-folder is not writable, into the user cache (`$SPECTER_CACHE`, else `$XDG_CACHE_HOME/specter-gguf`, else
-`~/.cache/specter-gguf`) under `drafts/<a hash of the target's path>/`. A JSON file beside each draft records the
-target's size and modification time (of a split model, of all its files) and the draft's size: a draft of a target
-that changed since, or a draft file that changed (e.g. cut short), is made again. A draft is written under a temporary name and renamed when
+The file goes into `.specter-drafts/` beside the target, named `<target's name>-<type>.gguf`
+(`gguf_file.model_name`: a split model's without the split suffix); when the target's folder is not writable, into
+the user cache (`$SPECTER_CACHE`, else `$XDG_CACHE_HOME/specter-gguf`, else `~/.cache/specter-gguf`) under
+`drafts/<a hash of the target's path>/`. A JSON file beside each draft records the target's size and modification
+time (of a split model, of all its files) and the draft's size: a draft of a target that changed since, or a draft
+file that changed (e.g. cut short), is made again. A draft is written under a temporary name and renamed when
 complete, so an interrupted quantization leaves no draft behind.
 """
 
