@@ -147,3 +147,13 @@ def test_llama_cpps_converter_split_runs_as_llama_cpp_runs_it(tmp_path_factory) 
         m = Model.load(path, device="cpu", progress=False, ctx_size=128)
         assert m.tokenizer.encode("def main():\n    return", add_bos=False, special=False) == prompt
         assert m.generate(prompt, 24, GREEDY).wait().tokens == expected, path
+
+
+def test_the_benchmark_sizes_a_split_model_by_all_its_files(split) -> None:
+    """Budgets given as shares of the target (`--budgets 50%`) and llama.cpp's -ncmoe estimate count every file."""
+    from specter_gguf.bench.llamacpp import ModelSizes
+
+    whole, first = split
+    sizes = ModelSizes.from_gguf(first)
+    assert sizes.file_bytes == GGUFFile(first).file_bytes > whole.stat().st_size
+    assert sizes.expert_bytes == ModelSizes.from_gguf(whole).expert_bytes

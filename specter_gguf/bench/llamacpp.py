@@ -66,7 +66,7 @@ class ModelSizes:
                 nonexpert += t.n_bytes
         head_dim_v = meta_value(f, f"{c.arch}.attention.value_length", c.n_embd // c.n_head)
         kv = c.n_layer * c.n_head_kv * (c.head_dim + head_dim_v) * 2
-        return cls(str(path), c.arch, c.n_layer, f.path.stat().st_size, cpu_only, nonexpert, experts, kv)
+        return cls(str(path), c.arch, c.n_layer, f.file_bytes, cpu_only, nonexpert, experts, kv)
 
     def gpu_bytes(self, n_cpu_moe: int, ctx_size: int) -> int:
         """Weights on the GPU with the experts of layers < n_cpu_moe on the CPU, plus the KV cache."""

@@ -141,12 +141,13 @@ def make_draft(target: Path, qtype: str, llama_bin: Path | None, log: Callable[[
     (llama-quantize --allow-requantize)."""
     qtype = qtype.lower()
     dst = quantized_path(target, qtype)
-    recipe = {"source": target.name, "source_bytes": target.stat().st_size, "qtype": qtype}
+    source_bytes = GGUFFile(target).file_bytes  # all of a split model's files
+    recipe = {"source": target.name, "source_bytes": source_bytes, "qtype": qtype}
     if _is_done(dst, recipe):
         log(f"reusing {dst}")
         return dst
     source_type, requantize = gguf_weight_type(target)
-    need = target.stat().st_size * QTYPE_SHARE.get(qtype, 0.6) / _SOURCE_SHARE.get(source_type, 1.0)
+    need = source_bytes * QTYPE_SHARE.get(qtype, 0.6) / _SOURCE_SHARE.get(source_type, 1.0)
     free = shutil.disk_usage(target.parent).free + (dst.stat().st_size if dst.exists() else 0)
     if need * 1.05 > free:
         raise SpecterError(f"{dst}: needs about {format_size(need)} but only {format_size(free)} is free")
