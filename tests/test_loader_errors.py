@@ -201,7 +201,6 @@ def directory(base: Path, d: Path) -> Path:
     return p
 
 
-
 def experts_one_tensor_each(base: Path, d: Path) -> Path:
     """Mixtral's experts as llama.cpp's converter wrote them until early 2024: `blk.N.ffn_gate.E.weight`, ...."""
     edits: dict[str, Any] = {}
@@ -211,6 +210,7 @@ def experts_one_tensor_each(base: Path, d: Path) -> Path:
             for e, rows in enumerate(np.asarray(t.data)):
                 edits[t.name.replace("_exps.weight", f".{e}.weight")] = (np.ascontiguousarray(rows), None)
     return rewrite(base, d / "experts-one-each.gguf", tensors=edits)
+
 
 # A model split into files of at most SPLIT_TENSORS tensors each (the tiny model's 23 in four files), as llama.cpp's
 # `llama-gguf-split` and its converter's --split-max-tensors split models; each case in a folder of its own.
@@ -227,6 +227,7 @@ def split_model(base: Path, d: Path, name: str) -> list[Path]:
 def split_no_past_count(base: Path, d: Path) -> Path:
     return rewrite(base, d / "split-no-past.gguf", kv={"split.count": (2, GGUFValueType.UINT16),
                                                        "split.no": (5, GGUFValueType.UINT16)})
+
 
 def split_second_file(base: Path, d: Path) -> Path:
     return split_model(base, d, "split-second")[1]
