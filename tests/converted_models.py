@@ -22,7 +22,8 @@ What is needed: `transformers` (with `tokenizers`), `sentencepiece`, and llama.c
 (``convert_hf_to_gguf.py`` with its ``conversion/`` and ``gguf-py/`` siblings). ``scripts/setup.sh`` installs
 the packages (pyproject's ``test`` extra) and extracts the converter of the installed llama-cpp-python's
 sdist into ``tests/.cache/llama.cpp-<version>``; ``SPECTER_LLAMA_CPP_DIR`` may name another llama.cpp tree.
-:func:`missing` says what is absent, for a test to skip on (or fail on, under CI).
+:func:`missing` says what is absent; :func:`skip_unless_present` skips a test on it (or fails it, under
+CI).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import sys
 import zlib
 from pathlib import Path
 
+import pytest
 from built_files import BuiltFiles
 
 REPO = Path(__file__).resolve().parent.parent
@@ -141,6 +143,18 @@ def missing() -> list[str]:
         out.append(f"llama.cpp's convert_hf_to_gguf.py (scripts/setup.sh extracts it into {CACHE}/llama.cpp-"
                    f"<llama-cpp-python version>; or set {CONVERTER_ENV})")
     return out
+
+
+def skip_unless_present(module_level: bool = False) -> None:
+    """Skip the calling test (its whole module with `module_level`) where `missing` names something absent; under
+    CI (`$CI` set) fail instead: there these tests must run."""
+    absent = missing()
+    if not absent:
+        return
+    why = "the converted-model tests need " + "; ".join(absent) + " (run scripts/setup.sh)"
+    if os.environ.get("CI"):
+        pytest.fail(why + " — under CI they must run", pytrace=False)
+    pytest.skip(why, allow_module_level=module_level)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -38,7 +38,6 @@ them these tests skip, or fail under CI. `pytest -s tests/test_converted.py` pri
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -55,12 +54,7 @@ from llama_reference import (FLOAT_MAX, FLOAT_MEDIAN, NEAR_TIE, PROMPT, QUANT_ME
 from specter_gguf.engine import Model  # noqa: E402
 from specter_gguf.sampling import SamplingParams  # noqa: E402
 
-_MISSING = cm.missing()
-if _MISSING:
-    _WHY = "the converted-model test set needs " + "; ".join(_MISSING) + " (run scripts/setup.sh)"
-    if os.environ.get("CI"):
-        pytest.fail(_WHY + " — under CI these tests must run", pytrace=False)
-    pytest.skip(_WHY, allow_module_level=True)
+cm.skip_unless_present(module_level=True)
 
 BF16_MEDIAN = BF16_MAX = 1e-2  # llama.cpp rounds activations to BF16 for BF16 weights (module docstring)
 OUTLIER = 4e-2  # quantized files, llama.cpp's routing forced: its 8-bit activations alone

@@ -124,11 +124,7 @@ def test_llama_cpps_converter_split_runs_as_llama_cpp_runs_it(tmp_path_factory) 
     files equal llama.cpp's on the same files and ours on the unsplit conversion."""
     import converted_models as cm
 
-    if cm.missing():
-        why = "needs " + "; ".join(cm.missing()) + " (run scripts/setup.sh)"
-        if os.environ.get("CI"):
-            pytest.fail(why + " — under CI this test must run", pytrace=False)
-        pytest.skip(why)
+    cm.skip_unless_present()
     from llama_reference import LlamaRefs
 
     converted = cm.ConvertedModels(tmp_path_factory.mktemp("converted-split"))

@@ -34,6 +34,7 @@ from built_files import BuiltFiles  # noqa: E402
 from specter_gguf.bench import model_files  # noqa: E402
 from specter_gguf.bench.model_files import estimate_bytes, gguf_weight_type, make_draft, make_target  # noqa: E402
 from specter_gguf.errors import SpecterError  # noqa: E402
+from specter_gguf.gguf_file import GGUFFile  # noqa: E402
 from specter_gguf.synthetic import q8_0  # noqa: E402
 from specter_gguf.synthetic.architectures import tensor_specs  # noqa: E402
 from specter_gguf.synthetic.bpe import tiny_tokenizer  # noqa: E402
@@ -217,7 +218,7 @@ def test_bench_makes_q8_0_target_and_requantized_draft(tmp_path: Path, monkeypat
     logs: list[str] = []
     target = make_target("tiny-qwen3moe", 1, tmp_path, "cpu", None, logs.append, target_type="q8_0")
     assert target.name == "tiny-qwen3moe-l1-q8_0.gguf" and "--dtype q8_0" in logs[0]
-    assert gguf_weight_type(target) == ("q8_0", True)
+    assert gguf_weight_type(GGUFFile(target)) == ("q8_0", True)
     assert make_target("tiny-qwen3moe", 1, tmp_path, "cpu", None, logs.append, target_type="q8_0") == target
     assert logs[-1].startswith("reusing")
     with pytest.raises(SpecterError, match="target type"):

@@ -141,13 +141,13 @@ def make_draft(target: Path, qtype: str, llama_bin: Path | None, log: Callable[[
     (llama-quantize --allow-requantize)."""
     qtype = qtype.lower()
     dst = quantized_path(target, qtype)
-    source_bytes = GGUFFile(target).file_bytes  # all of a split model's files
-    recipe = {"source": target.name, "source_bytes": source_bytes, "qtype": qtype}
+    source = GGUFFile(target)
+    recipe = {"source": target.name, "source_bytes": source.file_bytes, "qtype": qtype}  # all of a split model's
     if _is_done(dst, recipe):
         log(f"reusing {dst}")
         return dst
-    source_type, requantize = gguf_weight_type(target)
-    need = source_bytes * QTYPE_SHARE.get(qtype, 0.6) / _SOURCE_SHARE.get(source_type, 1.0)
+    source_type, requantize = gguf_weight_type(source)
+    need = source.file_bytes * QTYPE_SHARE.get(qtype, 0.6) / _SOURCE_SHARE.get(source_type, 1.0)
     free = shutil.disk_usage(target.parent).free + (dst.stat().st_size if dst.exists() else 0)
     if need * 1.05 > free:
         raise SpecterError(f"{dst}: needs about {format_size(need)} but only {format_size(free)} is free")
@@ -172,10 +172,9 @@ def make_draft(target: Path, qtype: str, llama_bin: Path | None, log: Callable[[
 _SOURCE_SHARE = {"f32": 2.0, "f16": 1.0, "bf16": 1.0, **QTYPE_SHARE}
 
 
-def gguf_weight_type(path: Path) -> tuple[str, bool]:
-    """(the llama ftype name of `path`'s general.file_type, e.g. "f16" or "q8_0", "" when absent or unknown;
-    whether any tensor is stored in a quantized type, i.e. llama.cpp's quantizer needs --allow-requantize)."""
-    f = GGUFFile(path)
+def gguf_weight_type(f: GGUFFile) -> tuple[str, bool]:
+    """(the llama ftype name of `f`'s general.file_type, e.g. "f16" or "q8_0", "" when absent or unknown; whether
+    any tensor is stored in a quantized type, i.e. llama.cpp's quantizer needs --allow-requantize)."""
     file_type = f.get("general.file_type")
     names = {v: k for k, v in FTYPES.items()}
     name = names.get(int(file_type), "") if file_type is not None else ""
