@@ -61,6 +61,8 @@ L2_DEFEAT_BYTES = 384 << 20  # cycle through at least this much weight memory
 TYPES = {"Q8_0": native.Q8_0, "Q4_0": native.Q4_0, "Q4_1": native.Q4_1, "Q5_0": native.Q5_0,
          "Q5_1": native.Q5_1, "Q2_K": native.Q2_K, "Q3_K": native.Q3_K, "Q4_K": native.Q4_K,
          "Q5_K": native.Q5_K, "Q6_K": native.Q6_K, "IQ4_NL": native.IQ4_NL, "IQ4_XS": native.IQ4_XS,
+         "IQ3_S": native.IQ3_S, "IQ3_XXS": native.IQ3_XXS, "IQ2_S": native.IQ2_S, "IQ2_XS": native.IQ2_XS,
+         "IQ2_XXS": native.IQ2_XXS, "IQ1_M": native.IQ1_M, "IQ1_S": native.IQ1_S,
          "F16": native.F16, "BF16": native.BF16}
 SHAPES = {"qwen 2048->1408": (1408, 2048), "qwen 1408->2048": (2048, 1408),
           "phi 4096->6400": (6400, 4096), "phi 6400->4096": (4096, 6400)}
@@ -354,6 +356,7 @@ def main() -> int:
     ap.add_argument("--out", default="bench-out", help="directory for bench_kernels.json")
     ap.add_argument("--iters", type=int, default=200, help="calls per captured CUDA graph")
     ap.add_argument("--quick", action="store_true", help="Q8_0/Q4_K/F16 only")
+    ap.add_argument("--types", default=None, help=f"GEMV types, comma-separated (default all: {','.join(TYPES)})")
     ap.add_argument("--only", choices=["kernels", "moe", "dense", "decode", "sampling", "attention"], default=None,
                     help="run one part")
     ap.add_argument("--decode-model", type=Path, default=None, help="GGUF for the whole-model decode part")
@@ -367,7 +370,9 @@ def main() -> int:
     dev = torch.device("cuda")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    types = ["Q8_0", "Q4_K", "F16"] if args.quick else list(TYPES)
+    types = ["Q8_0", "Q4_K", "F16"] if args.quick else args.types.upper().split(",") if args.types else list(TYPES)
+    if unknown := [t for t in types if t not in TYPES]:
+        ap.error(f"--types: unknown {', '.join(unknown)}; known: {', '.join(TYPES)}")
     t0 = time.time()
     result = dict(date=time.strftime("%Y-%m-%d %H:%M:%S"), gpu=torch.cuda.get_device_name(dev),
                   torch=torch.__version__, command=" ".join(sys.argv))

@@ -19,7 +19,7 @@ from specter_gguf.engine import (DEFAULT_HYBRID, DRAFT_TYPES, HYBRID_CHOICES, MA
 from specter_gguf.errors import ContextFullError, SpecterError
 from specter_gguf.gguf_file import model_name
 from specter_gguf.outputs import check_output_file, check_output_folder
-from specter_gguf.quantize import FTYPES
+from specter_gguf.quantize import FTYPES, NEEDS_IMATRIX, needs_imatrix_message
 from specter_gguf.sizes import format_size, parse_size
 
 
@@ -686,10 +686,18 @@ def _read_stdin_line() -> str:
     return raw.readline().decode("utf-8") if raw is not None else sys.stdin.readline()
 
 
+def _quantization_type(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    key = value.strip().lower()
+    if key in NEEDS_IMATRIX:
+        raise click.BadParameter(needs_imatrix_message(key))
+    if key not in FTYPES:
+        raise click.BadParameter(f"{value!r} is not one of {', '.join(FTYPES)}")
+    return key
+
+
 @cli.command()
 @model_argument(required=True)
-@click.option("-t", "--type", "qtype", required=True,
-              type=click.Choice(list(FTYPES), case_sensitive=False), metavar="TYPE",
+@click.option("-t", "--type", "qtype", required=True, callback=_quantization_type, metavar="TYPE",
               help=f"Quantization type: {', '.join(FTYPES)} (q4_k_m is a good default, q2_k the smallest).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Output file (default: next to MODEL, named after it and the type, e.g. model-q4_k_m.gguf).")
@@ -702,8 +710,9 @@ def quantize(model: Path, qtype: str, output: Path | None, threads: int, allow_r
     """Quantize MODEL (an F32/F16/BF16 GGUF) with llama.cpp's own quantizer.
 
     Routers and 1-D tensors stay F32 and llama.cpp's type mixes apply (Q4_K_M keeps some tensors at Q6_K);
-    K-quants and IQ4_XS need input dimensions that are multiples of 256, else llama.cpp picks another type per
-    tensor (for IQ4_XS, IQ4_NL).
+    K-quants and IQ types need input dimensions that are multiples of 256, else llama.cpp picks another type per
+    tensor (for IQ types, IQ4_NL). IQ1/IQ2 and IQ3_XXS/IQ3_XS files need an importance matrix: make them with
+    llama.cpp's llama-quantize --imatrix (they load here).
     """
     from specter_gguf.gguf_file import GGUFFile
     from specter_gguf.quantize import quantize_with_progress, quantized_path

@@ -36,7 +36,7 @@ VOCAB_ARRAYS = {VOCAB_KEY: GGUFValueType.STRING, "tokenizer.ggml.merges": GGUFVa
 _CHECKED: set[tuple[str, int, int]] = set()  # (path, size, mtime) of files GGUFFile has opened and checked
 
 SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K,
-                   T.Q6_K, T.IQ4_NL, T.IQ4_XS)
+                   T.Q6_K, T.IQ1_S, T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ4_NL, T.IQ4_XS)
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 
 # A model split into several files (llama.cpp's `llama-gguf-split`, or its converter's --split-max-*): each file

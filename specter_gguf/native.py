@@ -27,7 +27,8 @@ _FIX = "reinstall with `pip install .` (needs cmake and a C++ compiler)"
 
 # ggml type ids (same numbering as ggml.h / gguf.GGMLQuantizationType).
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14
-IQ4_NL, IQ4_XS, BF16 = 20, 23, 30
+IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ4_NL, IQ3_S, IQ2_S, IQ4_XS, IQ1_M = 16, 17, 18, 19, 20, 21, 22, 23, 29
+BF16 = 30
 
 _lock = threading.Lock()
 _handle: tuple[Any, Any] | None = None  # (ffi, lib)

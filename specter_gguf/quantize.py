@@ -33,10 +33,16 @@ FTYPES: dict[str, int] = {
     "q5_k_s": 16,
     "q5_k_m": 17,
     "q6_k": 18,
+    "iq3_s": 26,
+    "iq3_m": 27,
     "iq4_nl": 25,
     "iq4_xs": 30,
     "bf16": 32,
 }
+
+# llama.cpp's quantizer makes these only with an importance matrix (IQ1/IQ2 and IQ3_XXS tensors), which it takes
+# from llama-quantize's --imatrix file alone: such files are made with llama-quantize, and load here.
+NEEDS_IMATRIX = ("iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq2_s", "iq2_m", "iq3_xxs", "iq3_xs")
 
 _DTYPE_SUFFIXES = ("-f32", "-f16", "-bf16", ".f32", ".f16", ".bf16", "_f32", "_f16", "_bf16")
 
@@ -44,9 +50,17 @@ _DTYPE_SUFFIXES = ("-f32", "-f16", "-bf16", ".f32", ".f16", ".bf16", "_f32", "_f
 def ftype_for(qtype: str) -> int:
     """llama_ftype number for a type name such as 'q4_k_m' (case-insensitive)."""
     key = qtype.strip().lower()
+    if key in NEEDS_IMATRIX:
+        raise SpecterError(needs_imatrix_message(key))
     if key not in FTYPES:
         raise SpecterError(f"unknown quantization type {qtype!r}; valid types: {', '.join(FTYPES)}")
     return FTYPES[key]
+
+
+def needs_imatrix_message(qtype: str) -> str:
+    return (f"{qtype} needs an importance matrix, which llama.cpp's quantizer takes only from llama-quantize: make the "
+            f"file with `llama-quantize --imatrix IMATRIX.gguf MODEL OUT {qtype.upper()}` and give it here (it loads; "
+            f"as a draft, --draft OUT); or pick a type without one: {', '.join(FTYPES)}")
 
 
 def quantized_path(src: str | Path, qtype: str) -> Path:

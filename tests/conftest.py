@@ -6,8 +6,11 @@ under pytest's tmp dir and reused by every later test:
 - ``arch``: a GGUF ``general.architecture`` of :data:`specter_gguf.synthetic.shapes.TINY_ARCH_PRESETS`
   (``qwen2moe``, ``qwen3moe``, ``llama`` = Mixtral-style, ``olmoe``);
 - ``kind``: ``f32`` or ``f16`` (written by the synthetic writer, same seed: the F16 file is the F32 one
-  rounded), or ``q8_0`` / ``q4_k_m`` / ``q2_k`` / ``iq4_xs`` / ``iq4_nl`` (llama.cpp's quantizer applied to the
-  F16 file; these need llama-cpp-python and skip the test without it).
+  rounded), or ``q8_0`` / ``q4_k_m`` / ``q2_k`` / ``iq4_xs`` / ``iq4_nl`` / ``iq3_s`` (llama.cpp's model quantizer
+  applied to the F16 file), or ``iq1_s`` / ``iq1_m`` / ``iq2_xxs`` / ``iq2_xs`` / ``iq2_s`` / ``iq3_xxs`` (the F16
+  file with its routed experts quantized by llama.cpp's block quantizer with an importance matrix, as
+  llama-quantize --imatrix makes such files: tests/ggml_quantizer.py). The quantized kinds need llama-cpp-python
+  and skip the test without it.
 
 ``shipped_model`` is models/tiny-qwen2moe.gguf, the model that ships with the repository: a small MoE trained on
 the Python standard library (docs/TINY_MODEL.md; 4 layers, context 512). The random-weight model that shipped
@@ -27,8 +30,9 @@ from specter_gguf.synthetic.shapes import PRESETS, TINY_ARCH_PRESETS
 from specter_gguf.synthetic.writer import write_synthetic
 
 TINY_WRITTEN = ("f32", "f16")
-TINY_QUANTIZED = ("q8_0", "q4_k_m", "q2_k", "iq4_xs", "iq4_nl")
-TINY_KINDS = TINY_WRITTEN + TINY_QUANTIZED
+TINY_QUANTIZED = ("q8_0", "q4_k_m", "q2_k", "iq4_xs", "iq4_nl", "iq3_s")
+TINY_IQ_EXPERTS = ("iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs")
+TINY_KINDS = TINY_WRITTEN + TINY_QUANTIZED + TINY_IQ_EXPERTS
 TINY_SEED = 0
 
 
@@ -49,6 +53,12 @@ class TinyModels(BuiltFiles):
             write_synthetic(path, preset, kind, seed=TINY_SEED)
             return path
         pytest.importorskip("llama_cpp")
+        if kind in TINY_IQ_EXPERTS:
+            from gguf import GGMLQuantizationType
+
+            from ggml_quantizer import experts_copy
+
+            return experts_copy(self[(arch, "f16")], path, GGMLQuantizationType[kind.upper()])
         from specter_gguf.quantize import quantize_gguf
 
         quantize_gguf(self[(arch, "f16")], path, kind, n_threads=2)

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and native.has_cu
                                 reason="needs a CUDA GPU and libspecter built with CUDA")
 
 ARCHS = ["qwen2moe", "qwen3moe", "llama", "olmoe", "tiny-deepseek2", "tiny-deepseek2-lite", "tiny-phimoe"]
-KINDS = ["f16", "q8_0", "q4_k_m", "q2_k", "iq4_xs", "iq4_nl"]
+KINDS = ["f16", "q8_0", "q4_k_m", "q2_k", "iq4_xs", "iq4_nl", "iq3_s", "iq2_xxs", "iq2_s", "iq1_m"]
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -38,16 +38,18 @@ TOL_F16 = 1.5e-3
 TOL_MOE = 1e-4
 ERR_BAD_SHAPE = -3
 
+IQ_GRID_TYPES = [GT.IQ1_S, GT.IQ1_M, GT.IQ2_XXS, GT.IQ2_XS, GT.IQ2_S, GT.IQ3_XXS, GT.IQ3_S]
 QUANT_TYPES = [GT.Q8_0, GT.Q4_0, GT.Q4_1, GT.Q5_0, GT.Q5_1, GT.Q2_K, GT.Q3_K, GT.Q4_K, GT.Q5_K, GT.Q6_K, GT.IQ4_NL,
-               GT.IQ4_XS]
+               GT.IQ4_XS, *IQ_GRID_TYPES]
 FLOAT_TYPES = [GT.F16, GT.BF16, GT.F32]
 ALL_TYPES = QUANT_TYPES + FLOAT_TYPES
 M_VALUES = [1, 2, 3, 7, 8, 9, 16, 33, 64]
 
-# Types made of random blocks (gguf's quantizer has no K-quants or IQ4 types): the offsets of their fp16 (super-)block
-# scale fields (d, and dmin where there is one), set to small scales
+# Types made of random blocks (gguf's quantizer has no K-quants or IQ types): the offsets of their fp16 (super-)block
+# scale fields (d, and dmin where there is one), set to small scales (IQ1_M's d is spread over its scale words)
 RANDOM_BLOCK_SCALES = {GT.Q2_K: (80, 82), GT.Q3_K: (108,), GT.Q4_K: (0, 2), GT.Q5_K: (0, 2), GT.Q6_K: (208,),
-                       GT.IQ4_NL: (0,), GT.IQ4_XS: (0,)}
+                       GT.IQ4_NL: (0,), GT.IQ4_XS: (0,), GT.IQ1_M: (),
+                       **{t: (0,) for t in IQ_GRID_TYPES if t != GT.IQ1_M}}
 
 
 def _has_cuda() -> bool:
@@ -71,6 +73,13 @@ def make_weight(qtype: GT, rows: int, cols: int, rng: np.random.Generator) -> tu
         for off in RANDOM_BLOCK_SCALES[qtype]:
             scale = (rng.uniform(0.5e-3, 4e-3, size=raw.shape[0]) * rng.choice([-1, 1], raw.shape[0]))
             raw[:, off:off + 2] = scale.astype(np.float16).view(np.uint8).reshape(-1, 2)
+        if qtype == GT.IQ1_M:  # its fp16 d is the top nibbles of the four 16-bit scale words (bytes 48..55)
+            d = (rng.uniform(0.5e-3, 4e-3, size=raw.shape[0]) * rng.choice([-1, 1], raw.shape[0]))
+            d = d.astype(np.float16).view(np.uint16)
+            words = raw[:, 48:56].copy().view(np.uint16)
+            for i in range(4):
+                words[:, i] = (words[:, i] & 0x0FFF) | (((d >> (4 * i)) & 0xF) << 12)
+            raw[:, 48:56] = words.view(np.uint8)
         raw = raw.reshape(rows, -1)
     elif qtype == GT.F32:
         raw = rng.standard_normal((rows, cols)).astype(np.float32).view(np.uint8)
@@ -191,7 +200,8 @@ def test_qmatmul_f16_input_and_python_api(device: str) -> None:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("qtype,k", [(GT.Q4_K, 512), (GT.Q8_0, 544), (GT.F16, 520), (GT.BF16, 520), (GT.IQ4_XS, 512),
-                                     (GT.IQ4_NL, 544)], ids=lambda v: v.name if isinstance(v, GT) else str(v))
+                                     (GT.IQ4_NL, 544), (GT.IQ2_XXS, 512), (GT.IQ3_S, 512), (GT.IQ1_M, 512)],
+                         ids=lambda v: v.name if isinstance(v, GT) else str(v))
 def test_gemv_rows_independent_of_batch(device: str, qtype: GT, k: int) -> None:
     """GEMV: each output row depends on its input row only (bitwise), whatever m is (on CUDA passes of 8 rows
     and a remainder: 9 = 8 + 1, 14 = 8 + 6, 19 = 16 + 3; on the CPU a few rows of x take the fused decode-and-dot
@@ -343,7 +353,8 @@ def run_moe(x, ids, wts, table: ExpertTable, device: str, accumulate_into: np.nd
 
 MOE_TYPES = [(t, t, t) for t in ALL_TYPES] + [(GT.Q4_K, GT.Q4_K, GT.Q6_K), (GT.Q4_K, GT.Q8_0, GT.Q5_K),
                                               (GT.Q2_K, GT.Q3_K, GT.Q4_0), (GT.Q4_K, GT.Q4_K, GT.Q5_0),
-                                              (GT.Q4_1, GT.Q5_1, GT.Q5_0)]
+                                              (GT.Q4_1, GT.Q5_1, GT.Q5_0), (GT.IQ2_XXS, GT.IQ2_XXS, GT.IQ3_S),
+                                              (GT.IQ1_S, GT.IQ1_S, GT.IQ2_XS)]
 
 
 def moe_experts(types: tuple[GT, GT, GT], E: int, d: int, f: int, rng: np.random.Generator, device: str):

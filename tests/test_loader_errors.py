@@ -115,15 +115,15 @@ def wrong_shape(base: Path, d: Path) -> Path:
     return rewrite(base, d / "wrong-shape.gguf", tensors={"blk.0.attn_q.weight": (bad, None)})
 
 
-def iq3_s_tensor(base: Path, d: Path) -> Path:
-    raw = raw_blocks(GGMLQuantizationType.IQ3_S, 256, 256)
-    return rewrite(base, d / "iq3_s.gguf", tensors={"blk.0.attn_q.weight": (raw, GGMLQuantizationType.IQ3_S)})
+def tq2_0_tensor(base: Path, d: Path) -> Path:
+    raw = raw_blocks(GGMLQuantizationType.TQ2_0, 256, 256)
+    return rewrite(base, d / "tq2_0.gguf", tensors={"blk.0.attn_q.weight": (raw, GGMLQuantizationType.TQ2_0)})
 
 
-def iq2_xs_tensor(base: Path, d: Path) -> Path:
-    raw = np.stack([raw_blocks(GGMLQuantizationType.IQ2_XS, 256, 256, seed=e) for e in range(8)])
-    return rewrite(base, d / "iq2_xs.gguf",
-                   tensors={"blk.1.ffn_gate_exps.weight": (raw, GGMLQuantizationType.IQ2_XS)})
+def mxfp4_tensor(base: Path, d: Path) -> Path:
+    raw = np.stack([raw_blocks(GGMLQuantizationType.MXFP4, 256, 256, seed=e) for e in range(8)])
+    return rewrite(base, d / "mxfp4.gguf",
+                   tensors={"blk.1.ffn_gate_exps.weight": (raw, GGMLQuantizationType.MXFP4)})
 
 
 def duplicate_token(base: Path, d: Path) -> Path:
@@ -271,8 +271,8 @@ CASES: dict[str, tuple[Callable[[Path, Path], Path], str, bool]] = {
     "no_layers": (no_layers, r"block_count is 0.*no layers", True),
     "missing_tensor": (missing_tensor, r"blk\.1\.ffn_up_exps\.weight.*missing", False),
     "wrong_shape": (wrong_shape, r"blk\.0\.attn_q\.weight.*shape", False),
-    "iq3_s_tensor": (iq3_s_tensor, r"blk\.0\.attn_q\.weight.*IQ3_S.*not supported", False),
-    "iq2_xs_tensor": (iq2_xs_tensor, r"blk\.1\.ffn_gate_exps\.weight.*IQ2_XS.*not supported", False),
+    "tq2_0_tensor": (tq2_0_tensor, r"blk\.0\.attn_q\.weight.*TQ2_0.*not supported", False),
+    "mxfp4_tensor": (mxfp4_tensor, r"blk\.1\.ffn_gate_exps\.weight.*MXFP4.*not supported", False),
     "duplicate_token": (duplicate_token, r"token id 5 \(.*\) repeats the text of token id 4", True),
     "invalid_utf8_token": (invalid_utf8_token, r"tokenizer\.ggml\.tokens' token id 7 is not valid UTF-8", True),
     "nul_in_token": (nul_in_token, r"token id 9 \(.*, up to its NUL\) repeats the text of token id 8", True),

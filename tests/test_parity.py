@@ -1,8 +1,8 @@
 """Parity with llama.cpp: the same GGUF file, the same tokens, the same logits (and greedy tokens).
 
-For every architecture (qwen2moe, qwen3moe, llama/Mixtral, olmoe) and every file type (F32, F16, Q8_0,
-Q4_K_M, Q2_K) our engine on the CPU is compared with llama.cpp (llama-cpp-python) on the same file, position
-by position: error = max|ours - ref| / max|ref| per position. Bounds (DESIGN.md, "The bar"):
+For every architecture (qwen2moe, qwen3moe, llama/Mixtral, olmoe) and every file type (F32, F16; llama.cpp's mixes
+Q8_0, Q4_K_M, Q2_K, IQ4_XS, IQ4_NL, IQ3_S; routed experts in IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS) our
+engine on the CPU is compared with llama.cpp (llama-cpp-python) on the same file, position by position: error = max|ours - ref| / max|ref| per position. Bounds (DESIGN.md, "The bar"):
 
 - F32/F16: median <= 2e-3 and max <= 5e-3;
 - quantized: median <= 2.5e-2 and max <= 1.5e-1. llama.cpp's CPU path quantizes *activations* to 8 bits
@@ -38,7 +38,9 @@ from specter_gguf.sampling import SamplingParams  # noqa: E402
 
 ARCHS = ("qwen2moe", "qwen3moe", "llama", "olmoe")
 FLOAT_KINDS = ("f32", "f16")
-QUANT_KINDS = ("q8_0", "q4_k_m", "q2_k", "iq4_xs", "iq4_nl")
+MIX_KINDS = ("q8_0", "q4_k_m", "q2_k", "iq4_xs", "iq4_nl", "iq3_s")  # llama.cpp's model quantizer's mixes
+IQ_EXPERT_KINDS = ("iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs")  # routed experts by its block quantizer
+QUANT_KINDS = MIX_KINDS + IQ_EXPERT_KINDS
 KINDS = FLOAT_KINDS + QUANT_KINDS
 
 # On quantized files llama.cpp's 8-bit activations alone give per-position errors of ~1-2.5e-2 on these
@@ -53,7 +55,8 @@ N_CTX = 128
 
 # The type llama.cpp's quantizer gives the routed experts' gate/up matrices in each mix (down may differ:
 # Q4_K_M uses Q6_K for some layers' ffn_down, Q2_K uses Q3_K).
-EXPERT_TYPE = {"q8_0": "Q8_0", "q4_k_m": "Q4_K", "q2_k": "Q2_K", "iq4_xs": "IQ4_XS", "iq4_nl": "IQ4_NL"}
+EXPERT_TYPE = {"q8_0": "Q8_0", "q4_k_m": "Q4_K", "q2_k": "Q2_K", "iq4_xs": "IQ4_XS", "iq4_nl": "IQ4_NL", "iq3_s": "IQ3_S",
+               **{kind: kind.upper() for kind in IQ_EXPERT_KINDS}}
 
 RESULTS: dict[tuple[str, str, str], tuple[float, float]] = {}  # (arch, kind, reference) -> (median, max)
 
@@ -112,9 +115,10 @@ def test_logits_match_llama_cpp(arch: str, kind: str, tiny_models, refs: LlamaRe
     agree = float((ours.argmax(1) == ref.argmax(1)).mean())  # informative: random heads have close top-2s
     msg = f"{arch} {kind}: {describe(err)}; same argmax at {agree:.0%} of positions; {routing}"
     print(f"\n{arch} {kind} vs llama.cpp: {msg}")
-    assert med <= bound_med and mx <= bound_max, f"{msg} (bounds: median {bound_med}, max {bound_max})"
-
-    if diffs:
+    assert med <= bound_med, f"{msg} (bound: median {bound_med})"
+    if not diffs:
+        assert mx <= bound_max, f"{msg} (bound: max {bound_max})"
+    else:
         # With llama.cpp's expert choices forced, every position is at the level its arithmetic alone
         # gives (F16/F32: the float bounds; quantized: 8-bit activations): the outliers were routing flips.
         forced, _, _ = run_routed(m, tokens, force=ref_routing)
@@ -140,27 +144,40 @@ def test_quantized_logits_match_llama_cpp_on_dequantized_weights(arch: str, kind
     f32_copy = dequantized_copy(path, tmp_path_factory.mktemp("dequantized") / f"{path.stem}-as-f32.gguf")
     m = our_model(models, path)
     tokens = tokens_for(m, refs[path])
-    ours = m.logits(tokens)
+    ours, our_routing, margin_of = run_routed(m, tokens)
     ref = refs.logits(f32_copy, tokens)
     err = position_errors(ours, ref)
     med, mx = float(np.median(err)), float(err.max())
     RESULTS[(arch, kind, "llama.cpp on F32 copy")] = (med, mx)
     msg = f"{arch} {kind} (quantized file) vs llama.cpp on its dequantized F32 copy: {describe(err)}"
     print("\n" + msg)
-    assert med <= FLOAT_MEDIAN and mx <= FLOAT_MAX, f"{msg} (bounds: median {FLOAT_MEDIAN}, max {FLOAT_MAX})"
+    assert med <= FLOAT_MEDIAN, f"{msg} (bound: median {FLOAT_MEDIAN})"
+    if mx > FLOAT_MAX:
+        # float rounding alone flips a top-k choice where our router nearly ties: with llama.cpp's choices forced,
+        # every position is back within the float bound
+        ref_routing, _ = llama_routing(refs[f32_copy], tokens)
+        diffs = routing_differences(our_routing, ref_routing)
+        assert diffs, f"{msg} (bound: max {FLOAT_MAX}), with the same routing as llama.cpp's"
+        forced, _, _ = run_routed(m, tokens, force=ref_routing)
+        ferr = position_errors(forced, ref)
+        print(f"  with llama.cpp's routing forced: {describe(ferr)}")
+        assert ferr.max() <= FLOAT_MAX, f"{msg}; with llama.cpp's routing forced still {describe(ferr)}"
+        assert_flips_are_near_ties(diffs, margin_of, NEAR_TIE, msg, earlier_positions=True)
 
 
 @pytest.mark.parametrize("kind", QUANT_KINDS)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_quantized_copies_hold_quantized_experts(arch: str, kind: str, tiny_models) -> None:
-    """The quantized path really is exercised: routed experts are stored as the mix's type, and no matrix
-    is left in F16."""
+    """The quantized path really is exercised: routed experts are stored as the mix's type, and in llama.cpp's mixes
+    no matrix is left in F16."""
     from gguf import GGUFReader
 
     reader = GGUFReader(tiny_models[(arch, kind)])
     types = {t.name: t.tensor_type.name for t in reader.tensors}
     gate_up = {n: ty for n, ty in types.items() if "ffn_gate_exps" in n or "ffn_up_exps" in n}
     assert gate_up and set(gate_up.values()) == {EXPERT_TYPE[kind]}, f"{kind}: expert types {gate_up}"
+    if kind in IQ_EXPERT_KINDS:
+        return
     matrices = {n: ty for n, ty in types.items() if ty in ("F16", "BF16")}
     assert not matrices, f"{kind}: tensors left unquantized: {matrices}"
     quantized = [n for n, ty in types.items() if ty not in ("F32", "F16", "BF16")]

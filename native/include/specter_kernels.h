@@ -13,7 +13,7 @@
  * Weights are in GGUF block layout exactly as stored in the file: a matrix W [n, k] is n rows of
  * k elements each, row r at byte offset r * row_size(type, k). k must be a multiple of the type's
  * block (SPECTER_ERR_BAD_SHAPE otherwise). Types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
- * Q2_K..Q6_K, IQ4_NL, IQ4_XS.
+ * Q2_K..Q6_K, IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS.
  * All accumulation is float32.
  */
 #ifndef SPECTER_KERNELS_H

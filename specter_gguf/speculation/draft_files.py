@@ -20,7 +20,7 @@ from pathlib import Path
 
 from specter_gguf.errors import SpecterError
 from specter_gguf.gguf_file import model_name, named_files
-from specter_gguf.quantize import FTYPES, quantize_with_progress
+from specter_gguf.quantize import FTYPES, NEEDS_IMATRIX, needs_imatrix_message, quantize_with_progress
 
 DRAFT_TYPES = ("q2_k", "q3_k_m", "q4_k_m", "q8_0")
 """The draft types the help names (any llama.cpp type of `quantize.FTYPES` is accepted)."""
@@ -67,8 +67,11 @@ def draft_file_or_type(draft: str | os.PathLike[str]) -> Path | str:
     """`draft` as `--draft` takes it: a type name (lower case) or an existing file (a file named like a type
     wins)."""
     path = Path(draft)
-    if not path.is_file() and str(draft).strip().lower() in FTYPES:
-        return str(draft).strip().lower()
+    key = str(draft).strip().lower()
+    if not path.is_file() and key in FTYPES:
+        return key
+    if not path.is_file() and key in NEEDS_IMATRIX:
+        raise SpecterError(f"draft {draft}: {needs_imatrix_message(key)}")
     if path.is_dir():
         raise SpecterError(f"draft {draft}: a folder, not a file; give the path of a draft .gguf file or a llama.cpp "
                            f"type such as {', '.join(DRAFT_TYPES[:-1])} or {DRAFT_TYPES[-1]}")
