@@ -96,8 +96,10 @@ def test_a_folder_named_like_a_type_is_the_type(target: Path, tmp_path: Path, mo
 
 def test_draft_mistakes_are_one_error_line(target: Path) -> None:
     with pytest.raises(SpecterError, match="no such file, and not a draft type; give a draft GGUF or a llama.cpp "
-                                           "type such as q2_k, q3_k_m, q4_k_m or q8_0"):
+                                           "type such as q2_k, iq3_s, q4_k_m or q8_0"):
         draft_files.resolve_draft(target, "q5_x")
+    with pytest.raises(SpecterError, match="draft iq1_m: iq1_m needs an importance matrix, .* --draft OUT"):
+        draft_files.resolve_draft(target, "iq1_m")
     with pytest.raises(SpecterError, match="is not a file"):
         draft_files.resolve_draft(target.parent / "missing.gguf", "q4_k_m")
     r = CliRunner().invoke(cli, ["run", str(target), "-p", "hi", "--draft", "q9_k", "--device", "cpu"])

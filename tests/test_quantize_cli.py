@@ -51,6 +51,9 @@ def test_quantize_default_output_and_quiet(shipped_model: Path, tmp_path: Path) 
 def test_quantize_errors(shipped_model: Path, tmp_path: Path) -> None:
     r = invoke("quantize", str(shipped_model), "-t", "q5_k")
     assert r.exit_code == 2 and "'q5_k' is not one of" in r.output and "q4_k_m" in r.output
+    r = invoke("quantize", str(shipped_model), "-t", "IQ2_XXS")  # llama.cpp's quantizer would need an imatrix file
+    assert r.exit_code == 2 and "iq2_xxs needs an importance matrix" in r.output
+    assert "`llama-quantize --imatrix IMATRIX.gguf MODEL OUT IQ2_XXS`" in r.output and "Traceback" not in r.output
     r = invoke("quantize", str(tmp_path / "missing.gguf"), "-t", "q8_0")
     assert r.exit_code == 1 and "missing.gguf: no such file" in r.output
     r = invoke("quantize", str(shipped_model), "-t", "q8_0", "-o", str(shipped_model))

@@ -22,7 +22,7 @@ from specter_gguf.errors import SpecterError
 from specter_gguf.gguf_file import model_name, named_files
 from specter_gguf.quantize import FTYPES, NEEDS_IMATRIX, needs_imatrix_message, quantize_with_progress
 
-DRAFT_TYPES = ("q2_k", "q3_k_m", "q4_k_m", "q8_0")
+DRAFT_TYPES = ("q2_k", "iq3_s", "q4_k_m", "q8_0")
 """The draft types the help names (any llama.cpp type of `quantize.FTYPES` is accepted)."""
 
 FOLDER = ".specter-drafts"
