@@ -299,6 +299,27 @@ def test_the_worker_pool_from_threads_and_a_forked_child(rng: np.random.Generato
 # ---------------------------------------------------------------------------------------------
 # ABI: type table, error codes
 
+def test_iq_types_decode_alike_without_vectors(tmp_path: Path, ggml_base: ctypes.CDLL) -> None:
+    """The IQ types' rows decode with AVX2 where the CPU has it (one vector a group of 8 weights) and without
+    (SPECTER_CPU_VECTORS=none, in a fresh process): both give gguf's dequantization, bit for bit."""
+    import os
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(11)
+    data = {t: quantize(t, random_rows(rng, 6, 512), ggml_base) for t in IQ_QUANTS}
+    np.savez(tmp_path / "in.npz", **{f"q{int(t)}": q for t, q in data.items()})
+    script = ("import sys, numpy as np; from specter_gguf import native; d = sys.argv[1]; a = np.load(d + '/in.npz')\n"
+              "np.savez(d + '/out.npz', **{k: native.dequantize(a[k], int(k[1:]), (6, 512)) for k in a.files})\n")
+    env = {**os.environ, "SPECTER_CPU_VECTORS": "none"}
+    subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, check=True)
+    scalar = np.load(tmp_path / "out.npz")
+    for t, q in data.items():
+        ref = gguf.quants.dequantize(q, t).astype(np.float32, copy=False)
+        assert_bitwise_equal(scalar[f"q{int(t)}"], ref)
+        assert_bitwise_equal(native.dequantize(q, int(t), (6, 512)), ref)
+
+
 def test_type_ids_and_block_sizes_match_ggml() -> None:
     for qtype in ALL_TYPES:
         assert native.block_size(int(qtype)) == GGML_QUANT_SIZES[qtype], qtype.name

@@ -7,7 +7,7 @@
 #include <cstring>
 
 #include "fp16.h"
-#include "iq_grids.h"
+#include "iq_groups_cpu.h"
 #include "kquants_cpu.h"
 #include "vectors_cpu.h"
 
@@ -30,7 +30,7 @@ namespace {
 
 constexpr int QK_K = 256;
 
-// ---- F16, Q8_0, Q4_K, Q6_K and IQ4 rows with AVX2 where the CPU has it (cpu_avx2) --------------------
+// ---- F16, Q8_0, Q4_K, Q6_K and IQ rows with AVX2 where the CPU has it (cpu_avx2) ----------------------
 // The conversions are exact (half to float, int8 to float) and each weight takes the scalar decoder's float
 // operations: the same bits, several times faster (the scalar half conversion is a dozen integer operations).
 
@@ -159,150 +159,10 @@ void dec_iq4_xs(const uint8_t * b, float * y) {
     }
 }
 
-// ---- IQ1/IQ2/IQ3: weights as points of a codebook (iq_grids.h) -------------------------------------------------
-// Every block holds 256 weights in eight sub-blocks of 32; groups of 8 (IQ3: 4) weights are one grid point each,
-// times a sub-block scale, with a sign per weight (IQ1: plus a shift of +-1/8 instead of signs).
-
-const uint64_t kIq2XxsGrid[256] = SPECTER_IQ2_XXS_GRID;
-const uint64_t kIq2XsGrid[512] = SPECTER_IQ2_XS_GRID;
-const uint64_t kIq2SGrid[1024] = SPECTER_IQ2_S_GRID;
-const uint32_t kIq3XxsGrid[256] = SPECTER_IQ3_XXS_GRID;
-const uint32_t kIq3SGrid[512] = SPECTER_IQ3_S_GRID;
-const uint64_t kIq1SGrid[2048] = SPECTER_IQ1_S_GRID;
-constexpr float kIq1Delta = 0.125f;
-
-// Coordinate j of a grid point (a word of byte coordinates, lowest first).
-inline int coord(uint64_t point, int j) { return int((point >> (8 * j)) & 0xff); }
-inline int coord_s8(uint64_t point, int j) { return int(int8_t(uint8_t(point >> (8 * j)))); }
-
-// The 8 signs of a 7-bit sign index: bit j of the index negates weight j, and weight 7 takes the bit that makes the
-// number of negated weights even.
-inline int signs8(uint32_t index7) { return int(index7 | (uint32_t(__builtin_popcount(index7) & 1) << 7)); }
-
-inline float with_sign(float v, int signs, int j) { return (signs >> j) & 1 ? -v : v; }
-
-inline uint32_t load_u32(const uint8_t * p) {
-    uint32_t v;
-    std::memcpy(&v, p, 4);
-    return v;
-}
-inline int load_u16(const uint8_t * p) { return p[0] | (p[1] << 8); }
-
-// 8 weights db * point * sign (IQ2 types).
-inline void iq2_group(uint64_t point, int signs, float db, float * y) {
-    for (int j = 0; j < 8; ++j) y[j] = with_sign(db * float(coord(point, j)), signs, j);
-}
-
-// block_iq2_xxs: f16 d; then per sub-block two words: four grid indices (bytes), and four 7-bit sign indices with
-// the 4-bit scale s on top; db = d * (0.5 + s) / 4.
-void dec_iq2_xxs(const uint8_t * b, float * y) {
-    const float d = load_half(b);
-    for (int ib = 0; ib < 8; ++ib) {
-        const uint8_t * q = b + 2 + 8 * ib;
-        const uint32_t aux = load_u32(q + 4);
-        const float db = d * (0.5f + float(aux >> 28)) * 0.25f;
-        for (int l = 0; l < 4; ++l) iq2_group(kIq2XxsGrid[q[l]], signs8((aux >> (7 * l)) & 127), db, y + 32 * ib + 8 * l);
-    }
-}
-
-// block_iq2_xs: f16 d; uint16 qs[32] (9-bit grid index, 7-bit sign index above it); uint8 scales[8] (a nibble
-// per 16 weights, low first); db = d * (0.5 + s) / 4.
-void dec_iq2_xs(const uint8_t * b, float * y) {
-    const float d = load_half(b);
-    for (int ib = 0; ib < 8; ++ib) {
-        const int sc = b[66 + ib];
-        const float db[2] = {d * (0.5f + float(sc & 0x0f)) * 0.25f, d * (0.5f + float(sc >> 4)) * 0.25f};
-        for (int l = 0; l < 4; ++l) {
-            const int q = load_u16(b + 2 + 2 * (4 * ib + l));
-            iq2_group(kIq2XsGrid[q & 511], signs8(uint32_t(q) >> 9), db[l / 2], y + 32 * ib + 8 * l);
-        }
-    }
-}
-
-// block_iq2_s: f16 d; uint8 qs[32] (grid index low bytes); uint8 signs[32] (a byte per 8 weights); uint8 qh[8]
-// (two high bits per index); uint8 scales[8] as IQ2_XS's.
-void dec_iq2_s(const uint8_t * b, float * y) {
-    const float d = load_half(b);
-    const uint8_t *qs = b + 2, *signs = b + 34, *qh = b + 66, *scales = b + 74;
-    for (int ib = 0; ib < 8; ++ib) {
-        const float db[2] = {d * (0.5f + float(scales[ib] & 0x0f)) * 0.25f, d * (0.5f + float(scales[ib] >> 4)) * 0.25f};
-        for (int l = 0; l < 4; ++l) {
-            const int idx = qs[4 * ib + l] | (((qh[ib] >> (2 * l)) & 3) << 8);
-            iq2_group(kIq2SGrid[idx], signs[4 * ib + l], db[l / 2], y + 32 * ib + 8 * l);
-        }
-    }
-}
-
-// 8 weights db * point * sign from two 4-coordinate points (IQ3 types).
-inline void iq3_group(uint32_t p0, uint32_t p1, int signs, float db, float * y) {
-    for (int j = 0; j < 4; ++j) {
-        y[j] = with_sign(db * float(coord(p0, j)), signs, j);
-        y[j + 4] = with_sign(db * float(coord(p1, j)), signs, j + 4);
-    }
-}
-
-// block_iq3_xxs: f16 d; uint8 qs[64] (grid indices, 8 per sub-block); then a word per sub-block: four 7-bit sign
-// indices and the 4-bit scale s on top; db = d * (0.5 + s) / 2.
-void dec_iq3_xxs(const uint8_t * b, float * y) {
-    const float d = load_half(b);
-    for (int ib = 0; ib < 8; ++ib) {
-        const uint8_t * q = b + 2 + 8 * ib;
-        const uint32_t aux = load_u32(b + 66 + 4 * ib);
-        const float db = d * (0.5f + float(aux >> 28)) * 0.5f;
-        for (int l = 0; l < 4; ++l)
-            iq3_group(kIq3XxsGrid[q[2 * l]], kIq3XxsGrid[q[2 * l + 1]], signs8((aux >> (7 * l)) & 127), db,
-                      y + 32 * ib + 8 * l);
-    }
-}
-
-// block_iq3_s: f16 d; uint8 qs[64] (grid index low bytes); uint8 qh[8] (bit k of qh[ib]: index k's ninth bit);
-// uint8 signs[32]; uint8 scales[4] (a nibble per sub-block, low first); db = d * (1 + 2 s).
-void dec_iq3_s(const uint8_t * b, float * y) {
-    const float d = load_half(b);
-    const uint8_t *qs = b + 2, *qh = b + 66, *signs = b + 74, *scales = b + 106;
-    for (int ib = 0; ib < 8; ++ib) {
-        const float db = d * float(1 + 2 * ((scales[ib / 2] >> (4 * (ib & 1))) & 0x0f));
-        for (int l = 0; l < 4; ++l) {
-            const int k = 8 * ib + 2 * l;
-            const int i0 = qs[k] | (((qh[ib] >> (2 * l)) & 1) << 8), i1 = qs[k + 1] | (((qh[ib] >> (2 * l + 1)) & 1) << 8);
-            iq3_group(kIq3SGrid[i0], kIq3SGrid[i1], signs[4 * ib + l], db, y + 32 * ib + 8 * l);
-        }
-    }
-}
-
-// 8 weights dl * (point + delta), the point's coordinates -1, 0, 1 (IQ1 types).
-inline void iq1_group(uint64_t point, float dl, float delta, float * y) {
-    for (int j = 0; j < 8; ++j) y[j] = dl * (float(coord_s8(point, j)) + delta);
-}
-
-// block_iq1_s: f16 d; uint8 qs[32] (grid index low bytes); uint16 qh[8], per sub-block: three high bits per index
-// (index l's at 3 l), the 3-bit scale s at 12 and the delta's sign at 15; dl = d * (2 s + 1).
-void dec_iq1_s(const uint8_t * b, float * y) {
-    const float d = load_half(b);
-    for (int ib = 0; ib < 8; ++ib) {
-        const int qh = load_u16(b + 34 + 2 * ib);
-        const float dl = d * float(2 * ((qh >> 12) & 7) + 1);
-        const float delta = qh & 0x8000 ? -kIq1Delta : kIq1Delta;
-        for (int l = 0; l < 4; ++l)
-            iq1_group(kIq1SGrid[b[2 + 4 * ib + l] | (((qh >> (3 * l)) & 7) << 8)], dl, delta, y + 32 * ib + 8 * l);
-    }
-}
-
-// block_iq1_m: uint8 qs[32] (grid index low bytes); uint8 qh[16] (a nibble per index: three high bits and the
-// delta's sign); uint16 scales[4]: a 3-bit scale per 16 weights (four to a word, at 0, 3, 6, 9) and, in the top
-// nibbles of the four words (first word's lowest), the f16 d. dl = d * (2 s + 1).
-void dec_iq1_m(const uint8_t * b, float * y) {
-    int sc[4];
-    for (int i = 0; i < 4; ++i) sc[i] = load_u16(b + 48 + 2 * i);
-    const uint16_t dh = uint16_t((sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) | ((sc[2] >> 4) & 0x0f00) | (sc[3] & 0xf000));
-    const float d = half_to_float(dh);
-    for (int ib = 0; ib < 8; ++ib) {
-        for (int l = 0; l < 4; ++l) {
-            const int h = (b[32 + 2 * ib + l / 2] >> (4 * (l & 1))) & 0x0f;
-            const float dl = d * float(2 * ((sc[ib / 2] >> (6 * (ib & 1) + 3 * (l / 2))) & 7) + 1);
-            iq1_group(kIq1SGrid[b[4 * ib + l] | ((h & 7) << 8)], dl, h & 8 ? -kIq1Delta : kIq1Delta, y + 32 * ib + 8 * l);
-        }
-    }
+// IQ1/IQ2/IQ3 blocks: their 32 groups of 8 weights (iq_groups_cpu.h).
+template <int TYPE>
+void dec_iq(const uint8_t * b, float * y) {
+    iq_groups<TYPE>(b, [y](int g, const IqGroup & q) { iq_weights8(q, y + 8 * g); });
 }
 
 // block_q2_K: uint8 scales[16] (low nibble scale, high nibble min); uint8 qs[64]; f16 d; f16 dmin.
@@ -465,6 +325,15 @@ __attribute__((target("avx2"))) void iq4_avx2(const uint8_t * src, float * y, in
         }
     }
 }
+
+// IQ1/IQ2/IQ3 blocks of TYPE (`bytes` each): each group's 8 weights in one vector (iq_weights8_avx2).
+template <int TYPE>
+__attribute__((target("avx2"))) void iq_grid_avx2(const uint8_t * src, float * y, int64_t n_blocks, int64_t bytes) {
+    for (int64_t b = 0; b < n_blocks; ++b, src += bytes, y += QK_K)
+        iq_groups<TYPE>(src, [y](int g, const IqGroup & q) __attribute__((target("avx2"))) {
+            _mm256_storeu_ps(y + 8 * g, iq_weights8_avx2(q));
+        });
+}
 #endif
 
 const TypeInfo kTypes[] = {
@@ -483,13 +352,13 @@ const TypeInfo kTypes[] = {
     {SPECTER_TYPE_Q6_K, QK_K, 210, dec_q6_k},
     {SPECTER_TYPE_IQ4_NL, 32, 18, dec_iq4_nl},
     {SPECTER_TYPE_IQ4_XS, QK_K, 136, dec_iq4_xs},
-    {SPECTER_TYPE_IQ2_XXS, QK_K, 66, dec_iq2_xxs},
-    {SPECTER_TYPE_IQ2_XS, QK_K, 74, dec_iq2_xs},
-    {SPECTER_TYPE_IQ2_S, QK_K, 82, dec_iq2_s},
-    {SPECTER_TYPE_IQ3_XXS, QK_K, 98, dec_iq3_xxs},
-    {SPECTER_TYPE_IQ3_S, QK_K, 110, dec_iq3_s},
-    {SPECTER_TYPE_IQ1_S, QK_K, 50, dec_iq1_s},
-    {SPECTER_TYPE_IQ1_M, QK_K, 56, dec_iq1_m},
+    {SPECTER_TYPE_IQ2_XXS, QK_K, 66, dec_iq<SPECTER_TYPE_IQ2_XXS>},
+    {SPECTER_TYPE_IQ2_XS, QK_K, 74, dec_iq<SPECTER_TYPE_IQ2_XS>},
+    {SPECTER_TYPE_IQ2_S, QK_K, 82, dec_iq<SPECTER_TYPE_IQ2_S>},
+    {SPECTER_TYPE_IQ3_XXS, QK_K, 98, dec_iq<SPECTER_TYPE_IQ3_XXS>},
+    {SPECTER_TYPE_IQ3_S, QK_K, 110, dec_iq<SPECTER_TYPE_IQ3_S>},
+    {SPECTER_TYPE_IQ1_S, QK_K, 50, dec_iq<SPECTER_TYPE_IQ1_S>},
+    {SPECTER_TYPE_IQ1_M, QK_K, 56, dec_iq<SPECTER_TYPE_IQ1_M>},
 };
 
 }  // namespace
@@ -530,6 +399,13 @@ void dequantize_rows_f32(const TypeInfo & t, const uint8_t * src, float * dst, i
             case SPECTER_TYPE_Q6_K: return q6_k_avx2(src, dst, n_blocks);
             case SPECTER_TYPE_IQ4_NL: return iq4_avx2<false>(src, dst, n_blocks);
             case SPECTER_TYPE_IQ4_XS: return iq4_avx2<true>(src, dst, n_blocks);
+            case SPECTER_TYPE_IQ2_XXS: return iq_grid_avx2<SPECTER_TYPE_IQ2_XXS>(src, dst, n_blocks, t.block_bytes);
+            case SPECTER_TYPE_IQ2_XS: return iq_grid_avx2<SPECTER_TYPE_IQ2_XS>(src, dst, n_blocks, t.block_bytes);
+            case SPECTER_TYPE_IQ2_S: return iq_grid_avx2<SPECTER_TYPE_IQ2_S>(src, dst, n_blocks, t.block_bytes);
+            case SPECTER_TYPE_IQ3_XXS: return iq_grid_avx2<SPECTER_TYPE_IQ3_XXS>(src, dst, n_blocks, t.block_bytes);
+            case SPECTER_TYPE_IQ3_S: return iq_grid_avx2<SPECTER_TYPE_IQ3_S>(src, dst, n_blocks, t.block_bytes);
+            case SPECTER_TYPE_IQ1_S: return iq_grid_avx2<SPECTER_TYPE_IQ1_S>(src, dst, n_blocks, t.block_bytes);
+            case SPECTER_TYPE_IQ1_M: return iq_grid_avx2<SPECTER_TYPE_IQ1_M>(src, dst, n_blocks, t.block_bytes);
             default: break;
         }
     }
