@@ -61,10 +61,10 @@ def find_vocab(name: str, work_dir: Path, gpu_dir: Path, sources: Sequence[Path]
 
 
 QTYPE_LLAMA = {"q4_k_m": "Q4_K_M", "q2_k": "Q2_K", "q8_0": "Q8_0", "q4_0": "Q4_0", "q6_k": "Q6_K",
-               "q3_k_m": "Q3_K_M", "q5_k_m": "Q5_K_M"}
+               "q3_k_m": "Q3_K_M", "q5_k_m": "Q5_K_M", "iq3_s": "IQ3_S", "iq4_xs": "IQ4_XS"}
 # bytes of a quantized file per F16 byte, roughly (for the disk-space check)
 QTYPE_SHARE = {"q4_k_m": 0.32, "q2_k": 0.2, "q8_0": 0.54, "q4_0": 0.29, "q6_k": 0.42, "q3_k_m": 0.27,
-               "q5_k_m": 0.36}
+               "q5_k_m": 0.36, "iq3_s": 0.23, "iq4_xs": 0.28}
 
 
 def _ok_marker(path: Path) -> Path:
