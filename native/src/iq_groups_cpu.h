@@ -54,7 +54,8 @@ inline void iq_groups(const uint8_t * b, Group && group) {
             const uint8_t * q = b + 2 + 8 * ib;
             const uint32_t aux = iq_u32(q + 4);
             const float db = iq_half_step(d, aux >> 28, 0.25f);
-            for (int l = 0; l < 4; ++l) group(4 * ib + l, IqGroup{kIq2XxsGrid[q[l]], iq_signs8((aux >> (7 * l)) & 127), db, 0.0f});
+            for (int l = 0; l < 4; ++l)
+                group(4 * ib + l, IqGroup{kIq2XxsGrid[q[l]], iq_signs8((aux >> (7 * l)) & 127), db, 0.0f});
         }
     } else if constexpr (TYPE == SPECTER_TYPE_IQ2_XS) {
         // f16 d; uint16 qs[32] (9-bit grid index, 7-bit sign index above it); uint8 scales[8] (a nibble per 16)

@@ -330,10 +330,10 @@ struct TIQ4_XS {  // f16 d; uint16 scales_h; uint8 scales_l[4]; uint8 qs[128]
     }
 };
 
-// ---- IQ1/IQ2/IQ3: weights as points of a codebook (iq_grids.h; the layouts are dequant_cpu.cpp's) ----------
-// A unit is one sub-block of 32 weights: four groups of 8, each one 8-coordinate point (IQ3: two of 4) times the
-// sub-block's scale, each weight's sign from a sign byte (IQ1: a shift of +-1/8 instead). Every operation is the CPU
-// decoder's, in both modes.
+// ---- IQ1/IQ2/IQ3: weights as points of a codebook (iq_grids.h; the layouts are iq_groups_cpu.h's) ----------
+// A unit is one sub-block of 32 weights: four groups of 8, each one 8-coordinate point (IQ3: two of 4 side by side)
+// times the sub-block's scale, each weight's sign from a sign byte (IQ1: a shift of +-1/8 instead). Every operation
+// is the CPU decoder's, in both modes.
 
 static __device__ const uint64_t kIq2XxsGrid[256] = SPECTER_IQ2_XXS_GRID;
 static __device__ const uint64_t kIq2XsGrid[512] = SPECTER_IQ2_XS_GRID;
@@ -350,25 +350,22 @@ __device__ __forceinline__ uint32_t iq_signs8(uint32_t index7) { return index7 |
 // v[0..8) = db * coordinate, negated where the sign byte's bit is set (coordinates from quants_f4, exact).
 __device__ __forceinline__ void iq_scale_signed8(float db, uint32_t signs, float * v) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = __int_as_float(__float_as_int(__fmul_rn(db, v[j])) ^ int(((signs >> j) & 1u) << 31));
+    for (int j = 0; j < 8; ++j)
+        v[j] = __int_as_float(__float_as_int(__fmul_rn(db, v[j])) ^ int(((signs >> j) & 1u) << 31));
 }
 
-// IQ2: a point of 8 byte coordinates (0x08, 0x19, 0x2b) as 8 weights.
-__device__ __forceinline__ void iq2_group(uint64_t point, uint32_t signs, float db, float * v) {
+// IQ2/IQ3: a point of 8 byte coordinates as 8 weights, each db * coordinate with its sign.
+__device__ __forceinline__ void iq_signed_group(uint64_t point, uint32_t signs, float db, float * v) {
     quants_f4<true>(uint32_t(point), 0.0f, v);
     quants_f4<true>(uint32_t(point >> 32), 0.0f, v + 4);
     iq_scale_signed8(db, signs, v);
 }
 
-// IQ3: two points of 4 byte coordinates as 8 weights.
-__device__ __forceinline__ void iq3_group(uint32_t p0, uint32_t p1, uint32_t signs, float db, float * v) {
-    quants_f4<true>(p0, 0.0f, v);
-    quants_f4<true>(p1, 0.0f, v + 4);
-    iq_scale_signed8(db, signs, v);
-}
+// IQ3's two points of 4 coordinates as one of 8.
+__device__ __forceinline__ uint64_t iq3_pair(uint32_t p0, uint32_t p1) { return p0 | uint64_t(p1) << 32; }
 
 // IQ1: a point of 8 int8 coordinates (-1, 0, 1) as 8 weights dl * (coordinate + delta).
-__device__ __forceinline__ void iq1_group(uint64_t point, float dl, float delta, float * v) {
+__device__ __forceinline__ void iq_shifted_group(uint64_t point, float dl, float delta, float * v) {
     quants_f4<true>(uint32_t(point) ^ 0x80808080u, 128.0f, v);
     quants_f4<true>(uint32_t(point >> 32) ^ 0x80808080u, 128.0f, v + 4);
 #pragma unroll
@@ -389,7 +386,7 @@ struct TIQ2_XXS {  // f16 d; per sub-block: four grid index bytes, a word of fou
         const float db = iq_half_step(ldh(b), aux >> 28, 0.25f);
 #pragma unroll
         for (int l = 0; l < 4; ++l)
-            iq2_group(kIq2XxsGrid[(idx >> (8 * l)) & 0xff], iq_signs8((aux >> (7 * l)) & 127), db, v + 8 * l);
+            iq_signed_group(kIq2XxsGrid[(idx >> (8 * l)) & 0xff], iq_signs8((aux >> (7 * l)) & 127), db, v + 8 * l);
     }
 };
 
@@ -403,8 +400,8 @@ struct TIQ2_XS {  // f16 d; uint16 qs[32] (9-bit index, 7-bit sign index); uint8
 #pragma unroll
         for (int l = 0; l < 4; ++l) {
             const uint32_t q = ld16(b + 2 + 8 * u + 2 * l);
-            iq2_group(kIq2XsGrid[q & 511], iq_signs8(q >> 9), iq_half_step(d, (sc >> (4 * (l / 2))) & 0x0f, 0.25f),
-                      v + 8 * l);
+            const float db = iq_half_step(d, (sc >> (4 * (l / 2))) & 0x0f, 0.25f);
+            iq_signed_group(kIq2XsGrid[q & 511], iq_signs8(q >> 9), db, v + 8 * l);
         }
     }
 };
@@ -419,8 +416,8 @@ struct TIQ2_S {  // f16 d; uint8 qs[32]; uint8 signs[32]; uint8 qh[8] (two high 
 #pragma unroll
         for (int l = 0; l < 4; ++l) {
             const uint32_t idx = ((qs >> (8 * l)) & 0xff) | (((qh >> (2 * l)) & 3) << 8);
-            iq2_group(kIq2SGrid[idx], (signs >> (8 * l)) & 0xff, iq_half_step(d, (sc >> (4 * (l / 2))) & 0x0f, 0.25f),
-                      v + 8 * l);
+            const float db = iq_half_step(d, (sc >> (4 * (l / 2))) & 0x0f, 0.25f);
+            iq_signed_group(kIq2SGrid[idx], (signs >> (8 * l)) & 0xff, db, v + 8 * l);
         }
     }
 };
@@ -435,8 +432,8 @@ struct TIQ3_XXS {  // f16 d; uint8 qs[64] (8 grid indices per sub-block); a word
 #pragma unroll
         for (int l = 0; l < 4; ++l) {
             const uint32_t w = l < 2 ? i0 : i1, sh = 16 * (l & 1);
-            iq3_group(kIq3XxsGrid[(w >> sh) & 0xff], kIq3XxsGrid[(w >> (sh + 8)) & 0xff],
-                      iq_signs8((aux >> (7 * l)) & 127), db, v + 8 * l);
+            iq_signed_group(iq3_pair(kIq3XxsGrid[(w >> sh) & 0xff], kIq3XxsGrid[(w >> (sh + 8)) & 0xff]),
+                            iq_signs8((aux >> (7 * l)) & 127), db, v + 8 * l);
         }
     }
 };
@@ -454,7 +451,7 @@ struct TIQ3_S {  // f16 d; uint8 qs[64]; uint8 qh[8] (ninth index bits); uint8 s
             const uint32_t w = l < 2 ? i0 : i1, sh = 16 * (l & 1);
             const uint32_t a = ((w >> sh) & 0xff) | (((qh >> (2 * l)) & 1) << 8);
             const uint32_t c = ((w >> (sh + 8)) & 0xff) | (((qh >> (2 * l + 1)) & 1) << 8);
-            iq3_group(kIq3SGrid[a], kIq3SGrid[c], (signs >> (8 * l)) & 0xff, db, v + 8 * l);
+            iq_signed_group(iq3_pair(kIq3SGrid[a], kIq3SGrid[c]), (signs >> (8 * l)) & 0xff, db, v + 8 * l);
         }
     }
 };
@@ -469,7 +466,7 @@ struct TIQ1_S {  // f16 d; uint8 qs[32]; uint16 qh[8]: three high bits per index
         const float delta = qh & 0x8000 ? -0.125f : 0.125f;
 #pragma unroll
         for (int l = 0; l < 4; ++l)
-            iq1_group(kIq1SGrid[((qs >> (8 * l)) & 0xff) | (((qh >> (3 * l)) & 7) << 8)], dl, delta, v + 8 * l);
+            iq_shifted_group(kIq1SGrid[((qs >> (8 * l)) & 0xff) | (((qh >> (3 * l)) & 7) << 8)], dl, delta, v + 8 * l);
     }
 };
 
@@ -479,7 +476,8 @@ struct TIQ1_M {  // uint8 qs[32]; uint8 qh[16] (a nibble per index); uint16 scal
     template <bool EXACT>
     __device__ static void decode(const uint8_t * b, int u, float * v) {
         const uint32_t s01 = ld32a2(b + 48), s23 = ld32a2(b + 52);
-        const uint32_t dh = ((s01 >> 12) & 0x000f) | ((s01 >> 24) & 0x00f0) | ((s23 >> 4) & 0x0f00) | ((s23 >> 16) & 0xf000);
+        const uint32_t dh =
+            ((s01 >> 12) & 0x000f) | ((s01 >> 24) & 0x00f0) | ((s23 >> 4) & 0x0f00) | ((s23 >> 16) & 0xf000);
         const float d = __half2float(__ushort_as_half(uint16_t(dh)));
         const uint32_t sc = ((u < 4 ? s01 : s23) >> (16 * ((u >> 1) & 1) + 6 * (u & 1))) & 0x3f;
         const uint32_t qs = ld32a2(b + 4 * u), qh = ld16(b + 32 + 2 * u);
@@ -487,7 +485,8 @@ struct TIQ1_M {  // uint8 qs[32]; uint8 qh[16] (a nibble per index); uint16 scal
         for (int l = 0; l < 4; ++l) {
             const uint32_t h = (qh >> (4 * l)) & 0x0f;
             const float dl = __fmul_rn(d, float(2 * ((sc >> (3 * (l / 2))) & 7) + 1));
-            iq1_group(kIq1SGrid[((qs >> (8 * l)) & 0xff) | ((h & 7) << 8)], dl, h & 8 ? -0.125f : 0.125f, v + 8 * l);
+            iq_shifted_group(kIq1SGrid[((qs >> (8 * l)) & 0xff) | ((h & 7) << 8)], dl, h & 8 ? -0.125f : 0.125f,
+                             v + 8 * l);
         }
     }
 };
