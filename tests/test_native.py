@@ -299,18 +299,32 @@ def test_the_worker_pool_from_threads_and_a_forked_child(rng: np.random.Generato
 # ---------------------------------------------------------------------------------------------
 # ABI: type table, error codes
 
-def test_iq_types_decode_alike_without_vectors(tmp_path: Path, ggml_base: ctypes.CDLL) -> None:
-    """The IQ types' rows decode with AVX2 where the CPU has it (one vector a group of 8 weights) and without
-    (SPECTER_CPU_VECTORS=none, in a fresh process): both give gguf's dequantization, bit for bit."""
+def test_iq_types_decode_and_dot_alike_without_vectors(tmp_path: Path, ggml_base: ctypes.CDLL) -> None:
+    """The IQ types' rows decode, and are dotted with 1 to 4 rows of x in registers, with AVX2 where the CPU has it
+    (one vector a group of 8 weights) and without (SPECTER_CPU_VECTORS=none, in a fresh process: a dequantized row's
+    dot product): the decoders give gguf's dequantization and the products the same bits both ways, for 1, 3, 4
+    and 6 rows of x (6: the rows dequantized once)."""
     import os
     import subprocess
     import sys
 
+    import torch
+
+    from specter_gguf import kernels
+
     rng = np.random.default_rng(11)
     data = {t: quantize(t, random_rows(rng, 6, 512), ggml_base) for t in IQ_QUANTS}
-    np.savez(tmp_path / "in.npz", **{f"q{int(t)}": q for t, q in data.items()})
-    script = ("import sys, numpy as np; from specter_gguf import native; d = sys.argv[1]; a = np.load(d + '/in.npz')\n"
-              "np.savez(d + '/out.npz', **{k: native.dequantize(a[k], int(k[1:]), (6, 512)) for k in a.files})\n")
+    x = rng.standard_normal((6, 512)).astype(np.float32)
+    ms = (1, 3, 4, 6)
+    np.savez(tmp_path / "in.npz", x=x, **{f"q{int(t)}": q for t, q in data.items()})
+    script = ("import sys, numpy as np, torch; from specter_gguf import kernels, native; d = sys.argv[1]\n"
+              "a = np.load(d + '/in.npz'); out = {}\n"
+              "for k in a.files[1:]:\n"
+              "    out[k] = native.dequantize(a[k], int(k[1:]), (6, 512))\n"
+              "    w = kernels.QuantizedTensor.from_numpy(a[k], int(k[1:]), (6, 512))\n"
+              f"    for m in {ms}:\n"
+              "        out[f'{k}_{m}'] = kernels.qmatmul(torch.from_numpy(a['x'][:m]), w).numpy()\n"
+              "np.savez(d + '/out.npz', **out)\n")
     env = {**os.environ, "SPECTER_CPU_VECTORS": "none"}
     subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, check=True)
     scalar = np.load(tmp_path / "out.npz")
@@ -318,6 +332,9 @@ def test_iq_types_decode_alike_without_vectors(tmp_path: Path, ggml_base: ctypes
         ref = gguf.quants.dequantize(q, t).astype(np.float32, copy=False)
         assert_bitwise_equal(scalar[f"q{int(t)}"], ref)
         assert_bitwise_equal(native.dequantize(q, int(t), (6, 512)), ref)
+        w = kernels.QuantizedTensor.from_numpy(q, int(t), (6, 512))
+        for m in ms:
+            assert_bitwise_equal(kernels.qmatmul(torch.from_numpy(x[:m]), w).numpy(), scalar[f"q{int(t)}_{m}"])
 
 
 def test_type_ids_and_block_sizes_match_ggml() -> None:

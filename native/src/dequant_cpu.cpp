@@ -326,10 +326,10 @@ __attribute__((target("avx2"))) void iq4_avx2(const uint8_t * src, float * y, in
     }
 }
 
-// IQ1/IQ2/IQ3 blocks of TYPE (`bytes` each): each group's 8 weights in one vector (iq_weights8_avx2).
+// IQ1/IQ2/IQ3 blocks of TYPE: each group's 8 weights in one vector (iq_weights8_avx2).
 template <int TYPE>
-__attribute__((target("avx2"))) void iq_grid_avx2(const uint8_t * src, float * y, int64_t n_blocks, int64_t bytes) {
-    for (int64_t b = 0; b < n_blocks; ++b, src += bytes, y += QK_K)
+__attribute__((target("avx2"))) void iq_grid_avx2(const uint8_t * src, float * y, int64_t n_blocks) {
+    for (int64_t b = 0; b < n_blocks; ++b, src += iq_block_bytes(TYPE), y += QK_K)
         iq_groups<TYPE>(src, [y](int g, const IqGroup & q) __attribute__((target("avx2"))) {
             _mm256_storeu_ps(y + 8 * g, iq_weights8_avx2(q));
         });
@@ -352,13 +352,13 @@ const TypeInfo kTypes[] = {
     {SPECTER_TYPE_Q6_K, QK_K, 210, dec_q6_k},
     {SPECTER_TYPE_IQ4_NL, 32, 18, dec_iq4_nl},
     {SPECTER_TYPE_IQ4_XS, QK_K, 136, dec_iq4_xs},
-    {SPECTER_TYPE_IQ2_XXS, QK_K, 66, dec_iq<SPECTER_TYPE_IQ2_XXS>},
-    {SPECTER_TYPE_IQ2_XS, QK_K, 74, dec_iq<SPECTER_TYPE_IQ2_XS>},
-    {SPECTER_TYPE_IQ2_S, QK_K, 82, dec_iq<SPECTER_TYPE_IQ2_S>},
-    {SPECTER_TYPE_IQ3_XXS, QK_K, 98, dec_iq<SPECTER_TYPE_IQ3_XXS>},
-    {SPECTER_TYPE_IQ3_S, QK_K, 110, dec_iq<SPECTER_TYPE_IQ3_S>},
-    {SPECTER_TYPE_IQ1_S, QK_K, 50, dec_iq<SPECTER_TYPE_IQ1_S>},
-    {SPECTER_TYPE_IQ1_M, QK_K, 56, dec_iq<SPECTER_TYPE_IQ1_M>},
+    {SPECTER_TYPE_IQ2_XXS, QK_K, iq_block_bytes(SPECTER_TYPE_IQ2_XXS), dec_iq<SPECTER_TYPE_IQ2_XXS>},
+    {SPECTER_TYPE_IQ2_XS, QK_K, iq_block_bytes(SPECTER_TYPE_IQ2_XS), dec_iq<SPECTER_TYPE_IQ2_XS>},
+    {SPECTER_TYPE_IQ2_S, QK_K, iq_block_bytes(SPECTER_TYPE_IQ2_S), dec_iq<SPECTER_TYPE_IQ2_S>},
+    {SPECTER_TYPE_IQ3_XXS, QK_K, iq_block_bytes(SPECTER_TYPE_IQ3_XXS), dec_iq<SPECTER_TYPE_IQ3_XXS>},
+    {SPECTER_TYPE_IQ3_S, QK_K, iq_block_bytes(SPECTER_TYPE_IQ3_S), dec_iq<SPECTER_TYPE_IQ3_S>},
+    {SPECTER_TYPE_IQ1_S, QK_K, iq_block_bytes(SPECTER_TYPE_IQ1_S), dec_iq<SPECTER_TYPE_IQ1_S>},
+    {SPECTER_TYPE_IQ1_M, QK_K, iq_block_bytes(SPECTER_TYPE_IQ1_M), dec_iq<SPECTER_TYPE_IQ1_M>},
 };
 
 }  // namespace
@@ -399,13 +399,13 @@ void dequantize_rows_f32(const TypeInfo & t, const uint8_t * src, float * dst, i
             case SPECTER_TYPE_Q6_K: return q6_k_avx2(src, dst, n_blocks);
             case SPECTER_TYPE_IQ4_NL: return iq4_avx2<false>(src, dst, n_blocks);
             case SPECTER_TYPE_IQ4_XS: return iq4_avx2<true>(src, dst, n_blocks);
-            case SPECTER_TYPE_IQ2_XXS: return iq_grid_avx2<SPECTER_TYPE_IQ2_XXS>(src, dst, n_blocks, t.block_bytes);
-            case SPECTER_TYPE_IQ2_XS: return iq_grid_avx2<SPECTER_TYPE_IQ2_XS>(src, dst, n_blocks, t.block_bytes);
-            case SPECTER_TYPE_IQ2_S: return iq_grid_avx2<SPECTER_TYPE_IQ2_S>(src, dst, n_blocks, t.block_bytes);
-            case SPECTER_TYPE_IQ3_XXS: return iq_grid_avx2<SPECTER_TYPE_IQ3_XXS>(src, dst, n_blocks, t.block_bytes);
-            case SPECTER_TYPE_IQ3_S: return iq_grid_avx2<SPECTER_TYPE_IQ3_S>(src, dst, n_blocks, t.block_bytes);
-            case SPECTER_TYPE_IQ1_S: return iq_grid_avx2<SPECTER_TYPE_IQ1_S>(src, dst, n_blocks, t.block_bytes);
-            case SPECTER_TYPE_IQ1_M: return iq_grid_avx2<SPECTER_TYPE_IQ1_M>(src, dst, n_blocks, t.block_bytes);
+            case SPECTER_TYPE_IQ2_XXS: return iq_grid_avx2<SPECTER_TYPE_IQ2_XXS>(src, dst, n_blocks);
+            case SPECTER_TYPE_IQ2_XS: return iq_grid_avx2<SPECTER_TYPE_IQ2_XS>(src, dst, n_blocks);
+            case SPECTER_TYPE_IQ2_S: return iq_grid_avx2<SPECTER_TYPE_IQ2_S>(src, dst, n_blocks);
+            case SPECTER_TYPE_IQ3_XXS: return iq_grid_avx2<SPECTER_TYPE_IQ3_XXS>(src, dst, n_blocks);
+            case SPECTER_TYPE_IQ3_S: return iq_grid_avx2<SPECTER_TYPE_IQ3_S>(src, dst, n_blocks);
+            case SPECTER_TYPE_IQ1_S: return iq_grid_avx2<SPECTER_TYPE_IQ1_S>(src, dst, n_blocks);
+            case SPECTER_TYPE_IQ1_M: return iq_grid_avx2<SPECTER_TYPE_IQ1_M>(src, dst, n_blocks);
             default: break;
         }
     }

@@ -31,6 +31,13 @@ struct IqGroup {
     float scale, delta;
 };
 
+// Bytes of a block of TYPE (256 weights).
+constexpr int64_t iq_block_bytes(int type) {
+    return type == SPECTER_TYPE_IQ2_XXS ? 66 : type == SPECTER_TYPE_IQ2_XS ? 74 : type == SPECTER_TYPE_IQ2_S ? 82
+         : type == SPECTER_TYPE_IQ3_XXS ? 98 : type == SPECTER_TYPE_IQ3_S ? 110 : type == SPECTER_TYPE_IQ1_S ? 50
+         : type == SPECTER_TYPE_IQ1_M ? 56 : 0;
+}
+
 // The sign byte of a 7-bit sign index: its bits, and an eighth that makes the count of negated weights even.
 inline int iq_signs8(uint32_t index7) { return int(index7 | (uint32_t(__builtin_popcount(index7) & 1) << 7)); }
 

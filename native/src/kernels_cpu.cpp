@@ -3,8 +3,8 @@
 // dequantized (bit-exact with ggml) into a float buffer once per call and dotted with every row of X
 // that needs it, in float32 with a fixed summation order, so results do not depend on the thread count
 // or on how many rows of X a call has; a row that meets four rows of X or fewer is decoded in registers
-// instead where the type and the CPU allow (F16, BF16, Q8_0, Q4_K and Q6_K with AVX2: `RowDots`), with
-// the same bits.
+// instead where the type and the CPU allow (F16, BF16, Q8_0, Q4_K, Q6_K and the IQ types with AVX2: `RowDots`),
+// with the same bits.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -16,6 +16,7 @@
 
 #include "dequant_cpu.h"
 #include "fp16.h"
+#include "iq_groups_cpu.h"
 #include "kernels_common.h"
 #include "kquants_cpu.h"
 #include "specter_kernels.h"
@@ -49,7 +50,7 @@ float dot_f32(const float * a, const float * b, int64_t k) {
 
 // ---- one weight row dotted with up to four rows of x, decoded in registers --------------------------------
 // For each row of x, dot_f32 of the dequantized row bit for bit (the same lanes, order and rounding), without
-// writing the row out: F16, BF16, Q8_0, Q4_K, Q6_K, IQ4_NL and IQ4_XS with AVX2. A step covers x row t's 16 lanes
+// writing the row out: F16, BF16, Q8_0, Q4_K, Q6_K and the IQ types with AVX2. A step covers x row t's 16 lanes
 // with two 8-lane sums acc[t][0..1]; each decoded group of 8 weights serves all N rows of x.
 #ifdef SPECTER_X86_VECTORS
 __attribute__((target("avx2,f16c"))) inline __m256 halfs8_avx2(const uint16_t * h, bool bf) {
@@ -177,6 +178,20 @@ __attribute__((target("avx2"))) void dot_iq4_avx2(const uint8_t * w, const float
     for (int t = 0; t < N; ++t) out[t] = fold16_avx2(acc[t]);
 }
 
+// IQ1/IQ2/IQ3 (iq_groups_cpu.h): each group of 8 weights one vector, the lanes of half a 16-lane step.
+template <int N, int TYPE>
+__attribute__((target("avx2"))) void dot_iq_grid_avx2(const uint8_t * w, const float * const * xs, int64_t k,
+                                                      float * out) {
+    __m256 acc[N][2];
+    for (int t = 0; t < N; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k; i += 256, w += iq_block_bytes(TYPE))
+        iq_groups<TYPE>(w, [&acc, xs, i](int g, const IqGroup & q) __attribute__((target("avx2"))) {
+            const __m256 wv = iq_weights8_avx2(q);
+            for (int t = 0; t < N; ++t) add_product(acc[t][g & 1], wv, xs[t] + i + 8 * g);
+        });
+    for (int t = 0; t < N; ++t) out[t] = fold16_avx2(acc[t]);
+}
+
 // A decoded row `a` (dot_f32's own input) dotted with N rows of x: one load of the row's elements serves them all.
 template <int N>
 __attribute__((target("avx2"))) void dot_f32_avx2(const float * a, const float * const * xs, int64_t k, float * out) {
@@ -204,6 +219,13 @@ bool dot_row_avx2(int type, const uint8_t * w, const float * const * xs, int64_t
         case SPECTER_TYPE_Q6_K: dot_q6_k_avx2<N>(w, xs, k, out); return true;
         case SPECTER_TYPE_IQ4_NL: dot_iq4_avx2<N, false>(w, xs, k, out); return true;
         case SPECTER_TYPE_IQ4_XS: dot_iq4_avx2<N, true>(w, xs, k, out); return true;
+        case SPECTER_TYPE_IQ2_XXS: dot_iq_grid_avx2<N, SPECTER_TYPE_IQ2_XXS>(w, xs, k, out); return true;
+        case SPECTER_TYPE_IQ2_XS: dot_iq_grid_avx2<N, SPECTER_TYPE_IQ2_XS>(w, xs, k, out); return true;
+        case SPECTER_TYPE_IQ2_S: dot_iq_grid_avx2<N, SPECTER_TYPE_IQ2_S>(w, xs, k, out); return true;
+        case SPECTER_TYPE_IQ3_XXS: dot_iq_grid_avx2<N, SPECTER_TYPE_IQ3_XXS>(w, xs, k, out); return true;
+        case SPECTER_TYPE_IQ3_S: dot_iq_grid_avx2<N, SPECTER_TYPE_IQ3_S>(w, xs, k, out); return true;
+        case SPECTER_TYPE_IQ1_S: dot_iq_grid_avx2<N, SPECTER_TYPE_IQ1_S>(w, xs, k, out); return true;
+        case SPECTER_TYPE_IQ1_M: dot_iq_grid_avx2<N, SPECTER_TYPE_IQ1_M>(w, xs, k, out); return true;
         default: return false;
     }
 }
