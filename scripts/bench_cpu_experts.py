@@ -7,10 +7,10 @@ where a cold expert of a verification should run (hybrid verification).
     python3 scripts/bench_cpu_experts.py [--threads 4,16] [--tokens 1,2,4,8] [--reps 20] [--pcie 55,25]
 
 Weights are random GGUF data of each type (valid quants, small scales), gate/up [d_ff, d_model] and down
-[d_model, d_ff]; down takes Q8_0 where d_ff is no multiple of the K-quants' 256 (as llama.cpp's mixes do). Each
-system runs the three products and the SwiGLU; times are medians over `--reps` calls, each on another copy of the
-weights (512 MiB of copies: none is in the CPU's caches), in µs, at each thread count of `--threads` (default: every
-core) for all three systems (ggml starts its threads in every call; our kernels and PyTorch keep a pool of them).
+[d_model, d_ff]; down takes Q8_0 where d_ff is no multiple of the K-quants' and IQ types' 256 (as llama.cpp's mixes
+do). Each system runs the three products and the SwiGLU; times are medians over `--reps` calls, each on another copy
+of the weights (512 MiB of copies: none is in the CPU's caches), in µs, at each thread count of `--threads` (default:
+every core) for all three systems (ggml starts its threads in every call; our kernels and PyTorch keep a pool of them).
 PyTorch runs bfloat16 products of the dequantized weights (what the CPU's AMX/AVX-512 BF16 units take). Prints a
 Markdown table: µs per system and the weight bytes' rate of the fastest.
 """
@@ -36,7 +36,10 @@ from specter_gguf.bench.weights import random_weight  # noqa: E402
 from specter_gguf.kernels import ExpertTable, QuantizedTensor, moe_ffn  # noqa: E402
 
 SHAPES = {"Qwen1.5-MoE": (2048, 1408), "Qwen3-30B-A3B": (2048, 768), "Phi-3.5-MoE": (4096, 6400)}
-TYPES = {"F16": native.F16, "BF16": native.BF16, "Q8_0": native.Q8_0, "Q4_K": native.Q4_K}
+TYPES = {"F16": native.F16, "BF16": native.BF16, "Q8_0": native.Q8_0, "Q4_K": native.Q4_K, "IQ4_XS": native.IQ4_XS,
+         "IQ3_S": native.IQ3_S, "IQ2_XXS": native.IQ2_XXS, "IQ1_M": native.IQ1_M}
+# 256-element block types: where d_ff is no multiple of 256, their down matrix takes Q8_0
+BLOCK_256 = (native.Q4_K, native.IQ4_XS, native.IQ3_S, native.IQ2_XXS, native.IQ1_M)
 CACHE_DEFEAT_BYTES = 512 << 20  # copies of each expert cycled through: more than any CPU cache holds
 WORK_BYTES = 64 << 20  # ggml's work buffer for one expert (x converted to the weights' dot type, per-thread rows)
 
@@ -163,7 +166,7 @@ def main() -> int:
         d, f = SHAPES[shape]
         for tname in types:
             ty = TYPES[tname]
-            down_ty = native.Q8_0 if ty == native.Q4_K and f % 256 else ty
+            down_ty = native.Q8_0 if ty in BLOCK_256 and f % 256 else ty
             experts = [(random_weight(ty, f, d, "cpu", gen), random_weight(ty, f, d, "cpu", gen),
                         random_weight(down_ty, d, f, "cpu", gen))]
             nbytes = sum(m.data.numel() for m in experts[0])

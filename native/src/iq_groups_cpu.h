@@ -53,7 +53,7 @@ inline float iq_half_step(float d, uint32_t s, float f) { return d * (0.5f + flo
 
 // Calls group(g, IqGroup) for the 32 groups of block b of TYPE, in order.
 template <int TYPE, class Group>
-inline void iq_groups(const uint8_t * b, Group && group) {
+__attribute__((always_inline)) inline void iq_groups(const uint8_t * b, Group && group) {
     if constexpr (TYPE == SPECTER_TYPE_IQ2_XXS) {
         // f16 d; per sub-block two words: four grid index bytes, then four 7-bit sign indices and a 4-bit scale s
         const float d = load_half(b);
@@ -132,12 +132,15 @@ inline void iq_groups(const uint8_t * b, Group && group) {
         for (int i = 0; i < 4; ++i) sc[i] = iq_u16(b + 48 + 2 * i);
         const float d = half_to_float(uint16_t((sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) | ((sc[2] >> 4) & 0x0f00) |
                                                (sc[3] & 0xf000)));
-        for (int ib = 0; ib < 8; ++ib)
+        for (int ib = 0; ib < 8; ++ib) {
+            const int s6 = sc[ib / 2] >> (6 * (ib & 1));
+            const float dl[2] = {d * float(2 * (s6 & 7) + 1), d * float(2 * ((s6 >> 3) & 7) + 1)};
             for (int l = 0; l < 4; ++l) {
                 const int h = (b[32 + 2 * ib + l / 2] >> (4 * (l & 1))) & 0x0f;
-                const float dl = d * float(2 * ((sc[ib / 2] >> (6 * (ib & 1) + 3 * (l / 2))) & 7) + 1);
-                group(4 * ib + l, IqGroup{kIq1SGrid[b[4 * ib + l] | ((h & 7) << 8)], 0, dl, h & 8 ? -0.125f : 0.125f});
+                group(4 * ib + l,
+                      IqGroup{kIq1SGrid[b[4 * ib + l] | ((h & 7) << 8)], 0, dl[l / 2], h & 8 ? -0.125f : 0.125f});
             }
+        }
     } else {
         static_assert(TYPE == SPECTER_TYPE_IQ2_XXS, "not an IQ1/IQ2/IQ3 type");
     }
