@@ -2,7 +2,8 @@
 
 For every architecture (qwen2moe, qwen3moe, llama/Mixtral, olmoe) and every file type (F32, F16; llama.cpp's mixes
 Q8_0, Q4_K_M, Q2_K, IQ4_XS, IQ4_NL, IQ3_S; routed experts in IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS) our
-engine on the CPU is compared with llama.cpp (llama-cpp-python) on the same file, position by position: error = max|ours - ref| / max|ref| per position. Bounds (DESIGN.md, "The bar"):
+engine on the CPU is compared with llama.cpp (llama-cpp-python) on the same file, position by position: error =
+max|ours - ref| / max|ref| per position. Bounds (DESIGN.md, "The bar"):
 
 - F32/F16: median <= 2e-3 and max <= 5e-3;
 - quantized: median <= 2.5e-2 and max <= 1.5e-1. llama.cpp's CPU path quantizes *activations* to 8 bits
@@ -54,9 +55,9 @@ N_GREEDY = 32
 N_CTX = 128
 
 # The type llama.cpp's quantizer gives the routed experts' gate/up matrices in each mix (down may differ:
-# Q4_K_M uses Q6_K for some layers' ffn_down, Q2_K uses Q3_K).
-EXPERT_TYPE = {"q8_0": "Q8_0", "q4_k_m": "Q4_K", "q2_k": "Q2_K", "iq4_xs": "IQ4_XS", "iq4_nl": "IQ4_NL", "iq3_s": "IQ3_S",
-               **{kind: kind.upper() for kind in IQ_EXPERT_KINDS}}
+# Q4_K_M uses Q6_K for some layers' ffn_down, Q2_K uses Q3_K); the IQ expert kinds' experts are all their type.
+EXPERT_TYPE = {"q8_0": "Q8_0", "q4_k_m": "Q4_K", "q2_k": "Q2_K", "iq4_xs": "IQ4_XS", "iq4_nl": "IQ4_NL",
+               "iq3_s": "IQ3_S", **{kind: kind.upper() for kind in IQ_EXPERT_KINDS}}
 
 RESULTS: dict[tuple[str, str, str], tuple[float, float]] = {}  # (arch, kind, reference) -> (median, max)
 
