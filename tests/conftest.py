@@ -9,7 +9,7 @@ under pytest's tmp dir and reused by every later test:
   rounded), or ``q8_0`` / ``q4_k_m`` / ``q2_k`` / ``iq4_xs`` / ``iq4_nl`` / ``iq3_s`` (llama.cpp's model quantizer
   applied to the F16 file), or ``iq1_s`` / ``iq1_m`` / ``iq2_xxs`` / ``iq2_xs`` / ``iq2_s`` / ``iq3_xxs`` (the F16
   file with its routed experts quantized by llama.cpp's block quantizer with an importance matrix, as
-  llama-quantize --imatrix makes such files: tests/ggml_quantizer.py). The quantized kinds need llama-cpp-python
+  llama-quantize --imatrix makes such files, the matrix here the weights' own: tests/ggml_quantizer.py). The quantized kinds need llama-cpp-python
   and skip the test without it.
 
 ``shipped_model`` is models/tiny-qwen2moe.gguf, the model that ships with the repository: a small MoE trained on

@@ -3,8 +3,9 @@ types gguf's numpy quantizers lack: the K-quants and the IQ types.
 
 llama.cpp's model quantizer (`llama_model_quantize`, what `specter-gguf quantize` drives) makes IQ1/IQ2 and IQ3_XXS
 tensors only with an importance matrix, which it takes from llama-quantize's --imatrix file alone. `experts_copy`
-makes such files the way llama-quantize would: it quantizes a model's routed experts with the same
-`ggml_quantize_chunk`, given an importance matrix.
+makes files of those types as llama-quantize --imatrix does, with the same `ggml_quantize_chunk` on a model's routed
+experts; its importance matrix is each matrix's own columns' mean squares, where llama-imatrix measures the mean
+squares of the matrix's inputs (the blocks are valid either way; their quality differs).
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ def ggml_base() -> ctypes.CDLL:
 
 
 def ggml_quantize(lib: ctypes.CDLL, qtype: GGMLQuantizationType, x: np.ndarray) -> np.ndarray:
-    """float32 [rows, n] -> uint8 [rows, bytes_per_row]. The types that need an importance matrix get the columns'
-    mean squares, what llama-imatrix measures from inputs like x."""
+    """float32 [rows, n] -> uint8 [rows, bytes_per_row]. The types that need an importance matrix get x's columns'
+    mean squares as one."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     rows, n = x.shape
     elems, nbytes = GGML_QUANT_SIZES[qtype]
