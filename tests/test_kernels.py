@@ -70,12 +70,13 @@ def make_weight(qtype: GT, rows: int, cols: int, rng: np.random.Generator) -> tu
     assert cols % block == 0
     if qtype in RANDOM_BLOCK_SCALES:
         raw = rng.integers(0, 256, size=(rows * cols // block, nbytes), dtype=np.uint8)
+        def small_scales() -> np.ndarray:
+            return (rng.uniform(0.5e-3, 4e-3, size=raw.shape[0]) * rng.choice([-1, 1], raw.shape[0])).astype(np.float16)
+
         for off in RANDOM_BLOCK_SCALES[qtype]:
-            scale = (rng.uniform(0.5e-3, 4e-3, size=raw.shape[0]) * rng.choice([-1, 1], raw.shape[0]))
-            raw[:, off:off + 2] = scale.astype(np.float16).view(np.uint8).reshape(-1, 2)
+            raw[:, off:off + 2] = small_scales().view(np.uint8).reshape(-1, 2)
         if qtype == GT.IQ1_M:  # its fp16 d is the top nibbles of the four 16-bit scale words (bytes 48..55)
-            d = (rng.uniform(0.5e-3, 4e-3, size=raw.shape[0]) * rng.choice([-1, 1], raw.shape[0]))
-            d = d.astype(np.float16).view(np.uint16)
+            d = small_scales().view(np.uint16)
             words = raw[:, 48:56].copy().view(np.uint16)
             for i in range(4):
                 words[:, i] = (words[:, i] & 0x0FFF) | (((d >> (4 * i)) & 0xF) << 12)

@@ -163,6 +163,18 @@ def test_every_half_value() -> None:
     assert (got.view(np.uint32) == h.astype(np.uint32) << 16).all()
 
 
+def without_vectors(script: str, folder: Path) -> np.lib.npyio.NpzFile:
+    """Runs `script` (python -c, given `folder` as argv[1]: it reads folder/in.npz, writes folder/out.npz) in a fresh
+    process with SPECTER_CPU_VECTORS=none (the library chooses its path once a process), and loads what it wrote."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "SPECTER_CPU_VECTORS": "none"}
+    subprocess.run([sys.executable, "-c", script, str(folder)], env=env, check=True)
+    return np.load(folder / "out.npz")
+
+
 def test_the_vector_path_gives_the_scalar_bits(tmp_path: Path) -> None:
     """F16, Q8_0, Q4_K and Q6_K rows decode, and F16/BF16/Q8_0/Q4_K/Q6_K rows are dotted with rows of x, with
     AVX2 instructions where the CPU has them: the scalar path (SPECTER_CPU_VECTORS=none, in a fresh process: the
@@ -171,10 +183,6 @@ def test_the_vector_path_gives_the_scalar_bits(tmp_path: Path) -> None:
     pass, or once into a buffer) times matrices of 520 halfs a row (a vector's tail), of 17 Q8_0 blocks and of those
     Q4_K and Q6_K blocks (the scalar path: the dequantized row's dot product); each row of x gets the bits it gets
     alone."""
-    import os
-    import subprocess
-    import sys
-
     rng = np.random.default_rng(9)
     halfs = np.arange(65536 + 33 * 7, dtype=np.uint32).astype(np.uint16)[: 33 * 1987].reshape(-1, 33)
     blocks = rng.integers(0, 256, (64, 34 * 8), dtype=np.uint8)
@@ -206,9 +214,7 @@ def test_the_vector_path_gives_the_scalar_bits(tmp_path: Path) -> None:
         f"    for m in {ms}:\n"
         "        out[f'y{t}_{m}'] = kernels.qmatmul(torch.from_numpy(a[f'x{t}'][:m]), w).numpy()\n"
         "np.savez(d + '/out.npz', **out)\n")
-    env = {**os.environ, "SPECTER_CPU_VECTORS": "none"}
-    subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, check=True)
-    got = np.load(tmp_path / "out.npz")
+    got = without_vectors(script, tmp_path)
     here = native.dequantize(halfs.view(np.uint8), int(GT.F16), halfs.shape)
     assert np.array_equal(got["h"].view(np.uint32), here.view(np.uint32))  # NaNs: by bits
     assert_bitwise_equal(got["b"], native.dequantize(blocks, int(GT.Q8_0), (64, 256)))
@@ -304,10 +310,6 @@ def test_iq_types_decode_and_dot_alike_without_vectors(tmp_path: Path, ggml_base
     (one vector a group of 8 weights) and without (SPECTER_CPU_VECTORS=none, in a fresh process: a dequantized row's
     dot product): the decoders give gguf's dequantization and the products the same bits both ways, for 1, 3, 4
     and 6 rows of x (6: the rows dequantized once)."""
-    import os
-    import subprocess
-    import sys
-
     import torch
 
     from specter_gguf import kernels
@@ -319,15 +321,13 @@ def test_iq_types_decode_and_dot_alike_without_vectors(tmp_path: Path, ggml_base
     np.savez(tmp_path / "in.npz", x=x, **{f"q{int(t)}": q for t, q in data.items()})
     script = ("import sys, numpy as np, torch; from specter_gguf import kernels, native; d = sys.argv[1]\n"
               "a = np.load(d + '/in.npz'); out = {}\n"
-              "for k in a.files[1:]:\n"
+              "for k in (k for k in a.files if k.startswith('q')):\n"
               "    out[k] = native.dequantize(a[k], int(k[1:]), (6, 512))\n"
               "    w = kernels.QuantizedTensor.from_numpy(a[k], int(k[1:]), (6, 512))\n"
               f"    for m in {ms}:\n"
               "        out[f'{k}_{m}'] = kernels.qmatmul(torch.from_numpy(a['x'][:m]), w).numpy()\n"
               "np.savez(d + '/out.npz', **out)\n")
-    env = {**os.environ, "SPECTER_CPU_VECTORS": "none"}
-    subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, check=True)
-    scalar = np.load(tmp_path / "out.npz")
+    scalar = without_vectors(script, tmp_path)
     for t, q in data.items():
         ref = gguf.quants.dequantize(q, t).astype(np.float32, copy=False)
         assert_bitwise_equal(scalar[f"q{int(t)}"], ref)
