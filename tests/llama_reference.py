@@ -289,7 +289,7 @@ def assert_flips_are_near_ties(diffs: list[tuple[int, int]], margins: Mapping[in
     for lay, pos in diffs:
         first = min(l2 for l2, p2 in diffs if (p2 <= pos if earlier_positions else p2 == pos))
         assert lay > first or margins[lay][pos] < near_tie, (
-            f"{label}; llama.cpp routes layer {lay} pos {pos} differently where our margin is "
+            f"{label}; the reference routes layer {lay} pos {pos} differently where the top-k margin is "
             f"{margins[lay][pos]:.4f} (>= {near_tie}) and no earlier flip explains it")
 
 

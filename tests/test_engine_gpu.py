@@ -2,8 +2,11 @@
 
 On CUDA, float weights multiply in their own dtype (fp16 inputs, fp32 accumulation) and the KV cache is fp16,
 so logits differ from the float32 CPU path by rounding: per position, max|cuda - cpu| / max|cpu| must stay
-within 1e-2 (median 5e-3) for every architecture and file type. Runs only where CUDA and the native CUDA
-build are present (the GPU machine); skipped elsewhere with the reason.
+within 1e-2 (median 5e-3) for every architecture and file type. Where a router nearly ties, that rounding may
+choose another expert at one position, which attention carries to the later ones: such positions pass when every
+choice that differs is a near tie or follows one, and the CUDA engine with the CPU's choices forced is within the
+bounds. Runs only where CUDA and the native CUDA build are present (the GPU machine); skipped elsewhere with the
+reason.
 """
 
 from __future__ import annotations
@@ -11,6 +14,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
+from llama_reference import (NEAR_TIE, assert_flips_are_near_ties, describe, position_errors, routing_differences,
+                             run_routed)
 
 from specter_gguf import native
 from specter_gguf.engine import Model
@@ -28,11 +34,24 @@ KINDS = ["f16", "q8_0", "q4_k_m", "q2_k", "iq4_xs", "iq4_nl", "iq3_s", "iq2_xxs"
 def test_cuda_logits_match_cpu(tiny_models, arch: str, kind: str) -> None:
     path = tiny_models[(arch, kind)]
     tokens = [int(t) for t in np.random.default_rng(7).integers(0, 900, size=24)]
-    cpu = Model.load(path, device="cpu", progress=False).logits(tokens)
-    cuda = Model.load(path, device="cuda", progress=False).logits(tokens)
-    rel = np.abs(cuda - cpu).max(-1) / np.abs(cpu).max(-1)
-    print(f"{arch} {kind}: median {np.median(rel):.2e} max {rel.max():.2e}")
-    assert np.median(rel) <= 5e-3 and rel.max() <= 1e-2, f"median {np.median(rel):.2e} max {rel.max():.2e}"
+    cpu_model, cuda_model = (Model.load(path, device=d, progress=False) for d in ("cpu", "cuda"))
+    cpu, cuda = cpu_model.logits(tokens), cuda_model.logits(tokens)
+    rel = position_errors(cuda, cpu)
+    msg = f"{arch} {kind}: {describe(rel)}"
+    if not (np.median(rel) <= 5e-3 and rel.max() <= 1e-2):
+        _, cpu_routing, cpu_margins = run_routed(cpu_model, tokens)
+        observed, cuda_routing, _ = run_routed(cuda_model, tokens)
+        assert position_errors(observed, cuda).max() <= 1e-5, f"{msg}; observing the routers changed the logits"
+        diffs = routing_differences(cuda_routing, cpu_routing)
+        msg += f"; {len(diffs)} routing choices differ from the CPU's: " + ", ".join(
+            f"layer {lay} pos {pos} (CPU top-k margin {cpu_margins[lay][pos]:.5f})" for lay, pos in diffs)
+        assert diffs, f"{msg}: not explained by routing"
+        assert_flips_are_near_ties(diffs, cpu_margins, NEAR_TIE, msg, earlier_positions=True)
+        forced, _, _ = run_routed(cuda_model, tokens, force=cpu_routing)
+        rel = position_errors(forced, cpu)
+        msg += f"; with the CPU's routing forced: {describe(rel)}"
+    print(msg)
+    assert np.median(rel) <= 5e-3 and rel.max() <= 1e-2, msg
 
 
 @pytest.mark.parametrize("arch", ARCHS)
