@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from llama_reference import (NEAR_TIE, assert_flips_are_near_ties, describe, position_errors, routing_differences,
-                             run_routed)
+from llama_reference import assert_flips_are_near_ties, describe, position_errors, routing_differences, run_routed
 
 from specter_gguf import native
 from specter_gguf.engine import Model
@@ -27,6 +26,10 @@ pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and native.has_cu
 
 ARCHS = ["qwen2moe", "qwen3moe", "llama", "olmoe", "tiny-deepseek2", "tiny-deepseek2-lite", "tiny-phimoe"]
 KINDS = ["f16", "q8_0", "q4_k_m", "q2_k", "iq4_xs", "iq4_nl", "iq3_s", "iq2_xxs", "iq2_s", "iq1_m"]
+# A top-k margin below this is a near tie that the two engines' rounding may flip (test_parity's NEAR_TIE is wider:
+# llama.cpp's 8-bit activations move router logits more); the one file where the GPU took other experts had them at
+# margins of 9e-5 and 1.5e-4.
+NEAR_TIE = 5e-3
 
 
 @pytest.mark.parametrize("kind", KINDS)
