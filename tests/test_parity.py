@@ -29,8 +29,8 @@ llama_cpp = pytest.importorskip("llama_cpp")
 
 from click.testing import CliRunner  # noqa: E402
 from llama_reference import (FLOAT_MAX, FLOAT_MEDIAN, NEAR_TIE, PROMPT, QUANT_MAX,  # noqa: E402
-                             QUANT_MEDIAN, LlamaRefs, assert_flips_are_near_ties, closing, dequantized_copy,
-                             describe, llama_routing, our_model, parity_tokens, position_errors,
+                             QUANT_MEDIAN, LlamaRefs, closing, dequantized_copy, describe, llama_routing,
+                             logits_with_reference_routing, our_model, parity_tokens, position_errors,
                              routing_differences, run_routed, stacked)
 
 from specter_gguf.cli import cli  # noqa: E402
@@ -122,16 +122,13 @@ def test_logits_match_llama_cpp(arch: str, kind: str, tiny_models, refs: LlamaRe
     else:
         # With llama.cpp's expert choices forced, every position is at the level its arithmetic alone
         # gives (F16/F32: the float bounds; quantized: 8-bit activations): the outliers were routing flips.
-        forced, _, _ = run_routed(m, tokens, force=ref_routing)
+        forced = logits_with_reference_routing(m, tokens, diffs, margin_of, ref_routing, NEAR_TIE, msg)
         ferr = position_errors(forced, ref)
         RESULTS[(arch, kind, "llama.cpp, same routing")] = (float(np.median(ferr)), float(ferr.max()))
         limit = OUTLIER if quantized else FLOAT_MAX
         print(f"  with llama.cpp's routing forced: {describe(ferr)}")
         assert ferr.max() <= limit, (f"{msg}; with llama.cpp's routing forced still {describe(ferr)} "
                                      f"(> {limit}): not explained by routing")
-        # a flip happens where our router nearly tied, or follows an earlier flip (attention carries flips
-        # forward: a lower layer at the same or an earlier position)
-        assert_flips_are_near_ties(diffs, margin_of, NEAR_TIE, msg, earlier_positions=True)
 
 
 @pytest.mark.parametrize("kind", QUANT_KINDS)
@@ -158,12 +155,11 @@ def test_quantized_logits_match_llama_cpp_on_dequantized_weights(arch: str, kind
         # every position is back within the float bound
         ref_routing, _ = llama_routing(refs[f32_copy], tokens)
         diffs = routing_differences(our_routing, ref_routing)
-        assert diffs, f"{msg} (bound: max {FLOAT_MAX}), with the same routing as llama.cpp's"
-        forced, _, _ = run_routed(m, tokens, force=ref_routing)
+        forced = logits_with_reference_routing(m, tokens, diffs, margin_of, ref_routing, NEAR_TIE,
+                                               f"{msg} (bound: max {FLOAT_MAX})")
         ferr = position_errors(forced, ref)
         print(f"  with llama.cpp's routing forced: {describe(ferr)}")
         assert ferr.max() <= FLOAT_MAX, f"{msg}; with llama.cpp's routing forced still {describe(ferr)}"
-        assert_flips_are_near_ties(diffs, margin_of, NEAR_TIE, msg, earlier_positions=True)
 
 
 @pytest.mark.parametrize("kind", QUANT_KINDS)
