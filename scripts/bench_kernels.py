@@ -32,9 +32,9 @@ on MoE expert shapes, and the grouped MoE layer time.
 - Dense: the products of a verification and of short prompts at Qwen3-30B-A3B's shapes (attention in and out, the
   output head), 9-64 rows of x, Q8_0/Q4_K/Q6_K through the GEMV (passes of 8 rows) and the tiled kernel, beside
   torch's f16 product of a float matrix of the same shape.
-Writes DIR/bench_kernels.json and prints a compact table last. `--only
-kernels|gemv|moe|dense|decode|sampling|attention` runs one part (`gemv` and `moe`: the GEMV and the MoE layer alone,
-which `kernels` both includes).
+Writes DIR/bench_kernels.json and prints a compact table last.
+`--only kernels|gemv|moe|dense|decode|sampling|attention` runs one part (`gemv` and `moe`: the GEMV and the MoE layer
+alone, which `kernels` both includes).
 """
 
 from __future__ import annotations
@@ -359,8 +359,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="Q8_0/Q4_K/F16 only")
     ap.add_argument("--types", default=None, help=f"GEMV types, comma-separated (default all: {','.join(TYPES)})")
     ap.add_argument("--only", choices=["kernels", "gemv", "moe", "dense", "decode", "sampling", "attention"],
-                    default=None,
-                    help="run one part")
+                    default=None, help="run one part")
     ap.add_argument("--decode-model", type=Path, default=None, help="GGUF for the whole-model decode part")
     ap.add_argument("--llama-bin", type=Path, default=None, help="directory of llama.cpp's llama-bench")
     ap.add_argument("--n-predict", type=int, default=128, help="decode: generated tokens per run")
