@@ -50,18 +50,23 @@ public:
     }
 
     // false when another call holds the pool
-    bool try_run(int n_jobs, const std::function<void(int)> & job) {
+    bool try_run(int n_jobs, int max_threads, const std::function<void(int)> & job) {
         std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
         if (!busy.owns_lock()) return false;
-        bool sleeping;
+        int sleeping, helpers;
         {
             std::lock_guard<std::mutex> lk(m_);
             job_ = &job, n_jobs_ = n_jobs, next_ = 0, error_ = nullptr;
+            helpers_allowed_ = helpers = std::max(0, max_threads - 1), helpers_ = 0;
             pending_.store(n_jobs);
-            posted_.fetch_add(1);  // what spinning workers watch
-            sleeping = sleepers_ > 0;
+            posted_.fetch_add(1);  // what spinning and sleeping workers watch
+            sleeping = sleepers_;
         }
-        if (sleeping) wake_.notify_all();
+        // as many sleeping workers as the call wants (the spinning ones see posted_ move)
+        if (helpers >= sleeping)
+            wake_.notify_all();
+        else
+            for (int i = 0; i < helpers; ++i) wake_.notify_one();
         std::unique_lock<std::mutex> lk(m_);
         take_jobs(lk);
         lk.unlock();
@@ -92,20 +97,23 @@ private:
         }
     }
 
-    // Out of jobs: spin for a new call's, then sleep until one comes (`lk` held on entry and on return).
+    // Waits for a call it has not seen (spinning, then asleep), then helps with its jobs if the call wants another
+    // thread (`lk` held throughout but while spinning, asleep or running a job).
     void work() {
         std::unique_lock<std::mutex> lk(m_);
+        unsigned long long seen = posted_.load();
         for (;;) {
-            if (next_ >= n_jobs_) {
-                const unsigned long long seen = posted_.load();
-                lk.unlock();
-                spin_until([&] { return posted_.load() != seen; });
-                lk.lock();
-                ++sleepers_;
-                wake_.wait(lk, [this] { return next_ < n_jobs_; });
-                --sleepers_;
+            lk.unlock();
+            spin_until([&] { return posted_.load() != seen; });
+            lk.lock();
+            ++sleepers_;
+            wake_.wait(lk, [&] { return posted_.load() != seen; });
+            --sleepers_;
+            seen = posted_.load();
+            if (helpers_ < helpers_allowed_) {
+                ++helpers_;
+                take_jobs(lk);
             }
-            take_jobs(lk);
         }
     }
 
@@ -114,6 +122,7 @@ private:
     std::condition_variable wake_, done_;
     const std::function<void(int)> * job_ = nullptr;
     int n_jobs_ = 0, next_ = 0, sleepers_ = 0;
+    int helpers_allowed_ = 0, helpers_ = 0;  // workers the call wants beside its own thread; those that joined it
     std::atomic<int> pending_{0};
     std::atomic<unsigned long long> posted_{0};  // calls posted so far
     std::exception_ptr error_;
@@ -150,14 +159,14 @@ int hardware_threads() {
     return n;
 }
 
-void run_jobs(int n_jobs, const std::function<void(int)> & job) {
+void run_jobs(int n_jobs, int max_threads, const std::function<void(int)> & job) {
     if (n_jobs <= 0) return;
-    if (n_jobs == 1) return job(0);
+    if (n_jobs == 1 || max_threads <= 1) return run_here(n_jobs, job);
     Pool * p = pool();
     // A busy pool means another call (the CPU experts' worker beside a forward on the CPU) has the cores already:
     // threads started for this one would only take turns with the pool's, and starting them costs more than a
     // small product.
-    if (!p || !p->try_run(n_jobs, job)) run_here(n_jobs, job);
+    if (!p || !p->try_run(n_jobs, max_threads, job)) run_here(n_jobs, job);
 }
 
 }  // namespace specter
