@@ -296,10 +296,10 @@ def assert_flips_are_near_ties(diffs: list[tuple[int, int]], margins: Mapping[in
 def logits_with_reference_routing(m: Model, tokens: list[int], diffs: list[tuple[int, int]],
                                   margins: Mapping[int, np.ndarray], ref_routing: Mapping[int, np.ndarray],
                                   near_tie: float, label: str) -> np.ndarray:
-    """For an excess over a bound that routing flips should explain: asserts that `diffs` (routing_differences from
-    `ref_routing`) has some and that each is a near tie or follows one (assert_flips_are_near_ties, attention
-    carrying flips to later positions), and returns m's logits with `ref_routing` forced, for the caller to hold to
-    the bound of its arithmetic alone."""
+    """Where m's routing differs from a reference's, or should explain logits past a bound: asserts that `diffs`
+    (routing_differences from `ref_routing`) has some and that each is a near tie or follows one
+    (assert_flips_are_near_ties, attention carrying flips to later positions), and returns m's logits with
+    `ref_routing` forced, for the caller to hold to the bound of its arithmetic alone."""
     assert diffs, f"{label}: not explained by routing (every expert choice is the reference's)"
     assert_flips_are_near_ties(diffs, margins, near_tie, label, earlier_positions=True)
     forced, _, _ = run_routed(m, tokens, force=ref_routing)
