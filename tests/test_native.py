@@ -302,6 +302,22 @@ def test_the_worker_pool_from_threads_and_a_forked_child(rng: np.random.Generato
     assert os.waitstatus_to_exitcode(status) == 0
 
 
+def test_the_worker_pool_back_to_back_calls_of_other_sizes(rng: np.random.Generator) -> None:
+    """Calls that follow each other at once, with other job counts and thread counts (a worker still spinning
+    from one call, or late to it, meets the next): every call gives the single-threaded bits, its rows all
+    written."""
+    shapes = [(67, 4096), (5, 256), (131, 1024), (16, 32)]
+    cases = []
+    for rows, n in shapes:
+        q = quantize(GT.Q8_0, random_rows(rng, rows, n), None)
+        cases.append((q, (rows, n), native.dequantize(q, int(GT.Q8_0), (rows, n), n_threads=1)))
+    for i in range(400):
+        q, shape, one = cases[i % len(cases)]
+        out = np.full(shape, np.nan, dtype=np.float32)
+        got = native.dequantize(q, int(GT.Q8_0), shape, n_threads=(2, 3, 0, 7)[i % 4], out=out)
+        assert_bitwise_equal(got, one)
+
+
 # ---------------------------------------------------------------------------------------------
 # ABI: type table, error codes
 

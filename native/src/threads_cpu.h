@@ -15,6 +15,9 @@ namespace specter {
 // already.
 void run_jobs(int n_jobs, int max_threads, const std::function<void(int)> & job);
 
+// The most jobs a call hands to the pool (more run on the calling thread).
+constexpr int kMaxJobs = 0xffff;
+
 // The cores the pool is sized for (at least 1).
 int hardware_threads();
 
@@ -29,8 +32,8 @@ template <class Fn>
 void parallel_for(int64_t n, int n_threads, int64_t min_per, Fn fn) {
     if (n <= 0) return;
     const int64_t nt = n_threads > 0 ? n_threads : hardware_threads();
-    const int64_t jobs =
-        std::min<int64_t>(nt > 1 ? nt * kJobsPerThread : 1, std::max<int64_t>(1, n / std::max<int64_t>(1, min_per)));
+    const int64_t jobs = std::min<int64_t>({nt > 1 ? nt * kJobsPerThread : 1, int64_t(kMaxJobs),
+                                            std::max<int64_t>(1, n / std::max<int64_t>(1, min_per))});
     if (jobs <= 1) {
         fn(int64_t(0), n);
         return;
