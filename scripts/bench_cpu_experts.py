@@ -4,13 +4,16 @@ llama.cpp's (ggml's CPU matrix products, from the libraries llama-cpp-python ins
 shape, GGUF type and token count, beside what copying the expert over PCIe takes — the measurement that decides
 where a cold expert of a verification should run (hybrid verification).
 
-    python3 scripts/bench_cpu_experts.py [--threads 4,16] [--tokens 1,2,4,8] [--reps 20] [--pcie 55,25]
+    python3 scripts/bench_cpu_experts.py [--threads 4,16] [--tokens 1,2,4,8] [--reps 20] [--rounds 3] [--pcie 55,25]
 
 Weights are random GGUF data of each type (valid quants, small scales), gate/up [d_ff, d_model] and down
 [d_model, d_ff]; down takes Q8_0 where d_ff is no multiple of the K-quants' and IQ types' 256 (as llama.cpp's mixes
-do). Each system runs the three products and the SwiGLU; times are medians over `--reps` calls, each on another copy
-of the weights (512 MiB of copies: none is in the CPU's caches), in µs, at each thread count of `--threads` (default:
-every core) for all three systems (ggml starts its threads in every call; our kernels and PyTorch keep a pool of them).
+do). Each system runs the three products and the SwiGLU; a round times each system's median over `--reps` calls,
+each on another copy of the weights (512 MiB of copies: none is in the CPU's caches), the systems in turn, and a
+cell takes each system's fastest of `--rounds` rounds: a single median was seen 3-4x off when something else held
+the cores for a while (a round that meets it is outvoted by the others). Times are in µs, at each thread count of
+`--threads` (default: every core) for all three systems (ggml starts its threads in every call; our kernels and
+PyTorch keep a pool of them).
 PyTorch runs bfloat16 products of the dequantized weights (what the CPU's AMX/AVX-512 BF16 units take). Prints a
 Markdown table: µs per system and the weight bytes' rate of the fastest.
 """
@@ -142,11 +145,15 @@ def main() -> int:
     ap.add_argument("--threads", default="0", help="comma list of CPU thread counts, each for every system (0: every "
                     "core): how the products scale with threads")
     ap.add_argument("--tokens", default="1,2,4,8", help="tokens per expert (a verification's few)")
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=20, help="timed calls per system in a round (their median)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of every system's calls in turn; each system's "
+                    "fastest round is reported")
     ap.add_argument("--pcie", default="55,25", help="copy rates in GB/s to set beside (the H200 host; PCIe 4.0)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of: {', '.join(SHAPES)}")
     ap.add_argument("--types", default=",".join(TYPES), help=f"comma list of: {', '.join(TYPES)}")
     args = ap.parse_args()
+    if args.reps < 1 or args.rounds < 1:
+        ap.error("--reps and --rounds take a count of 1 or more")
     shapes, types = _names(args.shapes, SHAPES, "--shapes", ap), _names(args.types, TYPES, "--types", ap)
     thread_counts = [int(n) or os.cpu_count() or 1 for n in args.threads.split(",") if n.strip()]
     tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
@@ -181,13 +188,22 @@ def main() -> int:
                 x = torch.randn(T, d, generator=gen)
                 xb = x.to(torch.bfloat16)
                 ids, wts, out = torch.zeros(T, 1, dtype=torch.int32), torch.ones(T, 1), torch.empty(T, d)
-                ours = median_us([lambda t=t: moe_ffn(x, ids, wts, t, out=out) for t in tables], args.reps)
-                tb = median_us([lambda w=w: F.linear(F.silu(F.linear(xb, w[0])) * F.linear(xb, w[1]), w[2])
-                                for w in dense], args.reps)
-                theirs = float("nan")
+                systems = {"ours": [lambda t=t: moe_ffn(x, ids, wts, t, out=out) for t in tables],
+                           "torch": [lambda w=w: F.linear(F.silu(F.linear(xb, w[0])) * F.linear(xb, w[1]), w[2])
+                                     for w in dense]}
                 if ggml is not None:
-                    theirs = median_us([ggml.expert(*e, x, threads) for e in experts], args.reps)
+                    systems["ggml"] = [ggml.expert(*e, x, threads) for e in experts]
+                rounds = [{name: median_us(fns, args.reps) for name, fns in systems.items()}
+                          for _ in range(args.rounds)]
+                if ggml is not None:
                     ggml.close()
+                for name in systems:
+                    times = [r[name] for r in rounds]
+                    if max(times) > 1.5 * min(times):
+                        print(f"bench_cpu_experts: {shape} {tname} T={T} {threads} threads, {name}'s rounds disagree: "
+                              + ", ".join(f"{t:.0f}" for t in times) + " µs", file=sys.stderr)
+                ours, tb, theirs = (min((r[name] for r in rounds if name in r), default=float("nan"))
+                                    for name in ("ours", "torch", "ggml"))
                 best = min(v for v in (ours, theirs, tb) if v == v)
                 copies = " | ".join(f"{nbytes / (r * 1e9) * 1e6:.0f}" for r in rates)
                 print(f"| {shape} | {tname}{'+Q8_0' if down_ty != ty else ''} | {nbytes / 1e6:.1f} | {T} | {threads} | "
