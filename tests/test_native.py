@@ -163,26 +163,33 @@ def test_every_half_value() -> None:
     assert (got.view(np.uint32) == h.astype(np.uint32) << 16).all()
 
 
-def without_vectors(script: str, folder: Path) -> np.lib.npyio.NpzFile:
+def with_vectors_capped(cap: str, script: str, folder: Path) -> dict[str, np.ndarray]:
     """Runs `script` (python -c, given `folder` as argv[1]: it reads folder/in.npz, writes folder/out.npz) in a fresh
-    process with SPECTER_CPU_VECTORS=none (the library chooses its path once a process), and loads what it wrote."""
+    process with SPECTER_CPU_VECTORS=`cap` (the library chooses its path once a process), and loads what it wrote."""
     import os
     import subprocess
     import sys
 
-    env = {**os.environ, "SPECTER_CPU_VECTORS": "none"}
+    env = {**os.environ, "SPECTER_CPU_VECTORS": cap}
     subprocess.run([sys.executable, "-c", script, str(folder)], env=env, check=True)
-    return np.load(folder / "out.npz")
+    with np.load(folder / "out.npz") as out:
+        return dict(out)
 
 
-def test_the_vector_path_gives_the_scalar_bits(tmp_path: Path) -> None:
+# The paths a process can be held to: the scalar code, and AVX2 without the AVX-512 dots (this process takes the
+# widest the CPU has).
+VECTOR_CAPS = ("none", "avx2")
+
+
+@pytest.mark.parametrize("cap", VECTOR_CAPS)
+def test_the_vector_path_gives_the_scalar_bits(tmp_path: Path, cap: str) -> None:
     """F16, Q8_0, Q4_K and Q6_K rows decode, and F16/BF16/Q8_0/Q4_K/Q6_K rows are dotted with rows of x, with
-    AVX2 instructions where the CPU has them: the scalar path (SPECTER_CPU_VECTORS=none, in a fresh process: the
-    choice is made once) gives this process's bits, for every half value (NaN payloads kept), for Q8_0, Q4_K and
-    Q6_K blocks of random bytes, and for 1, 2, 3, 4, 5 and 9 rows of x (rows decoded in registers, four at most a
-    pass, or once into a buffer) times matrices of 520 halfs a row (a vector's tail), of 17 Q8_0 blocks and of those
-    Q4_K and Q6_K blocks (the scalar path: the dequantized row's dot product); each row of x gets the bits it gets
-    alone."""
+    AVX2 (and, for Q4_K, AVX-512) instructions where the CPU has them: the scalar path (SPECTER_CPU_VECTORS=none,
+    in a fresh process: the choice is made once) and the AVX2 path (=avx2) give this process's bits, for every half
+    value (NaN payloads kept), for Q8_0, Q4_K and Q6_K blocks of random bytes, and for 1, 2, 3, 4, 5 and 9 rows of x
+    (rows decoded in registers, four at most a pass, or once into a buffer) times matrices of 520 halfs a row (a
+    vector's tail), of 17 Q8_0 blocks and of those Q4_K and Q6_K blocks (the scalar path: the dequantized row's dot
+    product); each row of x gets the bits it gets alone."""
     rng = np.random.default_rng(9)
     halfs = np.arange(65536 + 33 * 7, dtype=np.uint32).astype(np.uint16)[: 33 * 1987].reshape(-1, 33)
     blocks = rng.integers(0, 256, (64, 34 * 8), dtype=np.uint8)
@@ -214,7 +221,7 @@ def test_the_vector_path_gives_the_scalar_bits(tmp_path: Path) -> None:
         f"    for m in {ms}:\n"
         "        out[f'y{t}_{m}'] = kernels.qmatmul(torch.from_numpy(a[f'x{t}'][:m]), w).numpy()\n"
         "np.savez(d + '/out.npz', **out)\n")
-    got = without_vectors(script, tmp_path)
+    got = with_vectors_capped(cap, script, tmp_path)
     here = native.dequantize(halfs.view(np.uint8), int(GT.F16), halfs.shape)
     assert np.array_equal(got["h"].view(np.uint32), here.view(np.uint32))  # NaNs: by bits
     assert_bitwise_equal(got["b"], native.dequantize(blocks, int(GT.Q8_0), (64, 256)))
@@ -321,11 +328,13 @@ def test_the_worker_pool_back_to_back_calls_of_other_sizes(rng: np.random.Genera
 # ---------------------------------------------------------------------------------------------
 # ABI: type table, error codes
 
-def test_iq_types_decode_and_dot_alike_without_vectors(tmp_path: Path, ggml_base: ctypes.CDLL) -> None:
+@pytest.mark.parametrize("cap", VECTOR_CAPS)
+def test_iq_types_decode_and_dot_alike_without_vectors(tmp_path: Path, ggml_base: ctypes.CDLL, cap: str) -> None:
     """The IQ types' rows decode, and are dotted with 1 to 4 rows of x in registers, with AVX2 where the CPU has it
-    (one vector a group of 8 weights) and without (SPECTER_CPU_VECTORS=none, in a fresh process: a dequantized row's
-    dot product): the decoders give gguf's dequantization and the products the same bits both ways, for 1, 3, 4
-    and 6 rows of x (6: the rows dequantized once)."""
+    (one vector a group of 8 weights; IQ4_NL and IQ4_XS with AVX-512 where it has that: a 16-value table a run),
+    without (SPECTER_CPU_VECTORS=none, in a fresh process: a dequantized row's dot product) and with AVX2 only
+    (=avx2): the decoders give gguf's dequantization and the products the same bits every way, for 1, 3, 4 and 6
+    rows of x (6: the rows dequantized once)."""
     import torch
 
     from specter_gguf import kernels
@@ -343,14 +352,14 @@ def test_iq_types_decode_and_dot_alike_without_vectors(tmp_path: Path, ggml_base
               f"    for m in {ms}:\n"
               "        out[f'{k}_{m}'] = kernels.qmatmul(torch.from_numpy(a['x'][:m]), w).numpy()\n"
               "np.savez(d + '/out.npz', **out)\n")
-    scalar = without_vectors(script, tmp_path)
+    capped = with_vectors_capped(cap, script, tmp_path)
     for t, q in data.items():
         ref = gguf.quants.dequantize(q, t).astype(np.float32, copy=False)
-        assert_bitwise_equal(scalar[f"q{int(t)}"], ref)
+        assert_bitwise_equal(capped[f"q{int(t)}"], ref)
         assert_bitwise_equal(native.dequantize(q, int(t), (6, 512)), ref)
         w = kernels.QuantizedTensor.from_numpy(q, int(t), (6, 512))
         for m in ms:
-            assert_bitwise_equal(kernels.qmatmul(torch.from_numpy(x[:m]), w).numpy(), scalar[f"q{int(t)}_{m}"])
+            assert_bitwise_equal(kernels.qmatmul(torch.from_numpy(x[:m]), w).numpy(), capped[f"q{int(t)}_{m}"])
 
 
 def test_type_ids_and_block_sizes_match_ggml() -> None:

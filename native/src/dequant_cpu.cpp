@@ -13,13 +13,27 @@
 
 namespace specter {
 
+namespace {
+// SPECTER_CPU_VECTORS: "none" turns the vector code off, "avx2" leaves the AVX-512 paths out.
+bool vectors_capped_at(const char * level) {
+    const char * cap = std::getenv("SPECTER_CPU_VECTORS");
+    return cap && std::strcmp(cap, level) == 0;
+}
+}  // namespace
+
 bool cpu_avx2() {
 #ifdef SPECTER_X86_VECTORS
-    static const bool v = [] {
-        const char * cap = std::getenv("SPECTER_CPU_VECTORS");
-        if (cap && std::strcmp(cap, "none") == 0) return false;
-        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-    }();
+    static const bool v =
+        !vectors_capped_at("none") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    return v;
+#else
+    return false;
+#endif
+}
+
+bool cpu_avx512() {
+#ifdef SPECTER_X86_VECTORS
+    static const bool v = cpu_avx2() && !vectors_capped_at("avx2") && __builtin_cpu_supports("avx512f");
     return v;
 #else
     return false;
