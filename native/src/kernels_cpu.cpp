@@ -158,23 +158,20 @@ __attribute__((target("avx2"))) void dot_q6_k_avx2(const uint8_t * w, const floa
     for (int t = 0; t < N; ++t) out[t] = fold16_avx2(acc[t]);
 }
 
-// IQ4_NL (`block` 32 elements, 18 bytes) and IQ4_XS (256, 136): each run of 32 weights the decoder's d * level (with
-// IQ4_XS's sub-block scale), two 16-lane steps.
+// IQ4_NL and IQ4_XS: each run of 32 weights the decoder's d * level (with IQ4_XS's sub-block scale), two 16-lane
+// steps.
 template <int N, bool XS>
 __attribute__((target("avx2"))) void dot_iq4_avx2(const uint8_t * w, const float * const * xs, int64_t k,
                                                   float * out) {
     __m256 acc[N][2];
     for (int t = 0; t < N; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
-    constexpr int64_t kBlock = XS ? 256 : 32, kBytes = XS ? 136 : 18;
-    for (int64_t i = 0; i < k; i += kBlock, w += kBytes) {
-        const float d = load_half(w);
-        for (int j = 0; j < kBlock / 32; ++j) {
-            __m256 wv[4];
-            iq4_weights32(w + (XS ? 8 + 16 * j : 2), XS ? iq4_xs_scale(w, d, j) : d, wv);
-            for (int part = 0; part < 4; ++part)
-                for (int t = 0; t < N; ++t) add_product(acc[t][part & 1], wv[part], xs[t] + i + 32 * j + 8 * part);
-        }
-    }
+    iq4_runs<XS>(w, k / (XS ? 256 : 32), [&acc, xs](int64_t at, const uint8_t * qs, float d)
+                                              __attribute__((target("avx2"))) {
+        __m256 wv[4];
+        iq4_weights32(qs, d, wv);
+        for (int part = 0; part < 4; ++part)
+            for (int t = 0; t < N; ++t) add_product(acc[t][part & 1], wv[part], xs[t] + at + 8 * part);
+    });
     for (int t = 0; t < N; ++t) out[t] = fold16_avx2(acc[t]);
 }
 
@@ -208,10 +205,8 @@ __attribute__((target("avx2"))) void dot_f32_avx2(const float * a, const float *
     for (int t = 0; t < N; ++t) out[t] = fold16_avx2(acc[t], a + i, xs[t] + i, k - i);
 }
 
-// ---- AVX-512: the 4-bit types' weights by table -----------------------------------------------------------------
-// A run of 32 weights of Q4_K, IQ4_NL or IQ4_XS takes one of 16 values (a 4-bit quant through its run's scale and
-// offset, or through IQ4's levels): the 16 values are made once a run, rounded as the decoder rounds each weight,
-// and one permute picks a whole 16-lane step's weights. One 16-lane accumulator per row of x: dot_f32's lanes.
+// ---- AVX-512: the 4-bit types' weights by table (kquants_cpu.h) ----------------------------------------------
+// One 16-lane accumulator per row of x: dot_f32's lanes.
 
 // The 16 lanes' sum, folded as dot_f32 folds them.
 __attribute__((target("avx512f"))) inline float fold16_avx512(__m512 acc) {
@@ -220,64 +215,46 @@ __attribute__((target("avx512f"))) inline float fold16_avx512(__m512 acc) {
     return fold16(lanes);
 }
 
-// acc[t] += table[q] * x[t], the product rounded before it is added, for the 16 quants q (low 4 bits of each lane).
+// acc[t] += values[q] * x[t], the product rounded before it is added, for the 16 quants q.
 template <int N>
-__attribute__((target("avx512f"))) inline void add_step_avx512(__m512 (&acc)[N], __m512 table, __m512i q,
+__attribute__((target("avx512f"))) inline void add_step_avx512(__m512 (&acc)[N], __m512 values, __m512i q,
                                                               const float * const * xs, int64_t at) {
-    const __m512 wv = _mm512_permutexvar_ps(q, table);
+    const __m512 wv = _mm512_permutexvar_ps(q, values);
     for (int t = 0; t < N; ++t) acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(wv, _mm512_loadu_ps(xs[t] + at)));
 }
 
-// The 16 bytes at p, one a lane.
-__attribute__((target("avx512f"))) inline __m512i bytes16_avx512(const uint8_t * p) {
-    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
-}
-
-// Q4_K: sub-block 2c + h's values d1 * q - m1 (a multiply, then a subtraction, as the decoder), its quants the low
-// (h = 0) or high nibbles of the 32 bytes of chunk c.
 template <int N>
 __attribute__((target("avx512f"))) void dot_q4_k_avx512(const uint8_t * w, const float * const * xs, int64_t k,
                                                        float * out) {
     __m512 acc[N];
     for (int t = 0; t < N; ++t) acc[t] = _mm512_setzero_ps();
-    const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int64_t i = 0; i < k; i += 256, w += 144) {
         const float d = load_half(w), dmin = load_half(w + 2);
         for (int c = 0; c < 4; ++c) {
             const __m512i lo = bytes16_avx512(w + 16 + c * 32), hi = bytes16_avx512(w + 32 + c * 32);
             for (int h = 0; h < 2; ++h) {
-                int sc, m;
-                k4_scale_min(w + 4, 2 * c + h, sc, m);
-                const __m512 table = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(d * float(sc)), levels),
-                                                   _mm512_set1_ps(dmin * float(m)));
+                const __m512 values = q4_k_values16(w, c, h, d, dmin);
                 const int64_t at = i + c * 64 + h * 32;
-                add_step_avx512<N>(acc, table, h ? _mm512_srli_epi32(lo, 4) : lo, xs, at);
-                add_step_avx512<N>(acc, table, h ? _mm512_srli_epi32(hi, 4) : hi, xs, at + 16);
+                add_step_avx512<N>(acc, values, h ? _mm512_srli_epi32(lo, 4) : lo, xs, at);
+                add_step_avx512<N>(acc, values, h ? _mm512_srli_epi32(hi, 4) : hi, xs, at + 16);
             }
         }
     }
     for (int t = 0; t < N; ++t) out[t] = fold16_avx512(acc[t]);
 }
 
-// IQ4_NL / IQ4_XS: a run's values d * level (one multiply, with IQ4_XS's sub-block scale as d), its 16 quant bytes'
-// low nibbles elements 0..15 and high nibbles 16..31.
 template <int N, bool XS>
 __attribute__((target("avx512f"))) void dot_iq4_avx512(const uint8_t * w, const float * const * xs, int64_t k,
                                                       float * out) {
     __m512 acc[N];
     for (int t = 0; t < N; ++t) acc[t] = _mm512_setzero_ps();
-    const __m512 levels = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-        _mm_load_si128(reinterpret_cast<const __m128i *>(kIq4Levels))));
-    constexpr int64_t kBlock = XS ? 256 : 32, kBytes = XS ? 136 : 18;
-    for (int64_t i = 0; i < k; i += kBlock, w += kBytes) {
-        const float d = load_half(w);
-        for (int j = 0; j < kBlock / 32; ++j) {
-            const __m512 table = _mm512_mul_ps(_mm512_set1_ps(XS ? iq4_xs_scale(w, d, j) : d), levels);
-            const __m512i q = bytes16_avx512(w + (XS ? 8 + 16 * j : 2));
-            add_step_avx512<N>(acc, table, q, xs, i + 32 * j);
-            add_step_avx512<N>(acc, table, _mm512_srli_epi32(q, 4), xs, i + 32 * j + 16);
-        }
-    }
+    iq4_runs<XS>(w, k / (XS ? 256 : 32), [&acc, xs](int64_t at, const uint8_t * qs, float d)
+                                              __attribute__((target("avx512f"))) {
+        const __m512 values = iq4_values16(d);
+        const __m512i q = bytes16_avx512(qs);
+        add_step_avx512<N>(acc, values, q, xs, at);
+        add_step_avx512<N>(acc, values, _mm512_srli_epi32(q, 4), xs, at + 16);
+    });
     for (int t = 0; t < N; ++t) out[t] = fold16_avx512(acc[t]);
 }
 

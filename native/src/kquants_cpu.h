@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "fp16.h"
 #include "vectors_cpu.h"
 
 namespace specter {
@@ -29,6 +30,19 @@ inline float iq4_xs_scale(const uint8_t * b, float d, int j) {
     const int scales_h = b[2] | (b[3] << 8);
     const int ls = ((b[4 + j / 2] >> (4 * (j % 2))) & 0x0f) | (((scales_h >> (2 * j)) & 3) << 4);
     return d * float(ls - 32);
+}
+
+// Calls run(at, qs, scale) for each run of 32 weights of n_blocks IQ4_NL (XS false) or IQ4_XS blocks from b, in
+// order: `at` the run's first element, qs its 16 quant bytes (low nibbles elements 0..15, high 16..31), scale its d
+// (IQ4_XS: times the sub-block's scale). Always inlined, so that a vector caller's run function inlines too.
+template <bool XS, class Run>
+__attribute__((always_inline)) inline void iq4_runs(const uint8_t * b, int64_t n_blocks, Run && run) {
+    constexpr int64_t kBlock = XS ? 256 : 32, kBytes = XS ? 136 : 18;
+    for (int64_t i = 0; i < n_blocks; ++i, b += kBytes) {
+        const float d = load_half(b);
+        for (int j = 0; j < kBlock / 32; ++j)
+            run(i * kBlock + 32 * j, b + (XS ? 8 + 16 * j : 2), XS ? iq4_xs_scale(b, d, j) : d);
+    }
 }
 
 #ifdef SPECTER_X86_VECTORS
@@ -79,6 +93,32 @@ inline void q6_quants(const uint8_t * b, int j, int l, __m128i * q) {
     q[2] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), low), _mm_and_si128(h, _mm_set1_epi8(0x30)));
     q[3] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(c, 4), low),
                         _mm_and_si128(_mm_srli_epi16(h, 2), _mm_set1_epi8(0x30)));
+}
+
+// ---- AVX-512: a run of 32 weights of Q4_K or IQ4 takes one of 16 values, made once, and a permute by the run's
+// quants (the low 4 bits of each lane) gives 16 of its weights, rounded as the decoder rounds each weight.
+
+// The 16 bytes at p, one a lane.
+__attribute__((target("avx512f"))) inline __m512i bytes16_avx512(const uint8_t * p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
+}
+
+// Q4_K: sub-block 2c + h of block b (scales d, dmin): d1 * q - m1 for q = 0..15 (a multiply, then a subtraction);
+// its quants are the low (h = 0) or high nibbles of bytes16_avx512(b + 16 + 32c) and of the 16 bytes after them.
+__attribute__((target("avx512f"))) inline __m512 q4_k_values16(const uint8_t * b, int c, int h, float d,
+                                                             float dmin) {
+    int sc, m;
+    k4_scale_min(b + 4, 2 * c + h, sc, m);
+    const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(d * float(sc)), q), _mm512_set1_ps(dmin * float(m)));
+}
+
+// IQ4_NL / IQ4_XS: a run of scale d: d * level (one multiply); its 16 quant bytes' low nibbles are elements 0..15,
+// the high ones 16..31.
+__attribute__((target("avx512f"))) inline __m512 iq4_values16(float d) {
+    const __m512 levels = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_load_si128(reinterpret_cast<const __m128i *>(kIq4Levels))));
+    return _mm512_mul_ps(_mm512_set1_ps(d), levels);
 }
 #endif
 

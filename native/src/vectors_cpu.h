@@ -22,7 +22,7 @@ namespace specter {
 bool cpu_avx2();
 
 // Whether the CPU has AVX-512F too, chosen once (SPECTER_CPU_VECTORS=avx2 leaves it out). Only the 4-bit types'
-// fused row dots use it: their weights come from a 16-value table, one permute a 16-lane step (on an AVX-512
+// row dots and decoders use it: their weights come from a 16-value table, one permute a 16-lane step (on an AVX-512
 // development machine a Q4_K product with one or two rows of x took a half to two fifths of AVX2's time, 2026-12-07);
 // plain widening of the other loops was no faster there (2026-12-01).
 bool cpu_avx512();
