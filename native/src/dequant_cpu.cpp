@@ -336,30 +336,13 @@ __attribute__((target("avx2"))) void iq4_avx2(const uint8_t * src, float * y, in
     });
 }
 
-// Q4_K blocks with AVX-512: each sub-block's 16 values, then a permute for every 16 weights (kquants_cpu.h).
-__attribute__((target("avx512f"))) void q4_k_avx512(const uint8_t * b, float * y, int64_t n_blocks) {
-    for (int64_t i = 0; i < n_blocks; ++i, b += 144, y += QK_K) {
-        const float d = load_half(b), dmin = load_half(b + 2);
-        for (int c = 0; c < 4; ++c) {
-            const __m512i lo = bytes16_avx512(b + 16 + c * 32), hi = bytes16_avx512(b + 32 + c * 32);
-            for (int h = 0; h < 2; ++h) {
-                const __m512 values = q4_k_values16(b, c, h, d, dmin);
-                _mm512_storeu_ps(y + c * 64 + h * 32, _mm512_permutexvar_ps(h ? _mm512_srli_epi32(lo, 4) : lo, values));
-                _mm512_storeu_ps(y + c * 64 + h * 32 + 16,
-                                 _mm512_permutexvar_ps(h ? _mm512_srli_epi32(hi, 4) : hi, values));
-            }
-        }
-    }
-}
-
-// IQ4_NL / IQ4_XS blocks with AVX-512: each run's 16 values, then a permute for every 16 weights.
-template <bool XS>
-__attribute__((target("avx512f"))) void iq4_avx512(const uint8_t * src, float * y, int64_t n_blocks) {
-    iq4_runs<XS>(src, n_blocks, [y](int64_t at, const uint8_t * qs, float d) __attribute__((target("avx512f"))) {
-        const __m512 values = iq4_values16(d);
-        const __m512i q = bytes16_avx512(qs);
-        _mm512_storeu_ps(y + at, _mm512_permutexvar_ps(q, values));
-        _mm512_storeu_ps(y + at + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), values));
+// Q4_K, IQ4_NL and IQ4_XS blocks with AVX-512: a permute of each run's 16 values for every 16 weights.
+template <int TYPE>
+__attribute__((target("avx512f"))) void runs16_decode_avx512(const uint8_t * b, float * y, int64_t n_blocks) {
+    runs16_avx512<TYPE>(b, n_blocks, [y](int64_t at, __m512 values, __m512i q0, __m512i q1)
+                                         __attribute__((target("avx512f"))) {
+        _mm512_storeu_ps(y + at, _mm512_permutexvar_ps(q0, values));
+        _mm512_storeu_ps(y + at + 16, _mm512_permutexvar_ps(q1, values));
     });
 }
 
@@ -431,9 +414,9 @@ void dequantize_rows_f32(const TypeInfo & t, const uint8_t * src, float * dst, i
 #ifdef SPECTER_X86_VECTORS
     if (cpu_avx512()) {
         switch (t.type) {
-            case SPECTER_TYPE_Q4_K: return q4_k_avx512(src, dst, n_blocks);
-            case SPECTER_TYPE_IQ4_NL: return iq4_avx512<false>(src, dst, n_blocks);
-            case SPECTER_TYPE_IQ4_XS: return iq4_avx512<true>(src, dst, n_blocks);
+            case SPECTER_TYPE_Q4_K: return runs16_decode_avx512<SPECTER_TYPE_Q4_K>(src, dst, n_blocks);
+            case SPECTER_TYPE_IQ4_NL: return runs16_decode_avx512<SPECTER_TYPE_IQ4_NL>(src, dst, n_blocks);
+            case SPECTER_TYPE_IQ4_XS: return runs16_decode_avx512<SPECTER_TYPE_IQ4_XS>(src, dst, n_blocks);
             default: break;
         }
     }

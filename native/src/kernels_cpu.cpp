@@ -205,7 +205,7 @@ __attribute__((target("avx2"))) void dot_f32_avx2(const float * a, const float *
     for (int t = 0; t < N; ++t) out[t] = fold16_avx2(acc[t], a + i, xs[t] + i, k - i);
 }
 
-// ---- AVX-512: the 4-bit types' weights by table (kquants_cpu.h) ----------------------------------------------
+// ---- AVX-512: the 4-bit types' weights by table (runs16_avx512, kquants_cpu.h) ------------------------------
 // One 16-lane accumulator per row of x: dot_f32's lanes.
 
 // The 16 lanes' sum, folded as dot_f32 folds them.
@@ -223,37 +223,17 @@ __attribute__((target("avx512f"))) inline void add_step_avx512(__m512 (&acc)[N],
     for (int t = 0; t < N; ++t) acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(wv, _mm512_loadu_ps(xs[t] + at)));
 }
 
-template <int N>
-__attribute__((target("avx512f"))) void dot_q4_k_avx512(const uint8_t * w, const float * const * xs, int64_t k,
-                                                       float * out) {
+// Q4_K, IQ4_NL and IQ4_XS rows: two 16-lane steps a run.
+template <int N, int TYPE>
+__attribute__((target("avx512f"))) void dot_runs16_avx512(const uint8_t * w, const float * const * xs, int64_t k,
+                                                         float * out) {
     __m512 acc[N];
     for (int t = 0; t < N; ++t) acc[t] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < k; i += 256, w += 144) {
-        const float d = load_half(w), dmin = load_half(w + 2);
-        for (int c = 0; c < 4; ++c) {
-            const __m512i lo = bytes16_avx512(w + 16 + c * 32), hi = bytes16_avx512(w + 32 + c * 32);
-            for (int h = 0; h < 2; ++h) {
-                const __m512 values = q4_k_values16(w, c, h, d, dmin);
-                const int64_t at = i + c * 64 + h * 32;
-                add_step_avx512<N>(acc, values, h ? _mm512_srli_epi32(lo, 4) : lo, xs, at);
-                add_step_avx512<N>(acc, values, h ? _mm512_srli_epi32(hi, 4) : hi, xs, at + 16);
-            }
-        }
-    }
-    for (int t = 0; t < N; ++t) out[t] = fold16_avx512(acc[t]);
-}
-
-template <int N, bool XS>
-__attribute__((target("avx512f"))) void dot_iq4_avx512(const uint8_t * w, const float * const * xs, int64_t k,
-                                                      float * out) {
-    __m512 acc[N];
-    for (int t = 0; t < N; ++t) acc[t] = _mm512_setzero_ps();
-    iq4_runs<XS>(w, k / (XS ? 256 : 32), [&acc, xs](int64_t at, const uint8_t * qs, float d)
-                                              __attribute__((target("avx512f"))) {
-        const __m512 values = iq4_values16(d);
-        const __m512i q = bytes16_avx512(qs);
-        add_step_avx512<N>(acc, values, q, xs, at);
-        add_step_avx512<N>(acc, values, _mm512_srli_epi32(q, 4), xs, at + 16);
+    runs16_avx512<TYPE>(w, k / (TYPE == SPECTER_TYPE_IQ4_NL ? 32 : 256),
+                        [&acc, xs](int64_t at, __m512 values, __m512i q0, __m512i q1)
+                            __attribute__((target("avx512f"))) {
+        add_step_avx512<N>(acc, values, q0, xs, at);
+        add_step_avx512<N>(acc, values, q1, xs, at + 16);
     });
     for (int t = 0; t < N; ++t) out[t] = fold16_avx512(acc[t]);
 }
@@ -262,9 +242,9 @@ __attribute__((target("avx512f"))) void dot_iq4_avx512(const uint8_t * w, const 
 template <int N>
 bool dot_row_avx512(int type, const uint8_t * w, const float * const * xs, int64_t k, float * out) {
     switch (type) {
-        case SPECTER_TYPE_Q4_K: dot_q4_k_avx512<N>(w, xs, k, out); return true;
-        case SPECTER_TYPE_IQ4_NL: dot_iq4_avx512<N, false>(w, xs, k, out); return true;
-        case SPECTER_TYPE_IQ4_XS: dot_iq4_avx512<N, true>(w, xs, k, out); return true;
+        case SPECTER_TYPE_Q4_K: dot_runs16_avx512<N, SPECTER_TYPE_Q4_K>(w, xs, k, out); return true;
+        case SPECTER_TYPE_IQ4_NL: dot_runs16_avx512<N, SPECTER_TYPE_IQ4_NL>(w, xs, k, out); return true;
+        case SPECTER_TYPE_IQ4_XS: dot_runs16_avx512<N, SPECTER_TYPE_IQ4_XS>(w, xs, k, out); return true;
         default: return false;
     }
 }

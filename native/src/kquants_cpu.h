@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "fp16.h"
+#include "specter.h"
 #include "vectors_cpu.h"
 
 namespace specter {
@@ -95,30 +96,48 @@ inline void q6_quants(const uint8_t * b, int j, int l, __m128i * q) {
                         _mm_and_si128(_mm_srli_epi16(h, 2), _mm_set1_epi8(0x30)));
 }
 
-// ---- AVX-512: a run of 32 weights of Q4_K or IQ4 takes one of 16 values, made once, and a permute by the run's
-// quants (the low 4 bits of each lane) gives 16 of its weights, rounded as the decoder rounds each weight.
+// ---- AVX-512: a run of 32 weights of Q4_K (a sub-block), IQ4_NL or IQ4_XS takes one of 16 values, rounded as the
+// decoder rounds each weight; a permute of them by the run's quants gives 16 of its weights.
 
 // The 16 bytes at p, one a lane.
 __attribute__((target("avx512f"))) inline __m512i bytes16_avx512(const uint8_t * p) {
     return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
 }
 
-// Q4_K: sub-block 2c + h of block b (scales d, dmin): d1 * q - m1 for q = 0..15 (a multiply, then a subtraction);
-// its quants are the low (h = 0) or high nibbles of bytes16_avx512(b + 16 + 32c) and of the 16 bytes after them.
-__attribute__((target("avx512f"))) inline __m512 q4_k_values16(const uint8_t * b, int c, int h, float d,
-                                                             float dmin) {
-    int sc, m;
-    k4_scale_min(b + 4, 2 * c + h, sc, m);
-    const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    return _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(d * float(sc)), q), _mm512_set1_ps(dmin * float(m)));
-}
-
-// IQ4_NL / IQ4_XS: a run of scale d: d * level (one multiply); its 16 quant bytes' low nibbles are elements 0..15,
-// the high ones 16..31.
-__attribute__((target("avx512f"))) inline __m512 iq4_values16(float d) {
-    const __m512 levels = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-        _mm_load_si128(reinterpret_cast<const __m128i *>(kIq4Levels))));
-    return _mm512_mul_ps(_mm512_set1_ps(d), levels);
+// Calls run(at, values, q0, q1) for each run of 32 weights of n_blocks blocks of TYPE (Q4_K, IQ4_NL or IQ4_XS) from
+// b, in order: `at` the run's first element, values its 16 values (Q4_K: d1 * q - m1, a multiply, then a
+// subtraction; IQ4: d * level, one multiply), q0 and q1 the quants of its elements 0..15 and 16..31 (the low 4 bits
+// of each lane). Always inlined, so that the caller's run function inlines too.
+template <int TYPE, class Run>
+__attribute__((target("avx512f"), always_inline)) inline void runs16_avx512(const uint8_t * b, int64_t n_blocks,
+                                                                           Run && run) {
+    if constexpr (TYPE == SPECTER_TYPE_Q4_K) {
+        const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        for (int64_t i = 0; i < n_blocks; ++i, b += 144) {
+            const float d = load_half(b), dmin = load_half(b + 2);
+            for (int c = 0; c < 4; ++c) {
+                // sub-block 2c + h: the low (h = 0) or high nibbles of the 32 quant bytes of chunk c
+                const __m512i lo = bytes16_avx512(b + 16 + c * 32), hi = bytes16_avx512(b + 32 + c * 32);
+                for (int h = 0; h < 2; ++h) {
+                    int sc, m;
+                    k4_scale_min(b + 4, 2 * c + h, sc, m);
+                    const __m512 values = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(d * float(sc)), q),
+                                                        _mm512_set1_ps(dmin * float(m)));
+                    run(i * 256 + c * 64 + h * 32, values, h ? _mm512_srli_epi32(lo, 4) : lo,
+                        h ? _mm512_srli_epi32(hi, 4) : hi);
+                }
+            }
+        }
+    } else {
+        static_assert(TYPE == SPECTER_TYPE_IQ4_NL || TYPE == SPECTER_TYPE_IQ4_XS, "a 4-bit type of 16 values");
+        const __m512 levels = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_load_si128(reinterpret_cast<const __m128i *>(kIq4Levels))));
+        iq4_runs<TYPE == SPECTER_TYPE_IQ4_XS>(b, n_blocks, [&run, levels](int64_t at, const uint8_t * qs, float d)
+                                                               __attribute__((target("avx512f"))) {
+            const __m512i q = bytes16_avx512(qs);
+            run(at, _mm512_mul_ps(_mm512_set1_ps(d), levels), q, _mm512_srli_epi32(q, 4));
+        });
+    }
 }
 #endif
 
