@@ -10,7 +10,6 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
-from .engine import stop_list
 from .errors import SpecterError
 from .gguf_file import model_name
 from .sampling import SamplingParams
@@ -53,7 +52,7 @@ def start_chat_completion(model: Model, messages: Sequence[Mapping[str, Any]], m
     """A Generation for the assistant's reply to `messages`, prompted through the chat template."""
     from .chat import start_chat
 
-    return start_chat(model, messages, n_predict=_max_tokens(max_tokens), sampling=sampling, stop=stop_list(stop))
+    return start_chat(model, messages, n_predict=_max_tokens(max_tokens), sampling=sampling, stop=stop)
 
 
 def usage(gen: Generation) -> dict[str, int]:
@@ -127,42 +126,47 @@ def _refuse(call: str, unsupported: Mapping[str, Any]) -> None:
     if unsupported:
         raise SpecterError(f"{call}: {', '.join(sorted(unsupported))} not supported (the arguments taken are "
                            f"llama-cpp-python's prompt or messages, max_tokens, temperature, top_p, top_k, min_p, "
-                           f"stop, seed, presence_penalty, frequency_penalty, repeat_penalty and stream)")
+                           f"stop, seed, presence_penalty, frequency_penalty, repeat_penalty, stream and model)")
 
 
-def _model_name(model: Model) -> str:
-    return model_name(model.path)
+def _result_name(llm: Model, model: str | None, stream: bool) -> str:
+    """The name a result carries: `model` where given (llama-cpp-python's argument), else the file's."""
+    if not isinstance(stream, bool):
+        raise SpecterError(f"stream must be True or False, not {stream!r}")
+    if model is not None and not isinstance(model, str):
+        raise SpecterError(f"model must be a name (text) for the results, not {type(model).__name__}")
+    return model if model is not None else model_name(llm.path)
 
 
-def create_completion(model: Model, prompt: str | Sequence[int], max_tokens: int | None = 16,
+def create_completion(llm: Model, prompt: str | Sequence[int], max_tokens: int | None = 16,
                       temperature: float = 0.8, top_p: float = 0.95, top_k: int = 40, min_p: float = 0.05,
                       stop: str | Sequence[str] | None = None, seed: int | None = None,
                       presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repeat_penalty: float = 1.0,
-                      stream: bool = False, **unsupported: Any) -> dict[str, Any] | Iterator[dict[str, Any]]:
-    """Complete `prompt` (text or token ids), with llama-cpp-python's defaults. ``max_tokens=None`` or
-    ``<= 0`` generates until the end of the text or a full context; ``seed=-1`` draws one. Other arguments of
-    llama-cpp-python's (echo, logprobs, suffix, ...) are refused with a SpecterError naming them."""
+                      stream: bool = False, model: str | None = None,
+                      **unsupported: Any) -> dict[str, Any] | Iterator[dict[str, Any]]:
+    """Complete `prompt` (text or token ids) on `llm`, with llama-cpp-python's defaults. ``max_tokens=None`` or
+    ``<= 0`` generates until the end of the text or a full context; ``seed=-1`` draws one; `model` names the
+    results (default: the file's name). Other arguments of llama-cpp-python's (echo, logprobs, suffix, ...) are
+    refused with a SpecterError naming them."""
     _refuse("create_completion", unsupported)
+    name = _result_name(llm, model, stream)
     sp = sampling_params(temperature, top_p, top_k, min_p, repeat_penalty, presence_penalty, frequency_penalty, seed)
-    gen = start_completion(model, prompt, max_tokens, sp, stop)
-    if stream:
-        return completion_chunks(gen, _model_name(model))
-    return completion_result(gen, _model_name(model))
+    gen = start_completion(llm, prompt, max_tokens, sp, stop)
+    return completion_chunks(gen, name) if stream else completion_result(gen, name)
 
 
-def create_chat_completion(model: Model, messages: Sequence[Mapping[str, Any]], max_tokens: int | None = None,
+def create_chat_completion(llm: Model, messages: Sequence[Mapping[str, Any]], max_tokens: int | None = None,
                            temperature: float = 0.2, top_p: float = 0.95, top_k: int = 40, min_p: float = 0.05,
                            stop: str | Sequence[str] | None = None, seed: int | None = None,
                            presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                           repeat_penalty: float = 1.0,
-                           stream: bool = False, **unsupported: Any) -> dict[str, Any] | Iterator[dict[str, Any]]:
-    """Answer OpenAI-style `messages` through the model's chat template, with llama-cpp-python's
-    defaults (``max_tokens=None`` or ``<= 0``: until the end of the reply or a full context; ``seed=-1`` draws one).
-    Other arguments of llama-cpp-python's (tools, response_format, logprobs, ...) are refused with a SpecterError
-    naming them."""
+                           repeat_penalty: float = 1.0, stream: bool = False, model: str | None = None,
+                           **unsupported: Any) -> dict[str, Any] | Iterator[dict[str, Any]]:
+    """Answer OpenAI-style `messages` on `llm` through the model's chat template, with llama-cpp-python's
+    defaults (``max_tokens=None`` or ``<= 0``: until the end of the reply or a full context; ``seed=-1`` draws one;
+    `model` names the results). Other arguments of llama-cpp-python's (tools, response_format, logprobs, ...) are
+    refused with a SpecterError naming them."""
     _refuse("create_chat_completion", unsupported)
+    name = _result_name(llm, model, stream)
     sp = sampling_params(temperature, top_p, top_k, min_p, repeat_penalty, presence_penalty, frequency_penalty, seed)
-    gen = start_chat_completion(model, messages, max_tokens, sp, stop)
-    if stream:
-        return chat_chunks(gen, _model_name(model))
-    return chat_result(gen, _model_name(model))
+    gen = start_chat_completion(llm, messages, max_tokens, sp, stop)
+    return chat_chunks(gen, name) if stream else chat_result(gen, name)

@@ -448,11 +448,14 @@ def chat_template(model: Model) -> ChatTemplate:
 
 
 def start_chat(model: Model, messages: Sequence[Mapping[str, Any]], n_predict: int = -1,
-               sampling: SamplingParams | None = None, stop: Sequence[str] = ()) -> Generation:
-    """Generate the assistant's reply to `messages` (a Generation: iterate it to stream)."""
+               sampling: SamplingParams | None = None, stop: str | Sequence[str] | None = ()) -> Generation:
+    """Generate the assistant's reply to `messages` (a Generation: iterate it to stream); `stop`: a text or texts
+    that end it, besides the template's own end of turn."""
+    from .engine import stop_list
+
     t = chat_template(model)
     ids = t.tokens(model, messages)
-    return model.generate(ids, n_predict=n_predict, sampling=sampling, stop=[*stop, *t.stop])
+    return model.generate(ids, n_predict=n_predict, sampling=sampling, stop=[*stop_list(stop), *t.stop])
 
 
 class ChatSession:
@@ -471,6 +474,9 @@ class ChatSession:
 
     def __init__(self, model: Model, system: str | None = None, n_predict: int = -1,
                  sampling: SamplingParams | None = None) -> None:
+        from .sampling import SamplingParams
+
+        SamplingParams.check(sampling)
         self.model, self.system, self.n_predict, self.sampling = model, system, n_predict, sampling
         self.history: list[dict[str, str]] = []
         self._pending: Generation | None = None  # the latest reply

@@ -58,7 +58,8 @@ def resolve_device(device: str | None) -> torch.device:
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         raise SpecterError(f"unknown device '{device}'; use cpu or cuda")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise SpecterError("--device cuda was asked for but PyTorch sees no CUDA GPU; use --device cpu")
+        raise SpecterError("--device cuda (device \"cuda\") was asked for but PyTorch sees no CUDA GPU; use "
+                           "--device cpu")
     return torch.device(device)
 
 
@@ -434,7 +435,7 @@ class Model:
         cfg = ModelConfig.from_gguf(f)
         ctx = _context(cfg, ctx_size)
         if draft is None and n_draft is not None:
-            raise SpecterError("--n-draft needs a draft (--draft DRAFT.gguf)")
+            raise SpecterError("--n-draft (n_draft) needs a draft (--draft DRAFT.gguf; draft of Model.load)")
         if n_draft is not None:
             n_draft = parse_depth(n_draft)
         draft_file = GGUFFile(resolve_draft(path, draft, progress)) if draft is not None else None
@@ -565,14 +566,15 @@ class Model:
         (llama-server's option of that name; the benchmark generates exactly `n_predict` tokens)."""
         if isinstance(n_predict, bool) or not isinstance(n_predict, (int, np.integer)) or n_predict < -1:
             raise SpecterError(f"n_predict must be a whole number of tokens, -1 for no limit, got {n_predict!r}")
-        if sampling is not None and not isinstance(sampling, SamplingParams):
-            raise SpecterError(f"sampling must be a SamplingParams (e.g. SamplingParams(temperature=0)), not "
-                               f"{type(sampling).__name__}")
+        SamplingParams.check(sampling)
+        if not isinstance(ignore_eos, bool):
+            raise SpecterError(f"ignore_eos must be True or False, not {ignore_eos!r}")
         stop = stop_list(stop)
         prompt_ids = self._prompt_ids(prompt)
         if len(prompt_ids) >= self.ctx_size:
-            raise ContextFullError(f"the prompt has {len(prompt_ids)} tokens but the context holds {self.ctx_size}; "
-                                   f"shorten it or raise -c/--ctx-size")
+            n = len(prompt_ids)
+            raise ContextFullError(f"the prompt has {n} token{'s' * (n != 1)} but the context holds {self.ctx_size}; "
+                                   f"shorten it or raise the context size (-c/--ctx-size; ctx_size of Model.load)")
         gen = Generation(prompt_tokens=prompt_ids)
         gen.stats.prompt_tokens, gen.stats.ctx_size = len(prompt_ids), self.ctx_size
         sampler = Sampler(sampling or SamplingParams())
@@ -583,9 +585,9 @@ class Model:
 
     # -- chat and llama-cpp-python–shaped results (specter_gguf/chat.py, specter_gguf/api.py) ------------
     def chat(self, messages: Sequence[dict[str, Any]], n_predict: int = -1, sampling: SamplingParams | None = None,
-             stop: Sequence[str] = ()) -> Generation:
+             stop: str | Sequence[str] | None = ()) -> Generation:
         """Generate the assistant's reply to OpenAI-style `messages`, prompted through the file's chat
-        template (or the built-in ChatML one). Iterate the result to stream text."""
+        template (or the built-in ChatML one). Iterate the result to stream text. `stop`: as for `generate`."""
         from specter_gguf.chat import start_chat
 
         return start_chat(self, messages, n_predict=n_predict, sampling=sampling, stop=stop)

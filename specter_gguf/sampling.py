@@ -112,6 +112,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
+    @staticmethod
+    def check(sampling: object) -> None:
+        """Refuse a `sampling` argument that is neither None nor a SamplingParams (a dict, say)."""
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise SpecterError(f"sampling must be a SamplingParams (e.g. SamplingParams(temperature=0)), not "
+                               f"{type(sampling).__name__}")
+
     @property
     def penalties_active(self) -> bool:
         return self.repeat_last_n != 0 and not (

@@ -153,6 +153,8 @@ class Metrics:
                 return
             stats = gen.stats.to_dict()
             self.decode_steps += max(gen.stats.generated_tokens - 1, 0)
+            self.last.clear()  # the last request's stats only: one it did not have is not an earlier one's
+            self.last_labels.clear()
             for k, v in stats.items():
                 if isinstance(v, bool) or v is None:
                     continue
@@ -445,14 +447,20 @@ class Worker:
         self.metrics, self.max_queue = metrics, max_queue
         self.stops: set[threading.Event] = set()
         self._pending: deque[Callable[[], None]] = deque()
-        self._cond = threading.Condition()  # guards _pending, _closed and the gauges' values
+        self._cond = threading.Condition()  # guards _pending, _running, _closed and the gauges' values
+        self._running = False  # a job is running (or was taken off the queue to run)
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="specter-generate", daemon=True)
         self._thread.start()
 
-    def _gauges(self, running: int) -> None:
+    def _waiting(self) -> int:
+        """Jobs that wait for the device: with none running, the first queued one is about to start."""
+        return len(self._pending) - (0 if self._running or not self._pending else 1)
+
+    def _gauges(self) -> None:
         with self.metrics._lock:
-            self.metrics.queued, self.metrics.running = len(self._pending), running
+            self.metrics.queued = self._waiting()
+            self.metrics.running = int(self._running or bool(self._pending))
 
     def _loop(self) -> None:
         while True:
@@ -462,23 +470,25 @@ class Worker:
                 if not self._pending:
                     return
                 run = self._pending.popleft()
-                self._gauges(1)
+                self._running = True
+                self._gauges()
             try:
                 run()
             finally:
                 with self._cond:
-                    self._gauges(0)
+                    self._running = False
+                    self._gauges()
 
     def _submit(self, run: Callable[[], None]) -> None:
         with self._cond:
             if self._closed:
                 raise RequestError("the server is shutting down", 503)
-            if len(self._pending) >= self.max_queue:
-                raise RequestError(f"the server is busy: {len(self._pending)} requests wait for the device "
+            if self._waiting() >= self.max_queue:
+                raise RequestError(f"the server is busy: {self._waiting()} requests wait for the device "
                                    f"(--max-queue {self.max_queue}); retry in {RETRY_AFTER_S} s", 429,
                                    code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)})
             self._pending.append(run)
-            self._gauges(self.metrics.running)
+            self._gauges()
             self._cond.notify()
 
     def _withdraw(self, run: Callable[[], None]) -> bool:
@@ -488,7 +498,7 @@ class Worker:
                 self._pending.remove(run)
             except ValueError:
                 return False
-            self._gauges(self.metrics.running)
+            self._gauges()
             return True
 
     async def stream(self, job: Callable[[threading.Event, Callable[[Any], None]], None], stop: threading.Event,

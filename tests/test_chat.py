@@ -285,6 +285,17 @@ def test_model_chat_equals_generate_on_template_tokens(model: Model) -> None:
     assert a.text == b.text and a.tokens == b.tokens
 
 
+def test_model_chat_takes_stop_as_generate_does(model: Model) -> None:
+    """One text is one stop string (not a string of one-character ones), None is none."""
+    full = model.chat(MESSAGES, n_predict=12, sampling=GREEDY).wait()
+    assert len(full.text) > 4
+    word = full.text[2:5]
+    one = model.chat(MESSAGES, n_predict=12, sampling=GREEDY, stop=word).wait()
+    listed = model.chat(MESSAGES, n_predict=12, sampling=GREEDY, stop=[word]).wait()
+    assert one.text == listed.text == full.text[:full.text.index(word)] and one.finish_reason == "stop"
+    assert model.chat(MESSAGES, n_predict=12, sampling=GREEDY, stop=None).wait().text == full.text
+
+
 def test_cli_chat_piped(shipped_model: Path, model: Model) -> None:
     stdin = "Hi!\n\n/reset\n/rest\nHi!\n/exit\nnever read\n"  # /rest: a mistyped command, not a message
     result = CliRunner().invoke(cli, ["chat", str(shipped_model), "--device", "cpu", "-n", "3", "--temp", "0",

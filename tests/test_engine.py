@@ -174,6 +174,10 @@ def test_api_arguments_of_the_wrong_type_are_one_error_line(shipped_model: Path)
                         (lambda: m.detokenize([10**6]), "out of range"),
                         (lambda: m.detokenize("abc"), "token ids must be a list"),
                         (lambda: ChatSession(m).send(None), "send takes"),
+                        (lambda: ChatSession(m, sampling={"temperature": 0}), "SamplingParams"),
+                        (lambda: m.generate("hi", ignore_eos="no"), "ignore_eos"),
+                        (lambda: m.create_completion("hi", stream="no"), "stream must be True or False"),
+                        (lambda: m.create_completion("hi", model=3), "model must be a name"),
                         (lambda: m.create_completion("hi", echo=True), "echo not supported"),
                         (lambda: m.create_chat_completion([{"role": "user", "content": "hi"}], tools=[]),
                          "tools not supported")]:
@@ -184,6 +188,11 @@ def test_api_arguments_of_the_wrong_type_are_one_error_line(shipped_model: Path)
     assert m.generate("hi", 3, greedy, stop=None).wait().tokens == m.generate("hi", 3, greedy).wait().tokens
     out = m.create_completion("Once", max_tokens=0, seed=-1)
     assert out["usage"]["completion_tokens"] >= 1
+    # llama-cpp-python's `model` names the results
+    assert m.create_completion("Once", max_tokens=1, model="mine")["model"] == "mine"
+    chunks = list(m.create_chat_completion([{"role": "user", "content": "hi"}], max_tokens=1, model="mine",
+                                           stream=True))
+    assert {c["model"] for c in chunks} == {"mine"}
     assert (m.logits("import os") == m.logits(m.tokenize("import os"))).all()
 
 

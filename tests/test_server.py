@@ -900,3 +900,40 @@ def test_soak_memory_stays_flat(shipped_model: Path) -> None:
     assert not wrong, wrong[:5]
     assert after - before < 32 * 2**20
     assert dev_after[0] - dev_before[0] < 8 * 2**20
+
+
+def test_the_queue_limit_does_not_count_the_job_about_to_start() -> None:
+    """With --max-queue 1, a request that comes before the worker thread has taken the first one off the queue
+    waits (the first is about to run, not waiting); the next one is refused. The test holds the worker's lock, so
+    the worker cannot take a job meanwhile (an audit met 429 for the second request in 2 tries of 6)."""
+    from specter_gguf.server import Metrics, RequestError, Worker
+
+    metrics_, release = Metrics(), threading.Event()
+    worker = Worker(metrics_, max_queue=1)
+    try:
+        with worker._cond:
+            worker._submit(lambda: release.wait(10))
+            worker._submit(lambda: None)
+            assert (metrics_.queued, metrics_.running) == (1, 1)
+            with pytest.raises(RequestError) as refused:
+                worker._submit(lambda: None)
+        assert refused.value.status == 429 and "1 requests wait" in str(refused.value)
+    finally:
+        release.set()
+        worker.shutdown()
+
+
+def test_the_last_request_gauges_are_the_last_request_s_only(model: Model) -> None:
+    """A statistic the last request did not have (None) is not shown with an earlier request's value."""
+    from specter_gguf.server import Metrics
+
+    metrics_ = Metrics()
+    first = model.generate("Hello", 2, SamplingParams(temperature=0)).wait()
+    first.stats.cache_slots, first.stats.offload = 7, "lru"
+    metrics_.record(first, complete=True)
+    assert "specter_last_cache_slots 7" in metrics_.render({})
+    second = model.generate("Hello", 2, SamplingParams(temperature=0)).wait()
+    metrics_.record(second, complete=True)
+    text = metrics_.render({})
+    assert "specter_last_cache_slots" not in text and 'offload="lru"' not in text
+    assert "specter_last_generated_tokens 2" in text
