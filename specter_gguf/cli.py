@@ -20,7 +20,7 @@ from specter_gguf.errors import ContextFullError, SpecterError
 from specter_gguf.gguf_file import model_name
 from specter_gguf.outputs import check_output_file, check_output_folder
 from specter_gguf.quantize import FTYPES, NEEDS_IMATRIX, needs_imatrix_message
-from specter_gguf.sizes import format_size, parse_size
+from specter_gguf.sizes import MiB, format_size, parse_size
 
 
 class Cli(click.Group):
@@ -156,6 +156,13 @@ SEED_HELP = ("Random seed (default or -1: random). With --draft, sampled output 
              "--n-draft; auto chooses its depths from measured timings, which move the draws.")
 
 
+def _note_seed_at_depth_auto(m: Any, sampling: Any) -> None:
+    """A user who gives a seed expects the output to repeat: say where it will not (SEED_HELP)."""
+    if sampling.seed is not None and not sampling.greedy and getattr(m.decoder, "depth", None) is not None:
+        click.echo(f"note: --seed {sampling.seed} repeats sampled output at a fixed --n-draft, not at depth auto "
+                   "(its depths follow measured timings, which move the draws)", err=True)
+
+
 def sampling_options(f: Any, seed_help: str = SEED_HELP) -> Any:
     """llama.cpp's sampling options; the command receives them as one `sampling: SamplingParams`."""
 
@@ -185,18 +192,23 @@ def sampling_options(f: Any, seed_help: str = SEED_HELP) -> Any:
 
 
 GPU_BUDGET_HELP = ("Device memory budget, e.g. 16GiB, 12000MiB, 1.5GB (GB: 10^9 bytes; G and GiB: 2^30; a bare number: "
-                   "bytes)")
+                   "bytes, at least a MiB)")
 # --spare-slots' default, as `runtime.offload.spares_per_layer` computes it (run's and plan's help)
 SPARE_SLOTS_DEFAULT = (f"twice the experts a token uses, at most {MAX_SPARES} and half the layer's slots beyond one "
                        f"token's experts, {SPARES_WITH_LOOKAHEAD} with a draft")
 
 
 def _gpu_budget(text: str) -> int:
-    """--gpu-budget in bytes, or one error line naming the option."""
+    """--gpu-budget in bytes, or one error line naming the option (and the unit a small bare number lacks)."""
     try:
-        return parse_size(text)
+        size = parse_size(text)
     except SpecterError as e:
         raise SpecterError(f"--gpu-budget: {e}") from None
+    if size <= 0:
+        raise SpecterError(f"--gpu-budget {text}: the budget must be more than 0 bytes, e.g. 16GiB")
+    if text.strip().isdigit() and size < MiB:
+        raise SpecterError(f"--gpu-budget {text}: a bare number counts bytes; give the unit, e.g. {text.strip()}GiB")
+    return size
 
 
 def load_options(f: Any = None, *, depth: bool = True) -> Any:
@@ -269,6 +281,8 @@ def load_options(f: Any = None, *, depth: bool = True) -> Any:
               help="Tokens to generate (-1: until end of text or full context).")
 @sampling_options
 @click.option("--stop", multiple=True, help="Stop when this text is generated (repeatable).")
+@click.option("--ignore-eos", is_flag=True, help="Go on past an end-of-generation token, to -n tokens or a full "
+              "context (llama.cpp's --ignore-eos).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @click.option("-q", "--quiet", is_flag=True, help="Print only the generated text: no progress bar, no summary line.")
 @load_options
@@ -277,8 +291,8 @@ def load_options(f: Any = None, *, depth: bool = True) -> Any:
 @click.option("--stats", "show_stats", is_flag=True, help="Print every statistic of the run (timings, expert cache, "
               "copies, peak GPU memory) to stderr; with --json they are in its \"stats\" instead.")
 def run(model: Path | None, prompt: str | None, prompt_file: Path | None, n_predict: int, sampling: Any,
-        stop: tuple[str, ...], as_json: bool, quiet: bool, load: Any, save_routing_profile: Path | None,
-        show_stats: bool) -> None:
+        stop: tuple[str, ...], ignore_eos: bool, as_json: bool, quiet: bool, load: Any,
+        save_routing_profile: Path | None, show_stats: bool) -> None:
     """Generate text from MODEL (default: the small model shipped in models/)."""
     if prompt_file is not None:
         if prompt is not None:
@@ -289,28 +303,37 @@ def run(model: Path | None, prompt: str | None, prompt_file: Path | None, n_pred
     if save_routing_profile is not None:
         _check_output_file(save_routing_profile, "--save-routing-profile")
     m = load(model, progress=not (as_json or quiet))
+    if not (as_json or quiet):
+        _note_seed_at_depth_auto(m, sampling)
     if save_routing_profile is not None:
         m.record_routing()
-    gen = m.generate(prompt, n_predict=n_predict, sampling=sampling, stop=stop)
-    if as_json:
-        gen.wait()
-        if save_routing_profile is not None:
-            m.routing_profile().save(save_routing_profile)
-        click.echo(json.dumps({"text": gen.text, "tokens": gen.tokens, "prompt_tokens": gen.prompt_tokens,
-                               "finish_reason": gen.finish_reason, "stats": gen.stats.to_dict()}))
-        return
+    gen = m.generate(prompt, n_predict=n_predict, sampling=sampling, stop=stop, ignore_eos=ignore_eos)
+
+    def as_json_line() -> str:
+        return json.dumps({"text": gen.text, "tokens": gen.tokens, "prompt_tokens": gen.prompt_tokens,
+                           "finish_reason": gen.finish_reason, "stats": gen.stats.to_dict()})
+
     try:
-        for piece in gen:
-            click.echo(piece, nl=False)
-            sys.stdout.flush()
+        if as_json:
+            gen.wait()
+        else:
+            for piece in gen:
+                click.echo(piece, nl=False)
+                sys.stdout.flush()
     except KeyboardInterrupt:  # what was generated until then, as llama.cpp prints its timings; then "interrupted"
         gen.close()
-        if not quiet:
+        if as_json:
+            click.echo(as_json_line())  # finish_reason null: stopped before its end
+        elif not quiet:
             click.echo(f"\n{gen.stats.summary()}", err=True)
         raise
-    click.echo()
     if save_routing_profile is not None:
         m.routing_profile().save(save_routing_profile)
+    if as_json:
+        click.echo(as_json_line())
+        return
+    if not quiet or sys.stdout.isatty():  # -q: the text as generated (a terminal's next line still apart)
+        click.echo()
     if not quiet:
         click.echo(gen.stats.summary(), err=True)
     if show_stats:
@@ -423,7 +446,10 @@ def fidelity(model: Path | None, drafts: str, prompts_file: Path | None, n_predi
     if not names:
         raise SpecterError("--drafts is empty: give types such as q2_k,q4_k_m,q8_0 or draft files")
     for d in names:
-        DraftFile().convert(d, None, None)
+        try:
+            draft_file_or_type(d)
+        except SpecterError as e:
+            raise SpecterError(f"--drafts: {e}") from None
     prompts = read_prompts(prompts_file) if prompts_file is not None else list(DEFAULT_PROMPTS)
     _check_output_folder(out, "-o/--out")
     if model is not None:
@@ -474,8 +500,11 @@ def plan(model: Path, gpu_budget: str, draft: Path | str | None, ctx_size: int |
     spare_line = ("spare slots: none (the whole model fits the budget)" if p.fits_all else
                   f"spare slots: {spares} of each MoE layer's {p.n_slots // p.n_moe_layers} with --offload lru, for "
                   "a forward to copy its misses into (--spare-slots); the cache keeps the others")
+    if spare_slots is not None and spares < spare_slots and not p.fits_all:
+        spare_line += f" (--spare-slots {spare_slots}: at most {spares} fit beside a token's {p.top_k} experts)"
+    below = p.budget < p.minimum  # the lines on slots would describe a cache that cannot exist
     click.echo(json.dumps({**p.to_dict(), "hybrid": hybrid_line, "spare_slots": spares}) if as_json
-               else f"{p.describe()}\n{spare_line}\n{hybrid_line}")
+               else p.describe() if below else f"{p.describe()}\n{spare_line}\n{hybrid_line}")
     p.check()  # a budget below the minimum: the split is shown, then the error (exit 1) says what is missing
 
 
@@ -625,6 +654,7 @@ def chat(model: Path | None, system: str | None, n_predict: int, sampling: Any, 
 
     interactive = sys.stdin.isatty()
     m = load(model, progress=interactive)
+    _note_seed_at_depth_auto(m, sampling)
     session = ChatSession(m, system=system, n_predict=n_predict, sampling=sampling)
     click.echo(f"chatting with {model_name(m.path)} (context {m.ctx_size}, {f'draft {m.draft}, ' if m.draft else ''}"
                f"chat template: {chat_template(m).source}); "

@@ -58,8 +58,7 @@ def resolve_device(device: str | None) -> torch.device:
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         raise SpecterError(f"unknown device '{device}'; use cpu or cuda")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise SpecterError("--device cuda (device \"cuda\") was asked for but PyTorch sees no CUDA GPU; use "
-                           "--device cpu")
+        raise SpecterError("--device cuda was asked for but PyTorch sees no CUDA GPU; use --device cpu")
     return torch.device(device)
 
 
@@ -435,7 +434,7 @@ class Model:
         cfg = ModelConfig.from_gguf(f)
         ctx = _context(cfg, ctx_size)
         if draft is None and n_draft is not None:
-            raise SpecterError("--n-draft (n_draft) needs a draft (--draft DRAFT.gguf; draft of Model.load)")
+            raise SpecterError("--n-draft needs a draft (--draft DRAFT.gguf)")
         if n_draft is not None:
             n_draft = parse_depth(n_draft)
         draft_file = GGUFFile(resolve_draft(path, draft, progress)) if draft is not None else None
@@ -574,7 +573,7 @@ class Model:
         if len(prompt_ids) >= self.ctx_size:
             n = len(prompt_ids)
             raise ContextFullError(f"the prompt has {n} token{'s' * (n != 1)} but the context holds {self.ctx_size}; "
-                                   f"shorten it or raise the context size (-c/--ctx-size; ctx_size of Model.load)")
+                                   f"shorten it or raise -c/--ctx-size")
         gen = Generation(prompt_tokens=prompt_ids)
         gen.stats.prompt_tokens, gen.stats.ctx_size = len(prompt_ids), self.ctx_size
         sampler = Sampler(sampling or SamplingParams())

@@ -83,6 +83,57 @@ def test_run_streaming_prints_text_then_summary(shipped_model: Path, greedy8: di
     assert f"generated {len(greedy8['tokens'])} tokens" in last
 
 
+def test_run_quiet_prints_the_text_as_generated(shipped_model: Path, greedy8: dict) -> None:
+    """-q: the generated text and nothing else, no newline of ours after it (its stdout is no terminal here)."""
+    result = invoke("run", str(shipped_model), "-p", PROMPT, "--device", "cpu", "-n", "8", "--temp", "0", "-q")
+    assert result.exit_code == 0 and result.stdout == greedy8["text"] and result.stderr == "", result.output
+
+
+def test_run_json_after_ctrl_c_has_what_was_generated(shipped_model: Path, greedy8: dict,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C (here after three pieces of text) under --json prints the object of what was generated until then,
+    finish_reason null, and exits 130 as without --json."""
+    from specter_gguf.engine import Generation
+
+    def interrupted_wait(gen: Generation) -> Generation:
+        for _, _ in zip(range(3), gen):
+            pass
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Generation, "wait", interrupted_wait)
+    result = invoke("run", str(shipped_model), "-p", PROMPT, "--device", "cpu", "-n", "8", "--temp", "0", "--json")
+    out = json.loads(result.stdout)
+    assert result.exit_code == 130 and "interrupted" in result.stderr
+    assert out["finish_reason"] is None and 0 < len(out["text"]) < len(greedy8["text"])
+    assert greedy8["text"].startswith(out["text"]) and out["stats"]["generated_tokens"] == len(out["tokens"]) >= 3
+
+
+def test_run_ignore_eos_reaches_the_generation(shipped_model: Path, greedy8: dict,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """--ignore-eos is the engine's ignore_eos (what it does there: tests/test_engine.py); off by default."""
+    from specter_gguf.engine import Model
+
+    seen, generate = [], Model.generate
+    monkeypatch.setattr(Model, "generate", lambda self, *a, **kw: (seen.append(kw["ignore_eos"]),
+                                                                   generate(self, *a, **kw))[1])
+    for flag in ([], ["--ignore-eos"]):
+        assert run_json(shipped_model, "-n", "8", "--temp", "0", *flag)["tokens"] == greedy8["tokens"]
+    assert seen == [False, True]
+
+
+def test_a_seed_at_depth_auto_is_noted(shipped_model: Path) -> None:
+    """The shipped model speculates at depth auto, where a seed does not repeat sampled output: run says so once,
+    not at a fixed depth, greedily or without a draft."""
+    def note(*args: str) -> int:
+        result = invoke("run", "-p", PROMPT, "--device", "cpu", "-n", "2", *args)
+        assert result.exit_code == 0, result.output
+        return result.stderr.count("repeats sampled output at a fixed --n-draft")
+
+    assert note("--seed", "3") == 1
+    assert note("--seed", "3", "--n-draft", "2") == note("--seed", "3", "--temp", "0") == 0
+    assert note("--seed", "3", "--draft", "none") == note() == 0
+
+
 def test_draft_none_turns_the_shipped_draft_off(shipped_model: Path) -> None:
     """Without MODEL the shipped model speculates with its Q4_K_M draft; --draft none runs it alone (same tokens).
     `plan` takes none too (tests/test_speculative.py)."""
@@ -220,6 +271,8 @@ def test_prompt_file_drops_one_trailing_newline(shipped_model: Path, greedy8: di
 def test_fidelity_on_a_missing_file_is_one_error_line(tmp_path: Path, no_work: None) -> None:
     result = invoke("fidelity", str(tmp_path / "missing.gguf"))
     assert "missing.gguf: no such file" in user_error(result) and "generations" not in result.output  # no bar
+    line = user_error(invoke("fidelity", "--drafts", "q2_k,q9"))
+    assert line.startswith("Error: --drafts: draft q9: no such file, and not a draft type"), line
 
 
 def test_profile_depth_has_no_n_draft_and_no_draft_none(shipped_model: Path, no_work: None) -> None:
@@ -275,6 +328,14 @@ def test_gpu_budget_unreadable(shipped_model: Path, no_work: None, budget: str, 
 
 def test_plan_zero_budget(shipped_model: Path) -> None:
     assert "more than 0" in user_error(invoke("plan", str(shipped_model), "--gpu-budget", "0"))
+    assert user_error(invoke("plan", str(shipped_model), "--gpu-budget", "0GiB")).startswith("Error: --gpu-budget 0GiB:")
+
+
+def test_a_small_bare_budget_asks_for_its_unit(shipped_model: Path, no_work: None) -> None:
+    """"16" reads as 16 bytes: for a budget below a MiB the line says that and shows the unit to add."""
+    for args in (["plan", str(shipped_model)], ["run", str(shipped_model), "-p", PROMPT]):
+        line = user_error(invoke(*args, "--gpu-budget", "16"))
+        assert line == "Error: --gpu-budget 16: a bare number counts bytes; give the unit, e.g. 16GiB", line
 
 
 def output_cases(tmp_path: Path) -> dict[str, Path]:

@@ -248,6 +248,9 @@ class OffloadRuntime:
         partition = "layer" if opts.policy == "lru" else "global"
         n_spare = (spares_per_layer(n_slots, len(self.layers), self.cfg.n_expert_used, opts.spare_slots,
                                     opts.lookahead) if self.mode == "lru" else 0)
+        if self.mode == "lru" and opts.spare_slots is not None and n_spare < opts.spare_slots:
+            log.warning("--spare-slots %d: each MoE layer's %d slots hold %d beside a token's %d experts; using %d",
+                        opts.spare_slots, n_slots // len(self.layers), n_spare, self.cfg.n_expert_used, n_spare)
         self.cache = ExpertCache(self.store, n_slots, self.plan.slot_bytes, self.layers, self.device,
                                  opts.policy, partition, opts.profile, self.counters, n_layer=self.cfg.n_layer,
                                  n_spare=n_spare)
