@@ -467,6 +467,23 @@ class Model:
             log.info("speculative decoding with the experts of %s", model.draft)
         return model
 
+    def close(self) -> None:
+        """Free what the model holds (weights, KV cache, CUDA graphs, the expert cache and its pinned host memory)
+        and stop its workers (expert pinning, CPU experts), as llama-cpp-python's `Llama.close`: then it generates
+        no more. `with Model.load(...) as model:` closes it at the end of the block."""
+        if self.offload is not None:
+            self.offload.close()
+        self.offload = self.transformer = self._cache = None  # type: ignore[assignment]
+        self.decoder, self.routing_observer = PlainDecoder(), None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the allocator's cached blocks go back to the device
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @property
     def offload_mode(self) -> str | None:
         """The offloading mode the routed experts run in ("lru", ...); None when they all sit on the device."""
@@ -538,6 +555,8 @@ class Model:
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         """The token ids of `prompt` (text, tokenized, or token ids, checked), at least one."""
+        if self.transformer is None:
+            raise SpecterError(f"{self.path.name} was closed: load it again to generate")
         ids = self.tokenize(prompt) if isinstance(prompt, str) else self._token_ids(prompt)
         if not ids:
             raise SpecterError("no tokens to evaluate: the prompt is empty")

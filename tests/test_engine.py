@@ -196,6 +196,27 @@ def test_api_arguments_of_the_wrong_type_are_one_error_line(shipped_model: Path)
     assert (m.logits("import os") == m.logits(m.tokenize("import os"))).all()
 
 
+def test_close_frees_the_model_and_a_closed_model_says_so(shipped_model: Path) -> None:
+    """close() (or the end of a `with` block) lets the weights, the expert cache and the draft go while the Model
+    object lives on, stops the offload runtime's workers, and a later call says the model was closed."""
+    import gc
+    import weakref
+
+    greedy = SamplingParams(temperature=0)
+    with Model.load(shipped_model, device="cpu", progress=False, gpu_budget="20MiB", draft="q2_k") as m:
+        assert m.offload_mode == "lru" and m.draft is not None
+        want = m.generate("import os", 4, greedy).wait().tokens
+        held = weakref.ref(m.transformer), weakref.ref(m.offload), weakref.ref(m.decoder)
+    gc.collect()
+    assert [ref() for ref in held] == [None, None, None]
+    for call in (lambda: m.generate("import os", 4), lambda: m.logits([1, 2])):
+        with pytest.raises(SpecterError, match="tiny-qwen2moe.gguf was closed: load it again"):
+            call()
+    m.close()  # twice is harmless
+    again = Model.load(shipped_model, device="cpu", progress=False, gpu_budget="20MiB", draft="q2_k")
+    assert again.generate("import os", 4, greedy).wait().tokens == want
+
+
 def test_phase_clock_totals_a_phase_and_forgets_the_last() -> None:
     import time
 
