@@ -4,6 +4,7 @@ file's hyperparameters or plan its GPU memory without loading it. The CLI and th
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -475,6 +476,7 @@ class Model:
             self.offload.close()
         self.offload = self.transformer = self._cache = None  # type: ignore[assignment]
         self.decoder, self.routing_observer = PlainDecoder(), None
+        gc.collect()  # what reference cycles held goes now, not at the collector's next pass
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the allocator's cached blocks go back to the device
 
