@@ -483,8 +483,9 @@ class Worker:
         with self._cond:
             if self._closed:
                 raise RequestError("the server is shutting down", 503)
-            if self._waiting() >= self.max_queue:
-                raise RequestError(f"the server is busy: {self._waiting()} requests wait for the device "
+            if (waiting := self._waiting()) >= self.max_queue:
+                who = "1 request waits" if waiting == 1 else f"{waiting} requests wait"
+                raise RequestError(f"the server is busy: {who} for the device "
                                    f"(--max-queue {self.max_queue}); retry in {RETRY_AFTER_S} s", 429,
                                    code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)})
             self._pending.append(run)

@@ -917,7 +917,7 @@ def test_the_queue_limit_does_not_count_the_job_about_to_start() -> None:
             assert (metrics_.queued, metrics_.running) == (1, 1)
             with pytest.raises(RequestError) as refused:
                 worker._submit(lambda: None)
-        assert refused.value.status == 429 and "1 requests wait" in str(refused.value)
+        assert refused.value.status == 429 and "1 request waits for the device" in str(refused.value)
     finally:
         release.set()
         worker.shutdown()
