@@ -658,9 +658,13 @@ def create_app(model: Model, model_name: str | None = None, api_key: str | None 
 
         def job(stop: threading.Event, emit: Callable[[Any], None]) -> None:
             try:
-                gen = start()  # another SpecterError (e.g. a prompt of bad token ids) ends the request as a 400
+                gen = start()
             except ContextFullError:  # the engine's message is for the CLI's user; count again to tell the client
                 raise _too_long(prompt_tokens(), limits, model, param) from None
+            except TemplateError:
+                raise
+            except SpecterError as e:  # the fields were checked before: what is left is the prompt's or messages'
+                raise RequestError(str(e), 400, param) from None
             if len(gen.prompt_tokens) > most_prompt:
                 raise _too_long(len(gen.prompt_tokens), limits, model, param)
             emit(None)     # "started": headers may go out now

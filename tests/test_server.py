@@ -265,6 +265,13 @@ def test_bad_requests(server: str, client, model: Model) -> None:
     assert status == 400 and "JSON" in body["error"]["message"]
     status, body = _post(server, "/v1/chat/completions", {"max_tokens": 2})
     assert status == 400 and body["error"]["param"] == "messages"
+    # what the engine finds wrong with a prompt or messages names the field too
+    for path, request, field in (("/v1/completions", {"prompt": ""}, "prompt"),
+                                 ("/v1/completions", {"prompt": [10**7]}, "prompt"),
+                                 ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]},
+                                  "messages")):
+        status, body = _post(server, path, {**request, "max_tokens": 2})
+        assert status == 400 and body["error"]["param"] == field, body
     m = metrics(server)
     assert m['specter_requests_total{endpoint="completions",outcome="error"}'] >= 4
 
