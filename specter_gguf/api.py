@@ -129,10 +129,13 @@ def _refuse(call: str, unsupported: Mapping[str, Any]) -> None:
                            f"stop, seed, presence_penalty, frequency_penalty, repeat_penalty, stream and model)")
 
 
-def _result_name(llm: Model, model: str | None, stream: bool) -> str:
-    """The name a result carries: `model` where given (llama-cpp-python's argument), else the file's."""
+def _check_stream(stream: bool) -> None:
     if not isinstance(stream, bool):
         raise SpecterError(f"stream must be True or False, not {stream!r}")
+
+
+def _result_name(llm: Model, model: str | None) -> str:
+    """The name a result carries: `model` where given (llama-cpp-python's argument), else the file's."""
     if model is not None and not isinstance(model, str):
         raise SpecterError(f"model must be a name (text) for the results, not {type(model).__name__}")
     return model if model is not None else model_name(llm.path)
@@ -149,7 +152,8 @@ def create_completion(llm: Model, prompt: str | Sequence[int], max_tokens: int |
     results (default: the file's name). Other arguments of llama-cpp-python's (echo, logprobs, suffix, ...) are
     refused with a SpecterError naming them."""
     _refuse("create_completion", unsupported)
-    name = _result_name(llm, model, stream)
+    _check_stream(stream)
+    name = _result_name(llm, model)
     sp = sampling_params(temperature, top_p, top_k, min_p, repeat_penalty, presence_penalty, frequency_penalty, seed)
     gen = start_completion(llm, prompt, max_tokens, sp, stop)
     return completion_chunks(gen, name) if stream else completion_result(gen, name)
@@ -166,7 +170,8 @@ def create_chat_completion(llm: Model, messages: Sequence[Mapping[str, Any]], ma
     `model` names the results). Other arguments of llama-cpp-python's (tools, response_format, logprobs, ...) are
     refused with a SpecterError naming them."""
     _refuse("create_chat_completion", unsupported)
-    name = _result_name(llm, model, stream)
+    _check_stream(stream)
+    name = _result_name(llm, model)
     sp = sampling_params(temperature, top_p, top_k, min_p, repeat_penalty, presence_penalty, frequency_penalty, seed)
     gen = start_chat_completion(llm, messages, max_tokens, sp, stop)
     return chat_chunks(gen, name) if stream else chat_result(gen, name)

@@ -20,7 +20,7 @@ from specter_gguf.errors import ContextFullError, SpecterError
 from specter_gguf.gguf_file import model_name
 from specter_gguf.outputs import check_output_file, check_output_folder
 from specter_gguf.quantize import FTYPES, NEEDS_IMATRIX, needs_imatrix_message
-from specter_gguf.sizes import MiB, format_size, parse_size
+from specter_gguf.sizes import KiB, MiB, format_size, names_unit, parse_size
 
 
 class Cli(click.Group):
@@ -158,7 +158,7 @@ SEED_HELP = ("Random seed (default or -1: random). With --draft, sampled output 
 
 def _note_seed_at_depth_auto(m: Any, sampling: Any) -> None:
     """A user who gives a seed expects the output to repeat: say where it will not (SEED_HELP)."""
-    if sampling.seed is not None and not sampling.greedy and getattr(m.decoder, "depth", None) is not None:
+    if sampling.seed is not None and not sampling.greedy and getattr(m.decoder, "auto_depth", False):
         click.echo(f"note: --seed {sampling.seed} repeats sampled output at a fixed --n-draft, not at depth auto "
                    "(its depths follow measured timings, which move the draws)", err=True)
 
@@ -206,8 +206,10 @@ def _gpu_budget(text: str) -> int:
         raise SpecterError(f"--gpu-budget: {e}") from None
     if size <= 0:
         raise SpecterError(f"--gpu-budget {text}: the budget must be more than 0 bytes, e.g. 16GiB")
-    if text.strip().isdigit() and size < MiB:
-        raise SpecterError(f"--gpu-budget {text}: a bare number counts bytes; give the unit, e.g. {text.strip()}GiB")
+    if not names_unit(text) and size < MiB:
+        unit = "GiB" if size < KiB else "MiB"
+        raise SpecterError(f"--gpu-budget {text}: a number without a unit counts bytes; give the unit, e.g. "
+                           f"{text.strip()}{unit}")
     return size
 
 
@@ -303,8 +305,7 @@ def run(model: Path | None, prompt: str | None, prompt_file: Path | None, n_pred
     if save_routing_profile is not None:
         _check_output_file(save_routing_profile, "--save-routing-profile")
     m = load(model, progress=not (as_json or quiet))
-    if not (as_json or quiet):
-        _note_seed_at_depth_auto(m, sampling)
+    _note_seed_at_depth_auto(m, sampling)  # on stderr: scripts that repeat a seed need it most
     if save_routing_profile is not None:
         m.record_routing()
     gen = m.generate(prompt, n_predict=n_predict, sampling=sampling, stop=stop, ignore_eos=ignore_eos)
@@ -494,6 +495,9 @@ def plan(model: Path, gpu_budget: str, draft: Path | str | None, ctx_size: int |
     from specter_gguf.runtime.offload import spares_per_layer
 
     p = plan_budget(model, _gpu_budget(gpu_budget), ctx_size, device, None if draft == "none" else draft)
+    if p.budget < p.minimum:  # the split, then the error (exit 1) says what is missing: no cache to say more of
+        click.echo(json.dumps({**p.to_dict(), "hybrid": None, "spare_slots": None}) if as_json else p.describe())
+        p.check()
     hybrid_line = _hybrid_plan(model, hybrid, device, p.fits_all)
     spares = 0 if p.fits_all else spares_per_layer(p.n_slots, p.n_moe_layers, p.top_k, spare_slots,
                                                    lookahead=p.draft_experts > 0)
@@ -502,10 +506,8 @@ def plan(model: Path, gpu_budget: str, draft: Path | str | None, ctx_size: int |
                   "a forward to copy its misses into (--spare-slots); the cache keeps the others")
     if spare_slots is not None and spares < spare_slots and not p.fits_all:
         spare_line += f" (--spare-slots {spare_slots}: at most {spares} fit beside a token's {p.top_k} experts)"
-    below = p.budget < p.minimum  # the lines on slots would describe a cache that cannot exist
     click.echo(json.dumps({**p.to_dict(), "hybrid": hybrid_line, "spare_slots": spares}) if as_json
-               else p.describe() if below else f"{p.describe()}\n{spare_line}\n{hybrid_line}")
-    p.check()  # a budget below the minimum: the split is shown, then the error (exit 1) says what is missing
+               else f"{p.describe()}\n{spare_line}\n{hybrid_line}")
 
 
 def _hybrid_plan(model: Path, hybrid: str, device: str, fits_all: bool) -> str:

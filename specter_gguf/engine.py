@@ -8,6 +8,7 @@ import gc
 import logging
 import os
 import time
+import weakref
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -394,6 +395,7 @@ class Model:
         # while another is still running gets a cache of its own and decodes eagerly
         self._cache: KVCache | None = None
         self._cache_in_use = False
+        self._generations: list[weakref.ref[Generation]] = []  # those close() ends first
 
     @classmethod
     def load(cls, path: str | os.PathLike[str] | None = None, device: str | None = None,
@@ -471,7 +473,12 @@ class Model:
     def close(self) -> None:
         """Free what the model holds (weights, KV cache, CUDA graphs, the expert cache and its pinned host memory)
         and stop its workers (expert pinning, CPU experts), as llama-cpp-python's `Llama.close`: then it generates
-        no more. `with Model.load(...) as model:` closes it at the end of the block."""
+        no more; a generation not yet iterated to its end is closed first (it ends where it is). `with
+        Model.load(...) as model:` closes it at the end of the block."""
+        for ref in self._generations:
+            if (gen := ref()) is not None:
+                gen.close()
+        self._generations = []
         if self.offload is not None:
             self.offload.close()
         self.offload = self.transformer = self._cache = None  # type: ignore[assignment]
@@ -500,7 +507,7 @@ class Model:
         d = self.decoder
         if not isinstance(d, SpeculativeDecoder):
             return None
-        return f"{d.name}, depth {'auto' if d.depth is not None else d.n_draft}"
+        return f"{d.name}, depth {'auto' if d.auto_depth else d.n_draft}"
 
     def record_routing(self) -> None:
         """Count the experts each layer routes to in the generations from now on (`routing_profile` gives them)."""
@@ -601,6 +608,7 @@ class Model:
         if not sampler.params.greedy and sampler.params.seed is None:  # as llama.cpp prints its sampler's seed
             log.info("sampling seed %d (drawn at random: give it as the seed to repeat this generation)", sampler.seed)
         gen._pieces = self._run(gen, int(n_predict), sampler, stop, ignore_eos)
+        self._generations = [ref for ref in self._generations if ref() is not None] + [weakref.ref(gen)]
         return gen
 
     # -- chat and llama-cpp-python–shaped results (specter_gguf/chat.py, specter_gguf/api.py) ------------

@@ -702,7 +702,7 @@ def create_app(model: Model, model_name: str | None = None, api_key: str | None 
         except ClientLeft:  # left while queued: its place is free already
             await finish()
             return _error("the client disconnected", 499)
-        except RequestError as e:  # the queue is full, a prompt over the token limit, shutting down
+        except RequestError as e:  # the queue is full, a prompt over the token limit or wrong, shutting down
             outcome["value"] = "rejected" if e.status == 429 else "error"
             await finish()
             return _error(str(e), e.status, e.param, e.code, e.headers)

@@ -16,6 +16,12 @@ _UNITS = {"": 1, "b": 1, "k": KiB, "kb": 1000, "kib": KiB, "m": MiB, "mb": 10**6
           "g": GiB, "gb": 10**9, "gib": GiB, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
 
 
+def names_unit(text: str) -> bool:
+    """Whether a size as `parse_size` reads it names its unit ("16GiB"), not bytes by default ("16", "1.5")."""
+    m = _SIZE_RE.match(str(text))
+    return bool(m and m.group(3))
+
+
 def parse_size(text: str | int) -> int:
     """Bytes of "16GiB", "16G" (= GiB), "1.5GB" (= 1.5e9), "12000MiB", "1024" (bytes): how every size option
     (the CLI's, the benchmark's) is read. Anything else (empty, negative, NaN, infinite, above `MAX_SIZE`, an unknown

@@ -332,10 +332,30 @@ def test_plan_zero_budget(shipped_model: Path) -> None:
 
 
 def test_a_small_bare_budget_asks_for_its_unit(shipped_model: Path, no_work: None) -> None:
-    """"16" reads as 16 bytes: for a budget below a MiB the line says that and shows the unit to add."""
+    """"16" reads as 16 bytes: for a budget below a MiB without a unit the line says that and shows a unit to add."""
     for args in (["plan", str(shipped_model)], ["run", str(shipped_model), "-p", PROMPT]):
-        line = user_error(invoke(*args, "--gpu-budget", "16"))
-        assert line == "Error: --gpu-budget 16: a bare number counts bytes; give the unit, e.g. 16GiB", line
+        for budget, unit in (("16", "GiB"), ("1.5", "GiB"), ("4096", "MiB")):
+            line = user_error(invoke(*args, "--gpu-budget", budget))
+            assert line == (f"Error: --gpu-budget {budget}: a number without a unit counts bytes; give the unit, "
+                            f"e.g. {budget}{unit}"), line
+
+
+def test_plan_spare_slots_and_a_budget_below_the_minimum(shipped_model: Path) -> None:
+    """--spare-slots beyond a layer's room is cut, and plan says so (run warns); below the minimum plan shows the
+    split and the error, no lines on a cache that cannot exist."""
+    out = invoke("plan", str(shipped_model), "--gpu-budget", "20MiB", "--device", "cpu", "--draft", "none",
+                 "--spare-slots", "8").stdout
+    assert "spare slots: 2 of each MoE layer's 4" in out and "(--spare-slots 8: at most 2 fit beside a token's 2" in out
+    result = invoke("plan", str(shipped_model), "--gpu-budget", "10MiB", "--device", "cpu", "--draft", "none")
+    assert "minimum budget" in result.stdout and "spare slots" not in result.stdout and "hybrid" not in result.stdout
+    assert user_error(result).startswith("Error: memory budget 10.00 MiB is too small")
+    result = invoke("plan", str(shipped_model), "--gpu-budget", "10MiB", "--device", "cpu", "--draft", "none",
+                    "--json")
+    got = json.loads(result.stdout.splitlines()[0])
+    assert result.exit_code == 1 and got["spare_slots"] is None and got["hybrid"] is None
+    run = invoke("run", str(shipped_model), "-p", PROMPT, "-n", "2", "--device", "cpu", "--gpu-budget", "20MiB",
+                 "--draft", "none", "--spare-slots", "8")
+    assert run.exit_code == 0 and "--spare-slots 8: each MoE layer's 4 slots hold 2" in run.stderr
 
 
 def output_cases(tmp_path: Path) -> dict[str, Path]:

@@ -198,7 +198,8 @@ def test_api_arguments_of_the_wrong_type_are_one_error_line(shipped_model: Path)
 
 def test_close_frees_the_model_and_a_closed_model_says_so(shipped_model: Path) -> None:
     """close() (or the end of a `with` block) lets the weights, the expert cache and the draft go while the Model
-    object lives on, stops the offload runtime's workers, and a later call says the model was closed."""
+    object lives on, ends the generations not yet iterated to their end where they are, and a later call says the
+    model was closed."""
     import gc
     import weakref
 
@@ -207,6 +208,10 @@ def test_close_frees_the_model_and_a_closed_model_says_so(shipped_model: Path) -
         assert m.offload_mode == "lru" and m.draft is not None
         want = m.generate("import os", 4, greedy).wait().tokens
         held = weakref.ref(m.transformer), weakref.ref(m.offload), weakref.ref(m.decoder)
+        started, unstarted = m.generate("import os", 8, greedy), m.generate("import os", 8, greedy)
+        first = next(iter(started))
+    assert "".join([first, *started]) == started.text and started.finish_reason is None  # ended where it was
+    assert list(unstarted) == [] and unstarted.tokens == []
     gc.collect()
     assert [ref() for ref in held] == [None, None, None]
     for call in (lambda: m.generate("import os", 4), lambda: m.logits([1, 2])):

@@ -144,8 +144,8 @@ def test_budget_below_minimum_refused(qwen_shaped) -> None:
 
 def test_close_gives_the_device_memory_back(qwen_shaped) -> None:
     """close() on an offloaded CUDA model whose decode steps captured CUDA graphs leaves torch's allocation where
-    it was before the load, and its allocator's cache empty, while the Model object lives on: a next model
-    (another draft, say) gets that memory."""
+    it was before the load (within a MiB) and its allocator's cache under 64 MiB, while the Model object lives on:
+    a next model (another draft, say) gets that memory."""
     require_native_cuda()
     full = plan_memory(GGUFFile(qwen_shaped), 1 << 40, CTX, "cuda")
     budget = full.fixed + (full.n_experts_total // 2) * full.slot_bytes

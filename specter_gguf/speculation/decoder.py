@@ -67,6 +67,11 @@ class SpeculativeDecoder:
         self._observers: dict[tuple[bool, int], Observers] = {}
         self._rows: dict[int, VerdictRows] = {}  # the verifications' verdict buffers, by candidate count
 
+    @property
+    def auto_depth(self) -> bool:
+        """Each iteration's depth is chosen (`--n-draft auto`), not fixed."""
+        return self.depth is not None
+
     def set_depth(self, n_draft: int | Literal["auto"]) -> None:
         """Draft `n_draft` tokens per verification from now on, or choose each iteration's depth ("auto")."""
         n_draft = parse_depth(n_draft)
