@@ -40,19 +40,21 @@ def _prompt_ids(model: Model, prompt: str | Sequence[int]) -> str | list[int]:
 
 
 def start_completion(model: Model, prompt: str | Sequence[int], max_tokens: int | None = 16,
-                     sampling: SamplingParams | None = None, stop: str | Sequence[str] | None = None) -> Generation:
+                     sampling: SamplingParams | None = None, stop: str | Sequence[str] | None = None,
+                     ignore_eos: bool = False) -> Generation:
     """A Generation for a completion request (nothing is computed until it is iterated)."""
     return model.generate(_prompt_ids(model, prompt), n_predict=_max_tokens(max_tokens), sampling=sampling,
-                          stop=stop)
+                          stop=stop, ignore_eos=ignore_eos)
 
 
 def start_chat_completion(model: Model, messages: Sequence[Mapping[str, Any]], max_tokens: int | None = None,
-                          sampling: SamplingParams | None = None,
-                          stop: str | Sequence[str] | None = None) -> Generation:
+                          sampling: SamplingParams | None = None, stop: str | Sequence[str] | None = None,
+                          ignore_eos: bool = False) -> Generation:
     """A Generation for the assistant's reply to `messages`, prompted through the chat template."""
     from .chat import start_chat
 
-    return start_chat(model, messages, n_predict=_max_tokens(max_tokens), sampling=sampling, stop=stop)
+    return start_chat(model, messages, n_predict=_max_tokens(max_tokens), sampling=sampling, stop=stop,
+                      ignore_eos=ignore_eos)
 
 
 def usage(gen: Generation) -> dict[str, int]:

@@ -448,14 +448,16 @@ def chat_template(model: Model) -> ChatTemplate:
 
 
 def start_chat(model: Model, messages: Sequence[Mapping[str, Any]], n_predict: int = -1,
-               sampling: SamplingParams | None = None, stop: str | Sequence[str] | None = ()) -> Generation:
+               sampling: SamplingParams | None = None, stop: str | Sequence[str] | None = (),
+               ignore_eos: bool = False) -> Generation:
     """Generate the assistant's reply to `messages` (a Generation: iterate it to stream); `stop`: a text or texts
-    that end it, besides the template's own end of turn."""
+    that end it, besides the template's own end of turn (`ignore_eos`: as for `Model.generate`)."""
     from .engine import stop_list
 
     t = chat_template(model)
     ids = t.tokens(model, messages)
-    return model.generate(ids, n_predict=n_predict, sampling=sampling, stop=[*stop_list(stop), *t.stop])
+    return model.generate(ids, n_predict=n_predict, sampling=sampling, stop=[*stop_list(stop), *t.stop],
+                          ignore_eos=ignore_eos)
 
 
 class ChatSession:

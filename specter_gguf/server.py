@@ -617,6 +617,7 @@ def create_app(model: Model, model_name: str | None = None, api_key: str | None 
             _unsupported(body)
             sampling, stop_strings = _sampling(body), _stop(body, limits)
             stream = bool(_get(body, "stream", (bool,), False))
+            ignore_eos = bool(_get(body, "ignore_eos", (bool,), False))  # llama.cpp's field (benchmark clients)
             opts = body.get("stream_options") or {}
             include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
             if endpoint == "chat_completions":
@@ -629,7 +630,7 @@ def create_app(model: Model, model_name: str | None = None, api_key: str | None 
                 max_tokens = _max_tokens(body, most_tokens, most_tokens)
 
                 def start() -> Generation:
-                    return api.start_chat_completion(model, messages, max_tokens, sampling, stop_strings)
+                    return api.start_chat_completion(model, messages, max_tokens, sampling, stop_strings, ignore_eos)
 
                 def prompt_tokens() -> int:
                     return len(template.tokens(model, messages))
@@ -642,7 +643,7 @@ def create_app(model: Model, model_name: str | None = None, api_key: str | None 
                 max_tokens = _max_tokens(body, min(16, most_tokens), most_tokens)
 
                 def start() -> Generation:
-                    return api.start_completion(model, prompt, max_tokens, sampling, stop_strings)
+                    return api.start_completion(model, prompt, max_tokens, sampling, stop_strings, ignore_eos)
 
                 def prompt_tokens() -> int:  # a text, a batch of one text or of one list of ids
                     one = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt

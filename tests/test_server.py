@@ -944,3 +944,21 @@ def test_the_last_request_gauges_are_the_last_request_s_only(model: Model) -> No
     text = metrics_.render({})
     assert "specter_last_cache_slots" not in text and 'offload="lru"' not in text
     assert "specter_last_generated_tokens 2" in text
+
+
+def test_ignore_eos_reaches_the_generation(model: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp's `ignore_eos` (what benchmark clients send) is the engine's, on both endpoints; not a bool: 400."""
+    from specter_gguf.server import create_app
+
+    seen, generate = [], Model.generate
+    monkeypatch.setattr(Model, "generate", lambda self, *a, **kw: (seen.append(kw.get("ignore_eos")),
+                                                                   generate(self, *a, **kw))[1])
+    with _in_process(create_app(model)) as base:
+        for path, request in (("/v1/completions", {"prompt": "Hello"}),
+                              ("/v1/chat/completions", {"messages": MESSAGES})):
+            for flag in (True, False):
+                status, body = _post(base, path, {**request, "max_tokens": 3, "ignore_eos": flag})
+                assert status == 200 and body["usage"]["completion_tokens"] <= 3, body
+            status, body = _post(base, path, {**request, "max_tokens": 3, "ignore_eos": "yes"})
+            assert status == 400 and body["error"]["param"] == "ignore_eos", body
+    assert seen == [True, False, True, False]
