@@ -137,6 +137,19 @@ def stop_list(stop: str | Sequence[str] | None) -> list[str]:
     return list(stop)
 
 
+def _warn_if_no_smaller(target: GGUFFile, draft: GGUFFile) -> None:
+    """A draft is worth its room on the device only where its experts are smaller than the model's (`--draft f16`
+    on an F16 model makes a full-size copy): say so, it runs all the same."""
+    def expert_bytes(f: GGUFFile) -> int:
+        return sum(t.n_bytes for name, t in f.tensors.items() if is_routed_expert(name))
+
+    target_bytes, draft_bytes = expert_bytes(target), expert_bytes(draft)
+    if 0 < target_bytes <= draft_bytes:
+        log.warning("the draft %s keeps experts of %s on the device, no fewer bytes than the model's own (%s): "
+                    "speculation with it only adds work; a quantized draft such as q4_k_m or q2_k is smaller",
+                    draft.path.name, format_size(draft_bytes), format_size(target_bytes))
+
+
 def _context(cfg: ModelConfig, ctx_size: int | None) -> int:
     """The context a run uses for `ctx_size` (`ModelConfig.context_size`), with llama.cpp's warning past the
     context the model was trained on (RoPE positions past it are untried)."""
@@ -443,6 +456,7 @@ class Model:
         draft_file = GGUFFile(resolve_draft(path, draft, progress)) if draft is not None else None
         if draft_file is not None:
             check_draft(f, draft_file)  # before the target's weights load (minutes for a big file)
+            _warn_if_no_smaller(f, draft_file)
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         transformer, runtime, plan = load_offloaded(f, dev, ctx, progress, gpu_budget, offload, cache_policy,

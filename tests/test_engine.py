@@ -222,6 +222,20 @@ def test_close_frees_the_model_and_a_closed_model_says_so(shipped_model: Path) -
     assert again.generate("import os", 4, greedy).wait().tokens == want
 
 
+def test_a_draft_no_smaller_than_the_model_is_warned_of(shipped_model: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The model as its own draft (what `--draft f16` makes of an F16 model) keeps as many expert bytes on the
+    device as the model: a warning says so, and it runs; a quantized draft gets none."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="specter_gguf"):
+        Model.load(shipped_model, device="cpu", progress=False, draft=shipped_model)
+    assert "no fewer bytes than the model's own (12.00 MiB)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="specter_gguf"):
+        Model.load(shipped_model, device="cpu", progress=False, draft="q2_k")
+    assert "no fewer bytes" not in caplog.text
+
+
 def test_phase_clock_totals_a_phase_and_forgets_the_last() -> None:
     import time
 
