@@ -20,7 +20,8 @@ from specter_gguf.errors import ContextFullError, SpecterError
 from specter_gguf.gguf_file import model_name
 from specter_gguf.outputs import check_output_file, check_output_folder
 from specter_gguf.quantize import FTYPES, NEEDS_IMATRIX, needs_imatrix_message
-from specter_gguf.sizes import KiB, MiB, format_size, names_unit, parse_size
+from specter_gguf.runtime.budget import budget_bytes
+from specter_gguf.sizes import KiB, MiB, format_size, names_unit
 
 
 class Cli(click.Group):
@@ -199,13 +200,9 @@ SPARE_SLOTS_DEFAULT = (f"twice the experts a token uses, at most {MAX_SPARES} an
 
 
 def _gpu_budget(text: str) -> int:
-    """--gpu-budget in bytes, or one error line naming the option (and the unit a small bare number lacks)."""
-    try:
-        size = parse_size(text)
-    except SpecterError as e:
-        raise SpecterError(f"--gpu-budget: {e}") from None
-    if size <= 0:
-        raise SpecterError(f"--gpu-budget {text}: the budget must be more than 0 bytes, e.g. 16GiB")
+    """--gpu-budget in bytes (`budget_bytes`), or one error line naming the option (and the unit a small bare number
+    lacks)."""
+    size = budget_bytes(text)
     if not names_unit(text) and size < MiB:
         unit = "GiB" if size < KiB else "MiB"
         raise SpecterError(f"--gpu-budget {text}: a number without a unit counts bytes; give the unit, e.g. "

@@ -140,10 +140,7 @@ def stop_list(stop: str | Sequence[str] | None) -> list[str]:
 def _warn_if_no_smaller(target: GGUFFile, draft: GGUFFile) -> None:
     """A draft is worth its room on the device only where its experts are smaller than the model's (`--draft f16`
     on an F16 model makes a full-size copy): say so, it runs all the same."""
-    def expert_bytes(f: GGUFFile) -> int:
-        return sum(t.n_bytes for name, t in f.tensors.items() if is_routed_expert(name))
-
-    target_bytes, draft_bytes = expert_bytes(target), expert_bytes(draft)
+    target_bytes, draft_bytes = target.routed_expert_bytes, draft.routed_expert_bytes
     if 0 < target_bytes <= draft_bytes:
         log.warning("the draft %s keeps experts of %s on the device, no fewer bytes than the model's own (%s): "
                     "speculation with it only adds work; a quantized draft such as q4_k_m or q2_k is smaller",

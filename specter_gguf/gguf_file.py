@@ -146,6 +146,11 @@ class GGUFFile:
         return str(self.require("general.architecture"))
 
     # -- tensors -------------------------------------------------------------------------------------
+    @property
+    def routed_expert_bytes(self) -> int:
+        """The bytes of the routed experts' tensors (what a draft keeps on the device, what offloading moves)."""
+        return sum(t.n_bytes for t in self.tensors.values() if is_routed_expert(t.name))
+
     def tensor(self, name: str, shape: tuple[int, ...] | None = None) -> GGUFTensor:
         """The tensor `name`, checked for presence, a supported type and (when given) its numpy-order shape."""
         t = self.tensors.get(name)

@@ -312,12 +312,22 @@ class MemoryPlan:
                 "n_slots_without_draft": self.n_slots_without_draft}
 
 
+def budget_bytes(given: int | str) -> int:
+    """A GPU budget (bytes or a size such as "16GiB", `parse_size`) in bytes, more than 0; else one error naming
+    --gpu-budget."""
+    try:
+        size = parse_size(given)
+    except SpecterError as e:
+        raise SpecterError(f"--gpu-budget: {e}") from None
+    if size <= 0:
+        raise SpecterError(f"--gpu-budget {given}: the budget must be more than 0 bytes, e.g. 16GiB")
+    return size
+
+
 def plan_memory(f: GGUFFile, budget: int | str, ctx_size: int | None = None, device_type: str = "cuda",
                 draft: GGUFFile | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> MemoryPlan:
     """Split `budget` for `f` (see the module docstring). Reads metadata and tensor headers only."""
-    given, budget = budget, parse_size(budget)
-    if budget <= 0:
-        raise SpecterError(f"--gpu-budget {given!r}: the budget must be more than 0 bytes, e.g. 16GiB")
+    budget = budget_bytes(budget)
     cfg = ModelConfig.from_gguf(f)
     ctx = cfg.context_size(ctx_size)
     layers = moe_layers(f, cfg)
@@ -335,7 +345,7 @@ def plan_memory(f: GGUFFile, budget: int | str, ctx_size: int | None = None, dev
     draft_bytes = 0
     if draft is not None:
         check_draft(f, draft)
-        draft_bytes = sum(t.n_bytes for t in draft.tensors.values() if is_routed_expert(t.name))
+        draft_bytes = draft.routed_expert_bytes
     kv = kv_bytes(cfg, ctx, device_type)
     quantized = any(T[t] not in FLOAT_TYPES for t in types)
     ws = workspace_bytes(cfg, ctx, min(prefill_chunk, ctx), device_type, quantized)
