@@ -58,6 +58,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--layers", type=int, default=None, help="shrink the preset to N layers (quick runs)")
     g.add_argument("--model", type=Path, help="use this GGUF as the target instead of making one")
     g.add_argument("--draft", type=Path, help="use this GGUF as the draft instead of making one")
+    g.add_argument("--attn-output-scale", type=float, default=1.0,
+                   help="the synthetic target's attention output weights at this multiple of their usual std "
+                        "(below 1: routing that follows each token more than its context; see "
+                        "specter_gguf/synthetic/writer.py); in the target's name when not 1")
     g.add_argument("--target-type", default="f16", choices=DTYPES,
                    help="type of the synthetic target's matrices (q8_0: quantized as written, e.g. "
                         "--model-preset qwen3-30b-a3b --target-type q8_0 --draft-types q2_k)")
@@ -204,7 +208,8 @@ def run(args: argparse.Namespace, t_start: float, deadline: float | None) -> int
                 vocab = find_vocab(SUGGESTED_VOCAB[args.model_preset], args.work_dir, args.gpu_dir,
                                    llama_sources(args.sdist_dir, args.llama_dir))
             target = make_target(args.model_preset, args.layers, args.work_dir, args.make_device or args.device,
-                                   vocab, log, target_type=args.target_type)
+                                   vocab, log, target_type=args.target_type,
+                                   attn_output_scale=args.attn_output_scale)
         if build is not None:
             log("waiting for the llama.cpp build")
             llama_bin = wait_llama_build(build, args.llama_dir, timeout=1200, log=args.out / "build-llama.log")
@@ -306,7 +311,9 @@ def _model_label(args: argparse.Namespace, sizes: ModelSizes) -> str:
 
         name = get_preset(args.model_preset).name or args.model_preset
         return (f"{name}, {sizes.n_layer} layers, {args.target_type.upper()}"
-                + (" (shrunk with --layers)" if args.layers else ""))
+                + (" (shrunk with --layers)" if args.layers else "")
+                + (f", attention output at {args.attn_output_scale:g}× its std (--attn-output-scale)"
+                   if args.attn_output_scale != 1 else ""))
     return f"{Path(sizes.path).name} ({sizes.arch}, {sizes.n_layer} layers)"
 
 

@@ -804,6 +804,26 @@ def test_bench_end_to_end_ours_on_cpu(tmp_path, preset):
     assert (tmp_path / "again" / "section.md").read_text().count("| ours |") == 1
 
 
+def test_bench_makes_a_target_with_its_attention_output_scaled(tmp_path):
+    """--attn-output-scale reaches the model maker: the target is named for it (beside the plain one, not over
+    it) and its attention output weights have that multiple of the usual std; 0 is refused in one line."""
+    work = tmp_path / "w"
+    p = _bench("--model-preset", "tiny-qwen2moe", "--attn-output-scale", "0.25", "--systems", "ours", "--device", "cpu",
+               "--prepare-only", "--work-dir", str(work), "--out", str(tmp_path / "out"))
+    assert p.returncode == 0, p.stdout + p.stderr
+    import gguf
+
+    (target,) = work.glob("*.gguf")
+    assert target.name == "tiny-qwen2moe-f16-ao0.25.gguf"
+    w = np.asarray(next(t for t in gguf.GGUFReader(target).tensors if t.name == "blk.0.attn_output.weight").data,
+                   np.float32)
+    assert abs(w.std() / PRESETS["tiny-qwen2moe"].init_std - 0.25) < 0.02
+    bad = _bench("--model-preset", "tiny-qwen2moe", "--attn-output-scale", "0", "--systems", "ours", "--device", "cpu",
+                 "--prepare-only", "--work-dir", str(work), "--out", str(tmp_path / "out"))
+    said = bad.stdout + bad.stderr
+    assert bad.returncode != 0 and "--attn-output-scale must be > 0" in said and "Traceback" not in said
+
+
 def test_bench_user_mistakes_are_one_error_line(tmp_path):
     """A results file that is missing, not JSON or not a run's, and a budget misspelt, are one line naming the file or
     the value (the budget before any tool is built or model written)."""

@@ -3,6 +3,7 @@ and quantized copies that really use the requested (K-)quant types."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import os
@@ -231,6 +232,39 @@ def test_deterministic_and_layer_override(tmp_path):
     np.testing.assert_array_equal(ta[name].data, td[name].data)  # shared layers do not move
     assert "blk.1.attn_q.weight" not in td
     assert gguf.GGUFReader(d).fields["olmoe.block_count"].contents() == 1
+
+
+def test_attn_output_scale_spreads_the_routing(tmp_path):
+    """--attn-output-scale scales attention's output weights and nothing else, and at 0.1 consecutive tokens share
+    about as many experts as chance gives (top-2 of 8: 0.5 a layer), where at 1 they share far more: the router's
+    input then follows the token rather than attention's average over the context."""
+    from specter_gguf.bench.cache_replay import RoutingRecorder
+    from specter_gguf.engine import Model
+    from specter_gguf.sampling import SamplingParams
+
+    shape = PRESETS["tiny-qwen3moe"]
+    chance = shape.n_expert_used ** 2 / shape.n_expert
+    files = {scale: write_synthetic(tmp_path / f"s{scale}.gguf", dataclasses.replace(shape, attn_output_scale=scale),
+                                    "f32").path for scale in (1.0, 0.1)}
+    plain, scaled = (_tensors(gguf.GGUFReader(files[s])) for s in (1.0, 0.1))
+    for name, t in plain.items():
+        if name.endswith(".attn_output.weight"):
+            np.testing.assert_allclose(np.asarray(scaled[name].data), 0.1 * np.asarray(t.data), rtol=1e-5)
+        else:
+            np.testing.assert_array_equal(np.asarray(scaled[name].data), np.asarray(t.data), err_msg=name)
+    shared = {}
+    for scale, path in files.items():
+        model = Model.load(path, device="cpu", progress=False)
+        model.routing_observer = recorder = RoutingRecorder()
+        for sampling in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1)):
+            model.generate("The quick brown fox jumps over the lazy dog. Once upon a time", 48, sampling,
+                           ignore_eos=True).wait()
+            steps = recorder.take()[1:]  # the decode steps (the prompt's forward left out)
+            pairs = [len(a[layer] & b[layer]) for a, b in zip(steps, steps[1:]) for layer in a]
+            shared[scale, sampling.temperature] = sum(pairs) / len(pairs)
+    for temperature in (0.0, 1.0):
+        assert shared[0.1, temperature] < 0.7 * shared[1.0, temperature], shared
+        assert shared[0.1, temperature] < 1.5 * chance, shared
 
 
 def test_bounded_streaming_of_large_tensors(tmp_path, monkeypatch):

@@ -93,18 +93,25 @@ def estimate_bytes(preset: str, layers: int | None, n_vocab: int, target_type: s
 
 
 def make_target(preset: str, layers: int | None, work_dir: Path, device: str, vocab: Path | None,
-                log: Callable[[str], None] = print, timeout: float = 1800, target_type: str = "f16") -> Path:
+                log: Callable[[str], None] = print, timeout: float = 1800, target_type: str = "f16",
+                attn_output_scale: float = 1.0) -> Path:
     """The target of `preset` (random weights) in `work_dir`, written by scripts/make_synthetic.py unless an
     identical one is there already. `target_type`: f16 (default), bf16, f32, or q8_0 (written in Q8_0 directly,
-    slab by slab: no F16 copy is ever on disk)."""
+    slab by slab: no F16 copy is ever on disk). `attn_output_scale` (not 1: named in the file, `-ao0.3`): the
+    maker's --attn-output-scale."""
     target_type = target_type.lower()
     if target_type not in DTYPES:
         raise SpecterError(f"unknown target type {target_type!r}; choose one of: {', '.join(DTYPES)}")
-    name = f"{preset}{f'-l{layers}' if layers else ''}-{target_type}.gguf"
+    if not 0 < attn_output_scale < float("inf"):
+        raise SpecterError(f"--attn-output-scale must be > 0, not {attn_output_scale}")
+    scaled = f"-ao{attn_output_scale:g}" if attn_output_scale != 1 else ""
+    name = f"{preset}{f'-l{layers}' if layers else ''}-{target_type}{scaled}.gguf"
     path = work_dir / name
     recipe: dict[str, Any] = {"preset": preset, "layers": layers, "vocab": vocab.name if vocab else None, "seed": 0}
     if target_type != "f16":  # (F16 recipes have no "type": their existing .ok markers stay valid)
         recipe["type"] = target_type
+    if scaled:
+        recipe["attn_output_scale"] = attn_output_scale
     if _is_done(path, recipe):
         log(f"reusing {path}")
         return path
@@ -124,6 +131,8 @@ def make_target(preset: str, layers: int | None, work_dir: Path, device: str, vo
            "--dtype", target_type, "--device", device, "-o", str(path), "--no-progress"]
     if layers:
         cmd += ["--layers", str(layers)]
+    if scaled:
+        cmd += ["--attn-output-scale", f"{attn_output_scale:g}"]
     if vocab is not None:
         cmd += ["--vocab-from", str(vocab)]
     log("$ " + shlex.join(cmd))

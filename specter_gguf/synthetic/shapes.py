@@ -35,6 +35,9 @@ class ModelShape:
     norm_noise: float = 0.1
     router_logit_std: float = 1.5
     logit_std: float = 2.0
+    # attention's output product at this multiple of init_std: how much of the router's input is attention's
+    # near-uniform average over the context, which consecutive tokens share (`writer`: routing locality)
+    attn_output_scale: float = 1.0
     # deepseek2 / phimoe (issue 6); defaults leave the other architectures unchanged
     n_leading_dense: int = 0      # first layers with a dense FFN of width n_ff
     n_expert_shared: int = 0      # deepseek2: shared experts, one FFN of n_ff_exp * count
