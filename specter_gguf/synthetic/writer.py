@@ -21,8 +21,8 @@ because torch's generators differ):
   bias it carries) is most of the router's input: consecutive tokens then share most of their experts, far more than
   a trained model's do, which flatters an expert cache. Measured on a 4-layer Qwen1.5-MoE-shaped F16 file, bench
   prompts, 48 generated tokens (2026-12-07): at scale 1 a token's router input had cosine 0.58-0.78 with the one
-  before it; consecutive tokens shared 1.6-3.5 of their 4 experts a layer and the 48 tokens used 11-36 of a
-  layer's 60. At 0.3 they shared 0.5-0.7 and used 34-52; at 0.1, 0.3-0.35 (chance: 0.27) and 47-58.
+  before it; consecutive tokens shared 1.6-2.8 of their 4 experts a layer and the 48 tokens used 11-35 of a
+  layer's 60. At 0.3 they shared 0.5-0.7 and used 34-52; at 0.1, 0.27-0.35 (chance: 0.27) and 47-58.
 
 1-D tensors (norms, biases, ``ffn_gate_inp_shexp``) and routers are F32, as llama.cpp's converter writes
 them; other matrices use the requested type (``f32``, ``f16``, ``bf16`` or ``q8_0``).
