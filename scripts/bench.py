@@ -182,6 +182,9 @@ def run(args: argparse.Namespace, t_start: float, deadline: float | None) -> int
                       for f in families)
     if args.model is None and not args.model_preset:
         raise SpecterError("give --model-preset (or --model)")
+    if args.model is not None and args.attn_output_scale != 1:
+        raise SpecterError("--attn-output-scale shapes the synthetic target of --model-preset; --model's weights are "
+                           "used as they are")
 
     parse_budgets(args.budgets, model_bytes=1)  # their spelling, before anything is built or written
     # -- tools (built in the background while the target is written)

@@ -806,7 +806,8 @@ def test_bench_end_to_end_ours_on_cpu(tmp_path, preset):
 
 def test_bench_makes_a_target_with_its_attention_output_scaled(tmp_path):
     """--attn-output-scale reaches the model maker: the target is named for it (beside the plain one, not over
-    it) and its attention output weights have that multiple of the usual std; 0 is refused in one line."""
+    it) and its attention output weights have that multiple of the usual std; 0, and a scale beside --model (whose
+    weights are used as they are), are refused in one line."""
     work = tmp_path / "w"
     p = _bench("--model-preset", "tiny-qwen2moe", "--attn-output-scale", "0.25", "--systems", "ours", "--device", "cpu",
                "--prepare-only", "--work-dir", str(work), "--out", str(tmp_path / "out"))
@@ -822,6 +823,10 @@ def test_bench_makes_a_target_with_its_attention_output_scaled(tmp_path):
                  "--prepare-only", "--work-dir", str(work), "--out", str(tmp_path / "out"))
     said = bad.stdout + bad.stderr
     assert bad.returncode != 0 and "--attn-output-scale must be > 0" in said and "Traceback" not in said
+    given = _bench("--model", str(target), "--attn-output-scale", "0.25", "--systems", "ours", "--device", "cpu",
+                   "--dry-run", "--out", str(tmp_path / "out"))
+    said = given.stdout + given.stderr
+    assert given.returncode != 0 and "--model's weights are used as they are" in said and "Traceback" not in said
 
 
 def test_bench_user_mistakes_are_one_error_line(tmp_path):
