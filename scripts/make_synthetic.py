@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attn-output-scale", type=float, default=1.0,
                     help="attention's output weights at this multiple of their usual std: below 1 the routing "
                          "follows each token more than its context, as a trained model's (0.3: consecutive tokens "
-                         "share about twice the experts chance gives; 0.1: about chance; default 1)")
+                         "share about twice the experts chance gives; 0.1: about chance; 0.001 to 10, default 1)")
     ap.add_argument("-o", "--output", type=Path, required=True, help="output .gguf path")
     ap.add_argument("--quantize", default="",
                     help=f"comma-separated draft types written next to the output ({', '.join(FTYPES)})")
@@ -60,8 +60,6 @@ def main(argv: list[str] | None = None) -> int:
             if args.layers < 1:
                 raise SpecterError("--layers must be >= 1")
             shape = shape.with_layers(args.layers)
-        if not 0 < args.attn_output_scale < float("inf"):
-            raise SpecterError(f"--attn-output-scale must be > 0, not {args.attn_output_scale}")
         shape = dataclasses.replace(shape, attn_output_scale=args.attn_output_scale)
         qtypes = [q.strip().lower() for q in args.quantize.split(",") if q.strip()]
         bad = [q for q in qtypes if q not in FTYPES]

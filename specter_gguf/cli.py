@@ -8,7 +8,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import click
 import numpy as np
@@ -96,8 +96,14 @@ def _check_output_file(path: Path, option: str, create_folder: bool = False) -> 
     check_output_file(path, f"{option} {path}", create_folder)
 
 
-def _check_output_folder(path: Path, option: str) -> None:
+def _check_output_folder(path: Path, option: str, files: Sequence[str] = ()) -> None:
+    """`path` a folder the command can write, and each of `files` in it (e.g. not a read-only file or a folder)."""
     check_output_folder(path, f"{option} {path}")
+    for name in files:
+        if (path / name).is_dir():
+            raise SpecterError(f"{option} {path}: {name} there is a folder, where this command writes a file; "
+                               f"remove it or choose another {option}")
+        _check_output_file(path / name, option, create_folder=True)
 
 
 ctx_size_option = click.option("-c", "--ctx-size", type=int, default=None, show_default=False,
@@ -373,7 +379,9 @@ def profile_depth(model: Path, prompt: str, prompt_file: Path | None, n_predict:
     a plot of time per token against k."""
     from tqdm import tqdm
 
-    from specter_gguf.speculation.profile import best_fixed, markdown_table, parse_depths, profile_depths, write_profile
+    from specter_gguf.speculation.fidelity import check_room
+    from specter_gguf.speculation.profile import (OUTPUT_FILES, best_fixed, markdown_table, parse_depths, profile_depths,
+                                                  write_profile)
 
     ks = parse_depths(depths, MAX_DEPTH)
     ctx = click.get_current_context()
@@ -388,9 +396,10 @@ def profile_depth(model: Path, prompt: str, prompt_file: Path | None, n_predict:
     draft = ctx.params.get("draft")
     if draft is None:
         raise SpecterError("profile-depth needs a draft: give --draft DRAFT.gguf or a type such as --draft q4_k_m")
-    _check_output_folder(out, "-o/--out")
+    _check_output_folder(out, "-o/--out", OUTPUT_FILES)
     m = load(model, progress=True)
     ids = m.tokenize(prompt)
+    check_room(len(ids), n_predict, m.ctx_size, "the prompt")
     with tqdm(total=len(ks) + 1, desc="depths", unit="depth", leave=False) as bar:
         rows = profile_depths(m, ids, n_predict, sampling, ks, repeats, lambda row: bar.update(1))
     budget = f", budget {format_size(m.memory_plan.budget)}" if m.memory_plan is not None else ""
@@ -429,9 +438,10 @@ def fidelity(model: Path | None, drafts: str, prompts_file: Path | None, n_predi
 
     from tqdm import tqdm
 
-    from specter_gguf.engine import Model
+    from specter_gguf.config import check_draft
+    from specter_gguf.engine import SHIPPED_MODEL, Model
     from specter_gguf.gguf_file import GGUFFile
-    from specter_gguf.speculation.fidelity import DEFAULT_PROMPTS, measure, read_prompts, write
+    from specter_gguf.speculation.fidelity import DEFAULT_PROMPTS, OUTPUT_FILES, measure, read_prompts, write
 
     if sampling.greedy:
         raise SpecterError("fidelity runs every prompt greedy and sampled: give a --temp above 0 for the sampled runs")
@@ -443,15 +453,16 @@ def fidelity(model: Path | None, drafts: str, prompts_file: Path | None, n_predi
     names = [d.strip() for d in drafts.split(",") if d.strip()]
     if not names:
         raise SpecterError("--drafts is empty: give types such as q2_k,q4_k_m,q8_0 or draft files")
+    target = GGUFFile(model if model is not None else SHIPPED_MODEL)  # a broken file: its line before any work
     for d in names:
         try:
-            draft_file_or_type(d)
+            kind = draft_file_or_type(d)
+            if isinstance(kind, Path):  # a file: of this model? (a type is made from it)
+                check_draft(target, GGUFFile(kind))
         except SpecterError as e:
             raise SpecterError(f"--drafts: {e}") from None
     prompts = read_prompts(prompts_file) if prompts_file is not None else list(DEFAULT_PROMPTS)
-    _check_output_folder(out, "-o/--out")
-    if model is not None:
-        GGUFFile(model)  # a missing or broken file: its error line before the progress bar
+    _check_output_folder(out, "-o/--out", OUTPUT_FILES)
 
     def load(draft: str) -> Any:
         return Model.load(model, device=device, ctx_size=ctx_size, draft=draft, n_draft=n_draft, progress=True)
@@ -484,7 +495,8 @@ def fidelity(model: Path | None, drafts: str, prompts_file: Path | None, n_predi
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as one JSON object.")
 def plan(model: Path, gpu_budget: str, draft: Path | str | None, ctx_size: int | None, device: str, hybrid: str,
          spare_slots: int | None, as_json: bool) -> None:
-    """Show how a GPU budget would be split for MODEL (nothing is loaded): non-expert weights, KV cache,
+    """Show how a GPU budget would be split for MODEL (its weights are not loaded; a --draft type not made yet is
+    made first, as for `run`): non-expert weights, KV cache,
     workspace, draft experts and what speculation holds, expert-cache slots; and the minimum budget. Exits 1 when
     the budget is below it."""
     from specter_gguf.engine import plan_budget

@@ -109,12 +109,15 @@ def summarize_file(path: str | os.PathLike[str]) -> FileSummary:
 def plan_budget(path: str | os.PathLike[str], gpu_budget: int | str, ctx_size: int | None = None,
                 device: str = "cuda", draft: str | os.PathLike[str] | None = None) -> MemoryPlan:
     """How `Model.load(path, gpu_budget=..., draft=...)` would split `gpu_budget` on `device` ("cuda" or "cpu"),
-    nothing loaded: non-expert weights, KV cache, workspace, draft experts, expert-cache slots
-    (`runtime.budget`). A budget below the minimum is planned too: `MemoryPlan.check()` refuses it."""
+    no weights loaded (a `draft` type not made yet is made, as a load would): non-expert weights, KV cache,
+    workspace, draft experts, expert-cache slots (`runtime.budget`). A budget below the minimum is planned too:
+    `MemoryPlan.check()` refuses it."""
     parse_size(gpu_budget)  # a size the user got wrong fails before the file is read
     f = _open_model(path)
     ctx = _context(ModelConfig.from_gguf(f), ctx_size)
     draft_file = GGUFFile(resolve_draft(path, draft)) if draft is not None else None
+    if draft_file is not None:
+        _warn_if_no_smaller(f, draft_file)
     return plan_memory(f, gpu_budget, ctx, device, draft_file)
 
 

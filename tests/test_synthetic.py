@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import math
 import os
 import subprocess
@@ -265,6 +266,29 @@ def test_attn_output_scale_spreads_the_routing(tmp_path):
     for temperature in (0.0, 1.0):
         assert shared[0.1, temperature] < 0.7 * shared[1.0, temperature], shared
         assert shared[0.1, temperature] < 1.5 * chance, shared
+
+
+def test_a_failed_write_leaves_no_file(tmp_path, monkeypatch):
+    """A write that fails part way (here the disk filling up) is one error naming the file and the cause, and leaves
+    neither the model nor its temporary file behind; a bad device or vocab file is refused before writing."""
+    slabs = writer._slabs
+
+    def full_disk(*args, **kwargs):
+        yield from itertools.islice(slabs(*args, **kwargs), 1)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(writer, "_slabs", full_disk)
+    with pytest.raises(SpecterError, match="writing .*m.gguf: No space left on device"):
+        write_synthetic(tmp_path / "m.gguf", "tiny-qwen3moe", "f16")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(SpecterError, match="unknown device 'cpux'"):
+        write_synthetic(tmp_path / "m.gguf", "tiny-qwen3moe", "f16", device="cpux")
+    (tmp_path / "v.gguf").write_text("not a gguf")
+    with pytest.raises(SpecterError, match="is not a readable GGUF file"):
+        write_synthetic(tmp_path / "m.gguf", "tiny-qwen3moe", "f16", vocab_from=tmp_path / "v.gguf")
+    with pytest.raises(SpecterError, match="must be from 0.001 to 10"):
+        write_synthetic(tmp_path / "m.gguf", dataclasses.replace(PRESETS["tiny-qwen3moe"], attn_output_scale=1e6))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v.gguf"]
 
 
 def test_bounded_streaming_of_large_tensors(tmp_path, monkeypatch):

@@ -20,7 +20,7 @@ from specter_gguf.errors import SpecterError
 from specter_gguf.gguf_file import GGUFFile
 from specter_gguf.quantize import FTYPES, quantize_gguf, quantized_path, quantized_types
 from specter_gguf.synthetic.shapes import get_preset
-from specter_gguf.synthetic.writer import DTYPES, data_bytes
+from specter_gguf.synthetic.writer import DTYPES, check_attn_output_scale, data_bytes
 
 DEFAULT_SDIST_DIR = Path("/tmp/llsrc")  # unpacked llama-cpp-python sdists (each with vendor/llama.cpp)
 
@@ -102,8 +102,7 @@ def make_target(preset: str, layers: int | None, work_dir: Path, device: str, vo
     target_type = target_type.lower()
     if target_type not in DTYPES:
         raise SpecterError(f"unknown target type {target_type!r}; choose one of: {', '.join(DTYPES)}")
-    if not 0 < attn_output_scale < float("inf"):
-        raise SpecterError(f"--attn-output-scale must be > 0, not {attn_output_scale}")
+    check_attn_output_scale(attn_output_scale)
     scaled = f"-ao{attn_output_scale:g}" if attn_output_scale != 1 else ""
     name = f"{preset}{f'-l{layers}' if layers else ''}-{target_type}{scaled}.gguf"
     path = work_dir / name

@@ -94,6 +94,17 @@ def _run(stats: GenerationStats, prompt: int, mode: str) -> Run:
                stats.expert_agreement, list(stats.expert_agreement_layers or []))
 
 
+def check_room(n_prompt: int, n_predict: int, ctx_size: int, what: str) -> None:
+    """Refuse a measurement whose prompt (`what`, `n_prompt` tokens) and `n_predict` generated tokens do not fit the
+    context: it would stop early and average fewer tokens than it says."""
+    if n_prompt == 0:
+        raise SpecterError(f"{what} is empty: give it some text")
+    need = n_prompt + n_predict - 1  # the last generated token is never stored
+    if need > ctx_size:
+        raise SpecterError(f"{what} ({n_prompt} tokens) and -n {n_predict} need a context of {need} tokens, above "
+                           f"-c/--ctx-size {ctx_size}: give a larger -c or a smaller -n")
+
+
 def measure(load: Callable[[str], Model], drafts: Sequence[str], prompts: Sequence[str], n_predict: int,
             sampled: SamplingParams, advance: Callable[[], None] = lambda: None) -> list[DraftFidelity]:
     """Every draft of `drafts` (`load(draft)` loads the target with it) on every prompt, greedy and `sampled`."""
@@ -101,6 +112,9 @@ def measure(load: Callable[[str], Model], drafts: Sequence[str], prompts: Sequen
     out = []
     for draft in drafts:
         model = load(draft)
+        if not out:  # every prompt fits the context, before anything is generated
+            for i, prompt in enumerate(prompts):
+                check_room(len(model.tokenize(prompt)), n_predict, model.ctx_size, f"prompt {i + 1}")
         result = DraftFidelity(draft)
         for i, prompt in enumerate(prompts):
             for mode, params in zip(MODES, (greedy, sampled)):
@@ -137,13 +151,15 @@ def markdown(results: Sequence[DraftFidelity], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+OUTPUT_FILES = ("fidelity.md", "fidelity.json", "fidelity.png")  # the table, the data, the plot
+
+
 def write(results: Sequence[DraftFidelity], out: Path, title: str) -> list[Path]:
     """fidelity.md, fidelity.json and fidelity.png (per-prompt agreement histograms, greedy and sampled, and the
     per-layer agreement) in `out`; returns the files."""
     out.mkdir(parents=True, exist_ok=True)
-    table = out / "fidelity.md"
+    table, data, plot = (out / name for name in OUTPUT_FILES)
     table.write_text(markdown(results, title), encoding="utf-8")
-    data = out / "fidelity.json"
     data.write_text(json.dumps({"title": title, "drafts": [
         {"draft": r.draft, "greedy": r.total("greedy"), "sampled": r.total("sampled"),
          "runs": [asdict(x) for x in r.runs]} for r in results]}, indent=1), encoding="utf-8")
@@ -177,7 +193,6 @@ def write(results: Sequence[DraftFidelity], out: Path, title: str) -> list[Path]
         ax.grid(alpha=0.3)
     fig.suptitle("\n".join(textwrap.wrap(title, 120)), fontsize=9)
     fig.tight_layout()
-    plot = out / "fidelity.png"
     fig.savefig(plot, dpi=120)
     plt.close(fig)
     return [table, data, plot]

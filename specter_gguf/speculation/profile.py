@@ -106,12 +106,14 @@ def markdown_table(rows: Sequence[DepthRow]) -> str:
     return "\n".join(lines)
 
 
+OUTPUT_FILES = ("depth.md", "depth.json", "depth.png")  # the table, the data, the plot
+
+
 def write_profile(rows: Sequence[DepthRow], out: Path, title: str) -> list[Path]:
     """depth.md, depth.json and depth.png (TPOT against k, auto as a line) in `out`; returns the files."""
     out.mkdir(parents=True, exist_ok=True)
-    table = out / "depth.md"
+    table, data, plot = (out / name for name in OUTPUT_FILES)
     table.write_text(f"# {title}\n\n{markdown_table(rows)}\n", encoding="utf-8")
-    data = out / "depth.json"
     data.write_text(json.dumps({"title": title, "rows": [asdict(r) for r in rows]}, indent=1), encoding="utf-8")
     import matplotlib
 
@@ -132,7 +134,6 @@ def write_profile(rows: Sequence[DepthRow], out: Path, title: str) -> list[Path]
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    plot = out / "depth.png"
     fig.savefig(plot, dpi=120)
     plt.close(fig)
     return [table, data, plot]

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +61,8 @@ from specter_gguf.synthetic.q8_0 import Q8_0_BLOCK, q8_0_blocks
 from specter_gguf.synthetic.shapes import ModelShape, get_preset
 
 DTYPES = ("f32", "f16", "bf16", "q8_0")
+# --attn-output-scale's range: F16 holds such weights (std 0.02 times the scale) without overflow or flushing to 0
+ATTN_OUTPUT_SCALES = (1e-3, 10.0)
 # llama_ftype values (llama.h) recorded in general.file_type.
 _FILE_TYPE = {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}
 
@@ -82,6 +85,13 @@ class WriteResult:
 def _tensor_seed(seed: int, arch: str, name: str, slab: int) -> int:
     h = hashlib.sha256(f"{seed}/{arch}/{name}/{slab}".encode()).digest()
     return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
+
+
+def check_attn_output_scale(scale: float) -> None:
+    """Refuse an attention output scale outside ATTN_OUTPUT_SCALES, naming the range."""
+    low, high = ATTN_OUTPUT_SCALES
+    if not low <= scale <= high:
+        raise SpecterError(f"--attn-output-scale must be from {low:g} to {high:g} (weights F16 holds), not {scale:g}")
 
 
 def _std(spec: TensorSpec, shape: ModelShape) -> float:
@@ -130,9 +140,15 @@ def vocab_metadata_from_gguf(path: str | Path) -> tuple[dict[str, tuple[Any, Any
     import gguf
 
     path = Path(path)
+    if path.is_dir():
+        raise SpecterError(f"vocab GGUF {path} is a folder; give a .gguf file (e.g. llama.cpp's "
+                           f"models/ggml-vocab-qwen2.gguf)")
     if not path.is_file():
         raise SpecterError(f"vocab GGUF {path} not found")
-    reader = gguf.GGUFReader(path)
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, OSError) as e:
+        raise SpecterError(f"vocab GGUF {path} is not a readable GGUF file ({e})") from None
     T = gguf.GGUFValueType
     out: dict[str, tuple[Any, Any, Any]] = {}
     for key, f in reader.fields.items():
@@ -227,8 +243,13 @@ def write_synthetic(
     import gguf
     import torch
 
+    try:
+        torch.device(device)
+    except RuntimeError:
+        raise SpecterError(f"unknown device {device!r}; use cpu or cuda") from None
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SpecterError("device 'cuda' requested but torch sees no CUDA GPU; use --device cpu")
+    check_attn_output_scale(shape.attn_output_scale)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -243,7 +264,27 @@ def write_synthetic(
     if weights is not None:
         _check_weights(weights, specs)
 
-    w = gguf.GGUFWriter(path, shape.arch)
+    # written under a temporary name and renamed when complete: a failure leaves no partial model behind
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        _write(gguf.GGUFWriter(tmp, shape.arch), shape, dtype, specs, arch_kv, tok_kv, description, weights, seed,
+               device, progress, path.name)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise SpecterError(f"writing {path}: {e.strerror or e}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return WriteResult(path=path, shape=shape, dtype=dtype, n_vocab=n_vocab,
+                       n_params=sum(s.n_elements for s in specs), n_bytes=path.stat().st_size,
+                       seconds=time.perf_counter() - t0, tensors=[s.name for s in specs])
+
+
+def _write(w: Any, shape: ModelShape, dtype: str, specs: list[TensorSpec], arch_kv: dict[str, Any],
+           tok_kv: dict[str, tuple[Any, Any, Any]], description: str, weights: Mapping[str, np.ndarray] | None,
+           seed: int, device: str, progress: bool, label: str) -> None:
+    """The file of `write_synthetic` through the GGUF writer `w`, closed at the end."""
+    import gguf
+
     w.add_name(shape.name or shape.arch)
     w.add_description(description)
     w.add_file_type(_FILE_TYPE[dtype])
@@ -281,7 +322,7 @@ def write_synthetic(
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=path.name)
+        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=label)
     try:
         for spec in specs:
             fout.write(b"\0" * ((-fout.tell()) % align))
@@ -295,6 +336,3 @@ def write_synthetic(
         if bar is not None:
             bar.close()
         w.close()
-    return WriteResult(path=path, shape=shape, dtype=dtype, n_vocab=n_vocab,
-                       n_params=sum(s.n_elements for s in specs), n_bytes=path.stat().st_size,
-                       seconds=time.perf_counter() - t0, tensors=[s.name for s in specs])
