@@ -4,6 +4,7 @@ offload mode generates exactly the no-offload engine's greedy tokens with a cach
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -71,7 +72,11 @@ def test_plan_splits_the_budget(shipped_model) -> None:
     assert tight.fixed + tight.slots_bytes <= tight.budget
     text = tight.describe()
     assert f"{tight.n_slots} of {tight.n_experts_total}" in text and "minimum budget" in text
-    assert "token embedding in host memory" in text and "token embedding" not in huge.describe()
+    assert "token embedding in host memory" in text and "token embedding in host memory" not in huge.describe()
+    # the whole model on the device: the embedding is a row of its own, and what is left is the budget less all of it
+    exact = plan_memory(f, huge.whole_model, CTX, "cuda").describe()
+    assert re.search(r"^  token embedding +\S+ \S+ ", exact, re.M), exact
+    assert re.search(r"^  unassigned +0 B ", exact, re.M), exact
     assert not plan_memory(f, huge.whole_model - 1, CTX, "cuda").fits_all
     assert plan_memory(f, huge.whole_model, CTX, "cuda").fits_all
     # a draft's routed experts are counted (here the model itself stands in for a draft), and on CUDA what the

@@ -274,6 +274,9 @@ class MemoryPlan:
 
     def describe(self) -> str:
         rows = [("non-expert weights", self.non_expert), ("KV cache", self.kv_cache), ("workspace", self.workspace)]
+        embedding = self.host_embedding if self.fits_all else 0  # on the device when nothing is offloaded
+        if embedding:
+            rows.insert(1, ("token embedding", embedding))
         if self.device == "cuda":
             rows.append(("CUDA context, cuBLAS, allocator reserve", self.cuda_runtime))
         if self.draft_experts:
@@ -285,7 +288,7 @@ class MemoryPlan:
                    f"context {self.ctx_size} tokens (the model's own is {self.n_ctx_train}: -c 0)")
         lines = [f"{'GPU' if self.device == 'cuda' else 'Memory'} budget {format_size(self.budget)} on "
                  f"{self.device}, {context}, prefill chunk {self.prefill_chunk}"]
-        unused = self.budget - self.fixed - self.slots_bytes
+        unused = self.budget - self.fixed - self.slots_bytes - embedding
         if unused >= 0:
             lines += [f"  {name:<44} {format_size(n):>12}  {100 * n / self.budget:5.1f}%" for name, n in rows]
             lines.append(f"  {'unassigned':<44} {format_size(unused):>12}  {100 * unused / self.budget:5.1f}%")
