@@ -47,7 +47,7 @@ from specter_gguf.bench.report import (append_report, format_size, merge_docs, n
 from specter_gguf.bench.runner import BenchContext, RunSettings, run_matrix  # noqa: E402
 from specter_gguf.errors import SpecterError  # noqa: E402
 from specter_gguf.sizes import parse_size  # noqa: E402
-from specter_gguf.synthetic.writer import DTYPES  # noqa: E402
+from specter_gguf.synthetic.writer import DTYPES, check_attn_output_scale  # noqa: E402
 from specter_gguf.tokenizer import llama_cpp_available  # noqa: E402
 
 
@@ -185,6 +185,7 @@ def run(args: argparse.Namespace, t_start: float, deadline: float | None) -> int
     if args.model is not None and args.attn_output_scale != 1:
         raise SpecterError("--attn-output-scale shapes the synthetic target of --model-preset; --model's weights are "
                            "used as they are")
+    check_attn_output_scale(args.attn_output_scale)
 
     parse_budgets(args.budgets, model_bytes=1)  # their spelling, before anything is built or written
     # -- tools (built in the background while the target is written)

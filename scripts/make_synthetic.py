@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attn-output-scale", type=float, default=1.0,
                     help="attention's output weights at this multiple of their usual std: below 1 the routing "
                          "follows each token more than its context, as a trained model's (0.3: consecutive tokens "
-                         "share about twice the experts chance gives; 0.1: about chance; 0.001 to 10, default 1)")
+                         "share about twice the experts chance gives; 0.1: about chance; 0.01 to 10, default 1)")
     ap.add_argument("-o", "--output", type=Path, required=True, help="output .gguf path")
     ap.add_argument("--quantize", default="",
                     help=f"comma-separated draft types written next to the output ({', '.join(FTYPES)})")

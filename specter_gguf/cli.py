@@ -8,7 +8,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import click
 import numpy as np
@@ -104,6 +104,20 @@ def _check_output_folder(path: Path, option: str, files: Sequence[str] = ()) -> 
             raise SpecterError(f"{option} {path}: {name} there is a folder, where this command writes a file; "
                                f"remove it or choose another {option}")
         _check_output_file(path / name, option, create_folder=True)
+
+
+def _check_prompts_fit(model: Path, prompts: Sequence[str], n_predict: int, ctx_size: int | None,
+                       name: Callable[[int], str]) -> None:
+    """Each of `prompts` (the ith called `name(i)`) and `n_predict` tokens after it fit the context a load of
+    `model` with -c `ctx_size` gives (`config.check_room`), read from the file before anything is loaded."""
+    from specter_gguf.config import ModelConfig, check_room
+    from specter_gguf.gguf_file import GGUFFile
+    from specter_gguf.tokenizer import Tokenizer
+
+    ctx = ModelConfig.from_gguf(GGUFFile(model)).context_size(ctx_size)
+    tokenizer = Tokenizer.from_gguf(model)
+    for i, prompt in enumerate(prompts):
+        check_room(len(tokenizer.encode(prompt)), n_predict, ctx, name(i))
 
 
 ctx_size_option = click.option("-c", "--ctx-size", type=int, default=None, show_default=False,
@@ -379,7 +393,6 @@ def profile_depth(model: Path, prompt: str, prompt_file: Path | None, n_predict:
     a plot of time per token against k."""
     from tqdm import tqdm
 
-    from specter_gguf.speculation.fidelity import check_room
     from specter_gguf.speculation.profile import (OUTPUT_FILES, best_fixed, markdown_table, parse_depths, profile_depths,
                                                   write_profile)
 
@@ -397,9 +410,9 @@ def profile_depth(model: Path, prompt: str, prompt_file: Path | None, n_predict:
     if draft is None:
         raise SpecterError("profile-depth needs a draft: give --draft DRAFT.gguf or a type such as --draft q4_k_m")
     _check_output_folder(out, "-o/--out", OUTPUT_FILES)
+    _check_prompts_fit(model, [prompt], n_predict, ctx.params.get("ctx_size"), lambda i: "the prompt")
     m = load(model, progress=True)
     ids = m.tokenize(prompt)
-    check_room(len(ids), n_predict, m.ctx_size, "the prompt")
     with tqdm(total=len(ks) + 1, desc="depths", unit="depth", leave=False) as bar:
         rows = profile_depths(m, ids, n_predict, sampling, ks, repeats, lambda row: bar.update(1))
     budget = f", budget {format_size(m.memory_plan.budget)}" if m.memory_plan is not None else ""
@@ -456,13 +469,14 @@ def fidelity(model: Path | None, drafts: str, prompts_file: Path | None, n_predi
     target = GGUFFile(model if model is not None else SHIPPED_MODEL)  # a broken file: its line before any work
     for d in names:
         try:
-            kind = draft_file_or_type(d)
-            if isinstance(kind, Path):  # a file: of this model? (a type is made from it)
-                check_draft(target, GGUFFile(kind))
+            source = draft_file_or_type(d)
+            if isinstance(source, Path):  # a file: of this model? (a type is made from it)
+                check_draft(target, GGUFFile(source))
         except SpecterError as e:
             raise SpecterError(f"--drafts: {e}") from None
     prompts = read_prompts(prompts_file) if prompts_file is not None else list(DEFAULT_PROMPTS)
     _check_output_folder(out, "-o/--out", OUTPUT_FILES)
+    _check_prompts_fit(target.path, prompts, n_predict, ctx_size, lambda i: f"prompt {i + 1}")
 
     def load(draft: str) -> Any:
         return Model.load(model, device=device, ctx_size=ctx_size, draft=draft, n_draft=n_draft, progress=True)

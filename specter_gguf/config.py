@@ -168,6 +168,17 @@ class ModelConfig:
         return requested or self.n_ctx_train
 
 
+def check_room(n_prompt: int, n_predict: int, ctx_size: int, what: str) -> None:
+    """Refuse a measurement whose prompt (`what`, `n_prompt` tokens) and `n_predict` generated tokens do not fit the
+    context `ctx_size`: its generations would stop early and average fewer tokens than it says."""
+    if n_prompt == 0:
+        raise SpecterError(f"{what} is empty: give it some text")
+    need = n_prompt + n_predict - 1  # the last generated token is never stored
+    if need > ctx_size:
+        raise SpecterError(f"{what} ({n_prompt} tokens) and -n {n_predict} need a context of {need} tokens, above "
+                           f"-c/--ctx-size {ctx_size}: give a larger -c or a smaller -n")
+
+
 DRAFT_MATCH = (("arch", "architecture"), ("n_layer", "layers"), ("n_expert", "experts"),
                ("n_expert_used", "experts per token"), ("n_embd", "hidden size"), ("n_ff_exp", "expert width"),
                ("n_vocab", "vocabulary"))

@@ -116,9 +116,10 @@ def plan_budget(path: str | os.PathLike[str], gpu_budget: int | str, ctx_size: i
     f = _open_model(path)
     ctx = _context(ModelConfig.from_gguf(f), ctx_size)
     draft_file = GGUFFile(resolve_draft(path, draft)) if draft is not None else None
+    plan = plan_memory(f, gpu_budget, ctx, device, draft_file)  # refuses a draft of another model first
     if draft_file is not None:
         _warn_if_no_smaller(f, draft_file)
-    return plan_memory(f, gpu_budget, ctx, device, draft_file)
+    return plan
 
 
 def plan_hybrid(path: str | os.PathLike[str], hybrid: str, device: str = "cuda") -> HybridChoice:

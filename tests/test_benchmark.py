@@ -822,7 +822,7 @@ def test_bench_makes_a_target_with_its_attention_output_scaled(tmp_path):
     bad = _bench("--model-preset", "tiny-qwen2moe", "--attn-output-scale", "0", "--systems", "ours", "--device", "cpu",
                  "--prepare-only", "--work-dir", str(work), "--out", str(tmp_path / "out"))
     said = bad.stdout + bad.stderr
-    assert bad.returncode != 0 and "--attn-output-scale must be from 0.001 to 10" in said and "Traceback" not in said
+    assert bad.returncode != 0 and "--attn-output-scale must be from 0.01 to 10" in said and "Traceback" not in said
     given = _bench("--model", str(target), "--attn-output-scale", "0.25", "--systems", "ours", "--device", "cpu",
                    "--dry-run", "--out", str(tmp_path / "out"))
     said = given.stdout + given.stderr

@@ -275,31 +275,26 @@ def test_fidelity_on_a_missing_file_is_one_error_line(tmp_path: Path, no_work: N
     assert line.startswith("Error: --drafts: draft q9: no such file, and not a draft type"), line
 
 
-def test_fidelity_and_profile_depth_check_what_they_need_before_generating(shipped_model: Path, tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fidelity_and_profile_depth_check_what_they_need_before_loading(shipped_model: Path, tmp_path: Path,
+                                                                        no_work: None) -> None:
     """A draft file of another model, an output file that is a folder, an empty prompt and a prompt with -n past the
-    context are each one error line before anything is generated (before any load where the files tell)."""
-    from specter_gguf.engine import Model
+    context are each one error line before anything is loaded, quantized or generated."""
     from specter_gguf.synthetic.writer import write_synthetic
 
+    pytest.importorskip("llama_cpp")  # the prompts' tokens
     other = write_synthetic(tmp_path / "mixtral.gguf", "tiny-mixtral", "f16").path
     (tmp_path / "out" / "fidelity.md").mkdir(parents=True)
     (tmp_path / "prompts.json").write_text(json.dumps(["x", ""]), encoding="utf-8")
-
-    def forbidden(*args: object, **kwargs: object) -> None:
-        raise AssertionError("generated before checking")
-
-    monkeypatch.setattr(Model, "generate", forbidden)
     fidelity = ["fidelity", str(shipped_model), "--device", "cpu", "-n", "4", "-o", str(tmp_path / "f")]
-    line = user_error(invoke(*fidelity, "--drafts", f"q8_0,{other}"))
+    line = user_error(invoke(*fidelity, "--drafts", f"q2_k,{other}"))
     assert line.startswith("Error: --drafts: ") and "is not a draft of" in line, line
-    line = user_error(invoke(*fidelity[:-1], str(tmp_path / "out"), "--drafts", "q8_0"))
+    line = user_error(invoke(*fidelity[:-1], str(tmp_path / "out"), "--drafts", "q2_k"))
     assert "fidelity.md there is a folder" in line, line
-    line = user_error(invoke(*fidelity, "--drafts", "q8_0", "--prompts", str(tmp_path / "prompts.json")))
+    line = user_error(invoke(*fidelity, "--drafts", "q2_k", "--prompts", str(tmp_path / "prompts.json")))
     assert line == "Error: prompt 2 is empty: give it some text", line
-    line = user_error(invoke(*fidelity, "--drafts", "q8_0", "-c", "8", "-n", "20"))
+    line = user_error(invoke(*fidelity, "--drafts", "q2_k", "-c", "8", "-n", "20"))
     assert "need a context of" in line and "above -c/--ctx-size 8" in line, line
-    line = user_error(invoke("profile-depth", str(shipped_model), "--draft", "q8_0", "--device", "cpu", "-p", PROMPT,
+    line = user_error(invoke("profile-depth", str(shipped_model), "--draft", "q2_k", "--device", "cpu", "-p", PROMPT,
                              "-n", "40", "-c", "16", "-o", str(tmp_path / "p")))
     assert "the prompt (" in line and "need a context of" in line, line
 

@@ -44,6 +44,20 @@ def test_parse_size_rejects(bad: str) -> None:
         parse_size(bad)
 
 
+def test_a_plan_of_the_whole_model_counts_each_expert_in_its_own_type(tiny_models) -> None:
+    """Q4_K_M files mix expert types between layers, and a cache slot is sized for the largest record: where the
+    whole model fits, the split counts the experts' own bytes, so a budget of exactly the whole model leaves 0 B."""
+    pytest.importorskip("llama_cpp")
+    f = GGUFFile(tiny_models[("qwen2moe", "q4_k_m")])
+    full = plan_memory(f, "64GiB", CTX, "cuda")
+    assert full.slot_bytes * full.n_slots > full.resident_expert_bytes  # mixed types: slots would overcount
+    exact = plan_memory(f, full.whole_model, CTX, "cuda")
+    assert exact.fits_all
+    text = exact.describe()
+    assert re.search(r"^  routed experts, all resident +\S+ \S+ ", text, re.M), text
+    assert re.search(r"^  unassigned +0 B ", text, re.M) and "short of" not in text, text
+
+
 def test_plan_splits_the_budget(shipped_model) -> None:
     f = GGUFFile(shipped_model)
     cfg = ModelConfig.from_gguf(f)
@@ -157,7 +171,7 @@ def test_offload_needs_a_budget_and_none_needs_room(shipped_model) -> None:
 def test_plan_command(shipped_model) -> None:
     r = CliRunner().invoke(cli, ["plan", str(shipped_model), "--gpu-budget", "16GiB", "-c", "512"])
     assert r.exit_code == 0, r.output
-    assert "expert cache" in r.output and "KV cache" in r.output and "minimum budget" in r.output
+    assert "routed experts, all resident" in r.output and "KV cache" in r.output and "minimum budget" in r.output
     assert "spare slots: none (the whole model fits the budget)" in r.output
     # top_k (2) + 5 slots a layer, one short of its 8 experts: the default spares take half of the 5
     budget = str(_budget_for(shipped_model, 5))

@@ -281,12 +281,22 @@ def test_a_failed_write_leaves_no_file(tmp_path, monkeypatch):
     with pytest.raises(SpecterError, match="writing .*m.gguf: No space left on device"):
         write_synthetic(tmp_path / "m.gguf", "tiny-qwen3moe", "f16")
     assert list(tmp_path.iterdir()) == []
+    (tmp_path / "kept.gguf").write_bytes(b"an earlier model")  # a failed rewrite leaves it as it was
+    with pytest.raises(SpecterError, match="No space left on device"):
+        write_synthetic(tmp_path / "kept.gguf", "tiny-qwen3moe", "f16")
+    assert (tmp_path / "kept.gguf").read_bytes() == b"an earlier model" and len(list(tmp_path.iterdir())) == 1
+    monkeypatch.setattr(writer, "_slabs", slabs)
+    with pytest.raises(SpecterError, match="is a folder"):
+        write_synthetic(tmp_path, "tiny-qwen3moe", "f16")
+    with pytest.raises(SpecterError, match="vocab GGUF .* is a folder"):
+        write_synthetic(tmp_path / "m.gguf", "tiny-qwen3moe", "f16", vocab_from=tmp_path)
+    (tmp_path / "kept.gguf").unlink()
     with pytest.raises(SpecterError, match="unknown device 'cpux'"):
         write_synthetic(tmp_path / "m.gguf", "tiny-qwen3moe", "f16", device="cpux")
     (tmp_path / "v.gguf").write_text("not a gguf")
     with pytest.raises(SpecterError, match="is not a readable GGUF file"):
         write_synthetic(tmp_path / "m.gguf", "tiny-qwen3moe", "f16", vocab_from=tmp_path / "v.gguf")
-    with pytest.raises(SpecterError, match="must be from 0.001 to 10"):
+    with pytest.raises(SpecterError, match="must be from 0.01 to 10"):
         write_synthetic(tmp_path / "m.gguf", dataclasses.replace(PRESETS["tiny-qwen3moe"], attn_output_scale=1e6))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v.gguf"]
 

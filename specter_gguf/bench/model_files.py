@@ -20,7 +20,7 @@ from specter_gguf.errors import SpecterError
 from specter_gguf.gguf_file import GGUFFile
 from specter_gguf.quantize import FTYPES, quantize_gguf, quantized_path, quantized_types
 from specter_gguf.synthetic.shapes import get_preset
-from specter_gguf.synthetic.writer import DTYPES, check_attn_output_scale, data_bytes
+from specter_gguf.synthetic.writer import DTYPES, check_attn_output_scale, data_bytes, partial_path
 
 DEFAULT_SDIST_DIR = Path("/tmp/llsrc")  # unpacked llama-cpp-python sdists (each with vendor/llama.cpp)
 
@@ -122,7 +122,9 @@ def make_target(preset: str, layers: int | None, work_dir: Path, device: str, vo
             n_vocab = len(gguf.GGUFReader(str(vocab), "r").fields["tokenizer.ggml.tokens"].data)
     need = estimate_bytes(preset, layers, n_vocab, target_type)
     work_dir.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(work_dir).free + (path.stat().st_size if path.exists() else 0)
+    for stale in (path, partial_path(path)):  # an outdated target and a write killed before: their room is free
+        stale.unlink(missing_ok=True)
+    free = shutil.disk_usage(work_dir).free
     if need * 1.02 > free:
         raise SpecterError(f"{path}: needs {format_size(need)} but {work_dir} has {format_size(free)} free; "
                            "use --layers or another --work-dir")
@@ -131,7 +133,7 @@ def make_target(preset: str, layers: int | None, work_dir: Path, device: str, vo
     if layers:
         cmd += ["--layers", str(layers)]
     if scaled:
-        cmd += ["--attn-output-scale", f"{attn_output_scale:g}"]
+        cmd += ["--attn-output-scale", repr(attn_output_scale)]
     if vocab is not None:
         cmd += ["--vocab-from", str(vocab)]
     log("$ " + shlex.join(cmd))

@@ -274,21 +274,23 @@ class MemoryPlan:
 
     def describe(self) -> str:
         rows = [("non-expert weights", self.non_expert), ("KV cache", self.kv_cache), ("workspace", self.workspace)]
-        embedding = self.host_embedding if self.fits_all else 0  # on the device when nothing is offloaded
-        if embedding:
-            rows.insert(1, ("token embedding", embedding))
+        if self.fits_all and self.host_embedding:  # on the device when nothing is offloaded
+            rows.insert(1, ("token embedding", self.host_embedding))
         if self.device == "cuda":
             rows.append(("CUDA context, cuBLAS, allocator reserve", self.cuda_runtime))
         if self.draft_experts:
             rows.append(("draft experts", self.draft_experts))
         if self.speculation:
             rows.append(("speculation: its CUDA graphs and buffers", self.speculation))
-        rows.append((f"expert cache ({self.n_slots} slots × {format_size(self.slot_bytes)})", self.slots_bytes))
+        if self.fits_all:  # every expert in its own record's bytes (slots are sized for the largest record)
+            rows.append(("routed experts, all resident", self.resident_expert_bytes))
+        else:
+            rows.append((f"expert cache ({self.n_slots} slots × {format_size(self.slot_bytes)})", self.slots_bytes))
         context = (f"context {self.ctx_size} tokens (the model's own)" if self.ctx_size == self.n_ctx_train else
                    f"context {self.ctx_size} tokens (the model's own is {self.n_ctx_train}: -c 0)")
         lines = [f"{'GPU' if self.device == 'cuda' else 'Memory'} budget {format_size(self.budget)} on "
                  f"{self.device}, {context}, prefill chunk {self.prefill_chunk}"]
-        unused = self.budget - self.fixed - self.slots_bytes - embedding
+        unused = self.budget - (self.whole_model if self.fits_all else self.fixed + self.slots_bytes)
         if unused >= 0:
             lines += [f"  {name:<44} {format_size(n):>12}  {100 * n / self.budget:5.1f}%" for name, n in rows]
             lines.append(f"  {'unassigned':<44} {format_size(unused):>12}  {100 * unused / self.budget:5.1f}%")

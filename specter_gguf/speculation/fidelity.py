@@ -94,17 +94,6 @@ def _run(stats: GenerationStats, prompt: int, mode: str) -> Run:
                stats.expert_agreement, list(stats.expert_agreement_layers or []))
 
 
-def check_room(n_prompt: int, n_predict: int, ctx_size: int, what: str) -> None:
-    """Refuse a measurement whose prompt (`what`, `n_prompt` tokens) and `n_predict` generated tokens do not fit the
-    context: it would stop early and average fewer tokens than it says."""
-    if n_prompt == 0:
-        raise SpecterError(f"{what} is empty: give it some text")
-    need = n_prompt + n_predict - 1  # the last generated token is never stored
-    if need > ctx_size:
-        raise SpecterError(f"{what} ({n_prompt} tokens) and -n {n_predict} need a context of {need} tokens, above "
-                           f"-c/--ctx-size {ctx_size}: give a larger -c or a smaller -n")
-
-
 def measure(load: Callable[[str], Model], drafts: Sequence[str], prompts: Sequence[str], n_predict: int,
             sampled: SamplingParams, advance: Callable[[], None] = lambda: None) -> list[DraftFidelity]:
     """Every draft of `drafts` (`load(draft)` loads the target with it) on every prompt, greedy and `sampled`."""
@@ -112,9 +101,6 @@ def measure(load: Callable[[str], Model], drafts: Sequence[str], prompts: Sequen
     out = []
     for draft in drafts:
         model = load(draft)
-        if not out:  # every prompt fits the context, before anything is generated
-            for i, prompt in enumerate(prompts):
-                check_room(len(model.tokenize(prompt)), n_predict, model.ctx_size, f"prompt {i + 1}")
         result = DraftFidelity(draft)
         for i, prompt in enumerate(prompts):
             for mode, params in zip(MODES, (greedy, sampled)):

@@ -61,8 +61,9 @@ from specter_gguf.synthetic.q8_0 import Q8_0_BLOCK, q8_0_blocks
 from specter_gguf.synthetic.shapes import ModelShape, get_preset
 
 DTYPES = ("f32", "f16", "bf16", "q8_0")
-# --attn-output-scale's range: F16 holds such weights (std 0.02 times the scale) without overflow or flushing to 0
-ATTN_OUTPUT_SCALES = (1e-3, 10.0)
+# --attn-output-scale's range: below 0.01 F16 keeps the weights (std 0.02 times the scale) only as subnormals, and
+# the scale is there to go below 1 (routing that follows the token); 10 bounds the other side generously
+ATTN_OUTPUT_SCALES = (0.01, 10.0)
 # llama_ftype values (llama.h) recorded in general.file_type.
 _FILE_TYPE = {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}
 
@@ -87,11 +88,16 @@ def _tensor_seed(seed: int, arch: str, name: str, slab: int) -> int:
     return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
 
 
+def partial_path(path: Path) -> Path:
+    """Where `write_synthetic` writes the model of `path` until it is complete."""
+    return path.with_name(f"{path.name}.partial")
+
+
 def check_attn_output_scale(scale: float) -> None:
     """Refuse an attention output scale outside ATTN_OUTPUT_SCALES, naming the range."""
     low, high = ATTN_OUTPUT_SCALES
     if not low <= scale <= high:
-        raise SpecterError(f"--attn-output-scale must be from {low:g} to {high:g} (weights F16 holds), not {scale:g}")
+        raise SpecterError(f"--attn-output-scale must be from {low:g} to {high:g}, not {scale:g}")
 
 
 def _std(spec: TensorSpec, shape: ModelShape) -> float:
@@ -251,6 +257,8 @@ def write_synthetic(
         raise SpecterError("device 'cuda' requested but torch sees no CUDA GPU; use --device cpu")
     check_attn_output_scale(shape.attn_output_scale)
     path = Path(path)
+    if path.is_dir():
+        raise SpecterError(f"{path} is a folder: give the model's file path, e.g. {path / 'model.gguf'}")
     path.parent.mkdir(parents=True, exist_ok=True)
 
     if vocab_from is not None:
@@ -264,8 +272,9 @@ def write_synthetic(
     if weights is not None:
         _check_weights(weights, specs)
 
-    # written under a temporary name and renamed when complete: a failure leaves no partial model behind
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    # written as `partial_path` and renamed when complete (replacing a file at `path`, a link included): a failure
+    # leaves no partial model behind, and one killed is written over by the next write
+    tmp = partial_path(path)
     try:
         _write(gguf.GGUFWriter(tmp, shape.arch), shape, dtype, specs, arch_kv, tok_kv, description, weights, seed,
                device, progress, path.name)
