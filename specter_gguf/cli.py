@@ -149,8 +149,10 @@ class DraftFile(click.ParamType):
         self.allow_none = allow_none
 
     def convert(self, value: Any, param: Any, ctx: Any) -> Any:
-        if self.allow_none and isinstance(value, str) and value.strip().lower() == "none":
-            return "none"
+        if isinstance(value, str) and value.strip().lower() == "none":
+            if self.allow_none:
+                return "none"
+            self.fail("this command needs a draft: give a draft GGUF or a type such as q4_k_m", param, ctx)
         try:
             return draft_file_or_type(value)
         except SpecterError as e:
@@ -466,6 +468,9 @@ def fidelity(model: Path | None, drafts: str, prompts_file: Path | None, n_predi
     names = [d.strip() for d in drafts.split(",") if d.strip()]
     if not names:
         raise SpecterError("--drafts is empty: give types such as q2_k,q4_k_m,q8_0 or draft files")
+    twice = sorted({d for d in names if names.count(d) > 1})
+    if twice:
+        raise SpecterError(f"--drafts names {', '.join(twice)} more than once: each draft is measured once")
     target = GGUFFile(model if model is not None else SHIPPED_MODEL)  # a broken file: its line before any work
     for d in names:
         try:
@@ -484,7 +489,7 @@ def fidelity(model: Path | None, drafts: str, prompts_file: Path | None, n_predi
     with tqdm(total=len(names) * len(prompts) * 2, desc="generations", unit="gen", leave=False) as bar:
         results = measure(load, names, prompts, n_predict, sampling, lambda: bar.update(1))
     target = model.name if model is not None else "the shipped model"
-    title = (f"{target}: {len(prompts)} prompts x {n_predict} tokens, {n_draft} drafted per verification, greedy and "
+    title = (f"{target}: {len(prompts)} prompt{'s' if len(prompts) != 1 else ''} x {n_predict} tokens, {n_draft} drafted per verification, greedy and "
              f"temperature {sampling.temperature:g} (seed {sampling.seed})")
     files = write(results, out, title)
     click.echo(files[0].read_text(encoding="utf-8"))

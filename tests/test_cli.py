@@ -286,6 +286,8 @@ def test_fidelity_and_profile_depth_check_what_they_need_before_loading(shipped_
     (tmp_path / "out" / "fidelity.md").mkdir(parents=True)
     (tmp_path / "prompts.json").write_text(json.dumps(["x", ""]), encoding="utf-8")
     fidelity = ["fidelity", str(shipped_model), "--device", "cpu", "-n", "4", "-o", str(tmp_path / "f")]
+    line = user_error(invoke(*fidelity, "--drafts", "q2_k,q8_0,q2_k"))
+    assert line == "Error: --drafts names q2_k more than once: each draft is measured once", line
     line = user_error(invoke(*fidelity, "--drafts", f"q2_k,{other}"))
     assert line.startswith("Error: --drafts: ") and "is not a draft of" in line, line
     line = user_error(invoke(*fidelity[:-1], str(tmp_path / "out"), "--drafts", "q2_k"))
@@ -306,6 +308,8 @@ def test_profile_depth_has_no_n_draft_and_no_draft_none(shipped_model: Path, no_
     helptext = invoke("profile-depth", "--help").output
     assert "--n-draft" not in helptext and "none: no draft" not in helptext and "Required." in helptext
     assert "--n-draft" in invoke("run", "--help").output and "none: no draft" in invoke("run", "--help").output
+    line = user_error(invoke("profile-depth", str(shipped_model), "--draft", "none"), code=2)
+    assert "this command needs a draft" in line, line
 
 
 def test_cache_options_without_offloading_are_refused(shipped_model: Path) -> None:
