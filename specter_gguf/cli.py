@@ -395,8 +395,8 @@ def profile_depth(model: Path, prompt: str, prompt_file: Path | None, n_predict:
     a plot of time per token against k."""
     from tqdm import tqdm
 
-    from specter_gguf.speculation.profile import (OUTPUT_FILES, best_fixed, markdown_table, parse_depths, profile_depths,
-                                                  write_profile)
+    from specter_gguf.speculation.profile import (OUTPUT_FILES, best_fixed, markdown_table, parse_depths,
+                                                  profile_depths, write_profile)
 
     ks = parse_depths(depths, MAX_DEPTH)
     ctx = click.get_current_context()
@@ -471,17 +471,17 @@ def fidelity(model: Path | None, drafts: str, prompts_file: Path | None, n_predi
     twice = sorted({d for d in names if names.count(d) > 1})
     if twice:
         raise SpecterError(f"--drafts names {', '.join(twice)} more than once: each draft is measured once")
-    target = GGUFFile(model if model is not None else SHIPPED_MODEL)  # a broken file: its line before any work
+    target_file = GGUFFile(model if model is not None else SHIPPED_MODEL)  # a broken file: its line before any work
     for d in names:
         try:
             source = draft_file_or_type(d)
             if isinstance(source, Path):  # a file: of this model? (a type is made from it)
-                check_draft(target, GGUFFile(source))
+                check_draft(target_file, GGUFFile(source))
         except SpecterError as e:
             raise SpecterError(f"--drafts: {e}") from None
     prompts = read_prompts(prompts_file) if prompts_file is not None else list(DEFAULT_PROMPTS)
     _check_output_folder(out, "-o/--out", OUTPUT_FILES)
-    _check_prompts_fit(target.path, prompts, n_predict, ctx_size, lambda i: f"prompt {i + 1}")
+    _check_prompts_fit(target_file.path, prompts, n_predict, ctx_size, lambda i: f"prompt {i + 1}")
 
     def load(draft: str) -> Any:
         return Model.load(model, device=device, ctx_size=ctx_size, draft=draft, n_draft=n_draft, progress=True)
@@ -489,8 +489,8 @@ def fidelity(model: Path | None, drafts: str, prompts_file: Path | None, n_predi
     with tqdm(total=len(names) * len(prompts) * 2, desc="generations", unit="gen", leave=False) as bar:
         results = measure(load, names, prompts, n_predict, sampling, lambda: bar.update(1))
     target = model.name if model is not None else "the shipped model"
-    title = (f"{target}: {len(prompts)} prompt{'s' if len(prompts) != 1 else ''} x {n_predict} tokens, {n_draft} drafted per verification, greedy and "
-             f"temperature {sampling.temperature:g} (seed {sampling.seed})")
+    title = (f"{target}: {len(prompts)} prompt{'s' if len(prompts) != 1 else ''} x {n_predict} tokens, {n_draft} "
+             f"drafted per verification, greedy and temperature {sampling.temperature:g} (seed {sampling.seed})")
     files = write(results, out, title)
     click.echo(files[0].read_text(encoding="utf-8"))
     click.echo("wrote " + ", ".join(str(f) for f in files), err=True)
