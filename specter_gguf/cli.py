@@ -106,16 +106,16 @@ def _check_output_folder(path: Path, option: str, files: Sequence[str] = ()) -> 
         _check_output_file(path / name, option, create_folder=True)
 
 
-def _check_prompts_fit(model: Path, prompts: Sequence[str], n_predict: int, ctx_size: int | None,
+def _check_prompts_fit(f: Any, prompts: Sequence[str], n_predict: int, ctx_size: int | None,
                        name: Callable[[int], str]) -> None:
-    """Each of `prompts` (the ith called `name(i)`) and `n_predict` tokens after it fit the context a load of
-    `model` with -c `ctx_size` gives (`config.check_room`), read from the file before anything is loaded."""
+    """Each of `prompts` (the ith called `name(i)`) and `n_predict` tokens after it fit the context a load of the
+    model `f` (a GGUFFile) with -c `ctx_size` gives (`config.check_room`), read from the file before anything is
+    loaded."""
     from specter_gguf.config import ModelConfig, check_room
-    from specter_gguf.gguf_file import GGUFFile
     from specter_gguf.tokenizer import Tokenizer
 
-    ctx = ModelConfig.from_gguf(GGUFFile(model)).context_size(ctx_size)
-    tokenizer = Tokenizer.from_gguf(model)
+    ctx = ModelConfig.from_gguf(f).context_size(ctx_size)
+    tokenizer = Tokenizer.from_gguf(f.path)
     for i, prompt in enumerate(prompts):
         check_room(len(tokenizer.encode(prompt)), n_predict, ctx, name(i))
 
@@ -395,6 +395,7 @@ def profile_depth(model: Path, prompt: str, prompt_file: Path | None, n_predict:
     a plot of time per token against k."""
     from tqdm import tqdm
 
+    from specter_gguf.gguf_file import GGUFFile
     from specter_gguf.speculation.profile import (OUTPUT_FILES, best_fixed, markdown_table, parse_depths,
                                                   profile_depths, write_profile)
 
@@ -412,7 +413,7 @@ def profile_depth(model: Path, prompt: str, prompt_file: Path | None, n_predict:
     if draft is None:
         raise SpecterError("profile-depth needs a draft: give --draft DRAFT.gguf or a type such as --draft q4_k_m")
     _check_output_folder(out, "-o/--out", OUTPUT_FILES)
-    _check_prompts_fit(model, [prompt], n_predict, ctx.params.get("ctx_size"), lambda i: "the prompt")
+    _check_prompts_fit(GGUFFile(model), [prompt], n_predict, ctx.params.get("ctx_size"), lambda i: "the prompt")
     m = load(model, progress=True)
     ids = m.tokenize(prompt)
     with tqdm(total=len(ks) + 1, desc="depths", unit="depth", leave=False) as bar:
@@ -481,7 +482,7 @@ def fidelity(model: Path | None, drafts: str, prompts_file: Path | None, n_predi
             raise SpecterError(f"--drafts: {e}") from None
     prompts = read_prompts(prompts_file) if prompts_file is not None else list(DEFAULT_PROMPTS)
     _check_output_folder(out, "-o/--out", OUTPUT_FILES)
-    _check_prompts_fit(target_file.path, prompts, n_predict, ctx_size, lambda i: f"prompt {i + 1}")
+    _check_prompts_fit(target_file, prompts, n_predict, ctx_size, lambda i: f"prompt {i + 1}")
 
     def load(draft: str) -> Any:
         return Model.load(model, device=device, ctx_size=ctx_size, draft=draft, n_draft=n_draft, progress=True)

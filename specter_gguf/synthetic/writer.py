@@ -247,14 +247,10 @@ def write_synthetic(
     if dtype not in DTYPES:
         raise SpecterError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
     import gguf
-    import torch
 
-    try:
-        torch.device(device)
-    except RuntimeError:
-        raise SpecterError(f"unknown device {device!r}; use cpu or cuda") from None
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise SpecterError("device 'cuda' requested but torch sees no CUDA GPU; use --device cpu")
+    from specter_gguf.engine import resolve_device  # (not at the top: the engine is more than a writer needs)
+
+    resolve_device(device)  # an unknown device, or CUDA without a GPU: one error line
     check_attn_output_scale(shape.attn_output_scale)
     path = Path(path)
     if path.is_dir():
