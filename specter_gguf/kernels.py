@@ -522,25 +522,34 @@ class SpareSlots:
     arrivals: torch.Tensor
 
 
+def _spare_slots(spares: SpareSlots | None) -> Any:
+    """`spares` as the native `specter_spare_slots *` (NULL for None)."""
+    ffi = _ffi()
+    return ffi.NULL if spares is None else ffi.new("specter_spare_slots *", (
+        _ptr(spares.slots, "int64_t *"), spares.slots.numel(), _ptr(spares.fetched, "int32_t *"),
+        _ptr(spares.arrivals, "uint32_t *")))
+
+
 def residency_pointers(slot_of: torch.Tensor, host_ptrs: torch.Tensor, pool: SlotPool, ids: torch.Tensor,
-                       routed: torch.Tensor, spares: SpareSlots | None = None) -> torch.Tensor:
+                       routed: torch.Tensor | None, spares: SpareSlots | None = None,
+                       skip: torch.Tensor | None = None) -> torch.Tensor:
     """A MoE layer's pointer table for `moe_ffn` (int64 [3, n_expert], a fresh tensor): expert e from its slot in
     `pool` where `slot_of[e]` >= 0 (int64 [n_expert], the residency table's row; below -1: a copy on its way), else
-    from its record in host memory (`host_ptrs`, int64 [3, n_expert]: read in place); and `routed` (int32
-    [n_expert]) += the layer's routing `ids` (int32), counted per expert. With `spares`, first the routed experts
-    with `slot_of` -1, in ascending order, are copied into the usable spare slots and entered in `slot_of` (native
-    `specter_expert_table`). One kernel on CUDA."""
+    from its record in host memory (`host_ptrs`, int64 [3, n_expert]: read in place), or not at all where `skip`
+    (bool [n_expert]: the experts the CPU computes) marks it; and `routed` (int32 [n_expert], unless None) += the
+    layer's routing `ids` (int32), counted per expert. With `spares`, first the routed experts with `slot_of` -1
+    that `skip` does not mark, in ascending order, are copied into the usable spare slots and entered in `slot_of`
+    (native `specter_expert_table`). One kernel on CUDA."""
     n_expert = slot_of.shape[0]
     ids32 = ids.to(torch.int32).contiguous()
     ptrs = torch.empty((3, n_expert), dtype=torch.int64, device=slot_of.device)
     ffi = _ffi()
-    spare = ffi.NULL if spares is None else ffi.new("specter_spare_slots *", (
-        _ptr(spares.slots, "int64_t *"), spares.slots.numel(), _ptr(spares.fetched, "int32_t *"),
-        _ptr(spares.arrivals, "uint32_t *")))
     args = (_ptr(slot_of, "int64_t *"), _ptr(host_ptrs, "int64_t *"),
             ffi.new("specter_slot_pool *", (pool.base, pool.slot_bytes, list(pool.part_offsets),
                                             list(pool.part_bytes))), n_expert,
-            _ptr(ids32, "int32_t *"), ids32.numel(), spare, _ptr(routed, "int32_t *"), _ptr(ptrs, "int64_t *"))
+            _ptr(ids32, "int32_t *"), ids32.numel(), ffi.NULL if skip is None else _ptr(skip, "uint8_t *"),
+            _spare_slots(spares),
+            ffi.NULL if routed is None else _ptr(routed, "int32_t *"), _ptr(ptrs, "int64_t *"))
     _call("expert_table", args, slot_of.device, "the layer's pointer table")
     return ptrs
 

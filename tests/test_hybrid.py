@@ -17,6 +17,7 @@ import json
 import resource
 import time
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -26,7 +27,8 @@ from specter_gguf.config import ModelConfig
 from specter_gguf.engine import Model
 from specter_gguf.errors import SpecterError
 from specter_gguf.gguf_file import GGUFFile
-from specter_gguf.kernels import ExpertTable, moe_ffn
+from specter_gguf.kernels import MAX_SPARES, ExpertTable, SpareSlots, moe_ffn
+from specter_gguf.runtime import offload
 from specter_gguf.runtime.budget import moe_layers, plan_memory, record_layout
 from specter_gguf.runtime.hybrid import EVERY_MISS, CpuExperts, HybridChoice, worth_it
 from specter_gguf.runtime.offload import residency_max_tokens
@@ -53,20 +55,17 @@ def _host_table(store: ExpertStore, layouts: dict, cfg: ModelConfig, layer: int)
 
 
 def _hand_off(cpu: CpuExperts, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-              missed: torch.Tensor, routed: torch.Tensor, out: torch.Tensor,
-              table: ExpertTable) -> tuple[torch.Tensor, torch.Tensor]:
+              missed: torch.Tensor, routed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """One post and collect on `cpu`'s device, the experts `missed` marks without a slot, every miss the CPU's;
-    returns the experts the post gave the CPU and the GPU's pointer table after it (host tensors)."""
+    returns the experts the post gave the CPU (a host tensor)."""
     dev = out.device
     slot_of = torch.where(missed, -1, 0).to(dev)
     on_cpu = torch.zeros(missed.shape, dtype=torch.bool, device=dev)
     cpu_routed = torch.full(missed.shape, 7, dtype=torch.int32, device=dev)
-    gpu_ptrs = table.ptrs.to(dev, copy=True)
-    cpu.post(layer, x.to(dev), ids.to(dev), weights.to(dev), slot_of, routed.to(dev), EVERY_MISS, on_cpu, cpu_routed,
-             gpu_ptrs)
+    cpu.post(layer, x.to(dev), ids.to(dev), weights.to(dev), slot_of, routed.to(dev), EVERY_MISS, on_cpu, cpu_routed)
     cpu.collect(out, ids.to(dev), on_cpu)
     assert torch.equal(cpu_routed.cpu(), routed * on_cpu.cpu())
-    return on_cpu.cpu(), gpu_ptrs.cpu()
+    return on_cpu.cpu()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -94,10 +93,8 @@ def test_the_worker_sums_the_pairs_it_is_handed(tiny_models, device: str, kind: 
             rest = moe_ffn(x, ids.masked_fill(on_cpu[ids], -1), weights, table)
             base = torch.randn(T, cfg.n_embd, generator=gen)
             out = base.to(dev, copy=True)
-            got_on_cpu, gpu_ptrs = _hand_off(cpu, layer, x, ids, weights, missed, routed, out, table)
+            got_on_cpu = _hand_off(cpu, layer, x, ids, weights, missed, routed, out)
             assert torch.equal(got_on_cpu, on_cpu), f"T={T}: not every routed miss went to the CPU"
-            # the CPU's experts leave the GPU's pointer table, the others stay
-            assert torch.equal(gpu_ptrs, table.ptrs.masked_fill(on_cpu, 0)), f"T={T}"
             got = (out.cpu() - base)
             scale = float(want.abs().max())
             if device == "cpu":
@@ -109,7 +106,7 @@ def test_the_worker_sums_the_pairs_it_is_handed(tiny_models, device: str, kind: 
             assert float((split - whole).abs().max()) <= 1e-5 * float(whole.abs().max()), f"T={T}"
             # no miss: nothing handed over, nothing added
             out = base.to(dev, copy=True)
-            got_on_cpu, _ = _hand_off(cpu, layer, x, ids, weights, torch.zeros_like(missed), routed, out, table)
+            got_on_cpu = _hand_off(cpu, layer, x, ids, weights, torch.zeros_like(missed), routed, out)
             assert not got_on_cpu.any() and torch.equal(out.cpu(), base)
         cpu.check()
     finally:
@@ -253,11 +250,14 @@ def test_hybrid_decoding_equals_the_target_alone(tiny_models, arch: str) -> None
 
 
 @pytest.mark.parametrize("arch", ["qwen2moe", "qwen3moe"])
-def test_the_split_leaves_the_cache_as_transfers_only_would(tiny_models, arch: str) -> None:
-    """Why the split weighs no future hits: a miss the CPU computes is cached afterwards as one read over the link
-    would be (a spare slot takes it before the split runs; lru brings in every expert a forward used), so with
-    hybrid on the expert cache holds what it holds with hybrid off, slot for slot, after each generation; plain
-    offloaded decoding and speculative decoding, where every miss goes to the CPU (the CPU device)."""
+def test_where_routing_repeats_the_cache_is_as_transfers_only_leave_it(tiny_models, arch: str,
+                                                                       monkeypatch) -> None:
+    """Where routing repeats from token to token (REUSED_SHARE 0 here: always) the split weighs no future hits: a
+    miss the CPU computes is cached afterwards as one read over the link would be (the spare slots take their
+    misses before the split; lru brings in every expert a forward used), so with hybrid on the expert cache holds
+    what it holds with hybrid off, slot for slot, after each generation; plain offloaded decoding and speculative
+    decoding, where every miss goes to the CPU (the CPU device)."""
+    monkeypatch.setattr(offload, "REUSED_SHARE", 0.0)
     target, draft = tiny_models[(arch, "f16")], tiny_models[(arch, "q4_k_m")]
     for extra, slots in (({}, 1), ({}, 5), ({"draft": draft, "n_draft": 4}, 1)):  # five slots a layer: spares too
         budget = _budget(target, extra.get("draft"), slots)
@@ -269,15 +269,85 @@ def test_the_split_leaves_the_cache_as_transfers_only_would(tiny_models, arch: s
             gens = {mode: m.generate(prompt, 32, GREEDY).wait() for mode, m in models.items()}
             assert gens["on"].tokens == gens["off"].tokens
             pairs += gens["on"].stats.cpu_expert_pairs
+            assert models["on"].offload.routing_repeats
             assert models["on"].offload.cache.key == models["off"].offload.cache.key, (extra, prompt)
         assert pairs > 0 and gens["off"].stats.cpu_expert_pairs == 0
 
 
+@pytest.mark.parametrize("arch", ["qwen2moe", "qwen3moe"])
+def test_where_routing_does_not_repeat_the_cpus_experts_cross_no_link(tiny_models, arch: str,
+                                                                      monkeypatch) -> None:
+    """Where routing does not repeat (REUSED_SHARE above 1 here: never, once decode steps have been read back) the
+    split runs before the spare slots take their misses, and an expert the CPU computes crosses no link, then or
+    later (lru brings in the link's misses only), so the link carries only its own share. Unmeasured (the CPU
+    device) every miss is the CPU's: no spare takes one, and plain decoding copies nothing at all (speculative
+    decoding copies only what its lookahead prefetches from the draft's routing); with a CPU as slow as the link
+    (each layer's misses split) the spares take the link's misses, and plain decoding moves fewer bytes over the
+    link than with hybrid off. Plain offloaded decoding and speculative decoding, tokens unchanged."""
+    target, draft = tiny_models[(arch, "f16")], tiny_models[(arch, "q4_k_m")]
+    split = HybridChoice(True, cpu_us_per_expert=50.0, cpu_us_per_token=50.0, copy_us=100.0, link_us=100.0)
+    monkeypatch.setattr(offload, "REUSED_SHARE", 1.01)
+    for extra in ({}, {"draft": draft, "n_draft": 4}):
+        budget = _budget(target, extra.get("draft"), 5)  # five slots a layer: spares too
+        models = {mode: Model.load(target, device="cpu", progress=False, ctx_size=CTX, gpu_budget=budget,
+                                   offload="lru", hybrid="off" if mode == "off" else "on", **extra)
+                  for mode in ("off", "on", "split")}
+        models["split"].offload.hybrid = split
+        for m in models.values():
+            m.offload.routing_repeats = False  # as decode steps would soon have shown
+        assert all(m.offload.cache.n_spare > 0 for m in models.values())
+        total = {mode: m.offload.counters.snapshot() for mode, m in models.items()}
+        for prompt in PROMPTS[:6]:
+            gens = {mode: m.generate(prompt, 32, GREEDY).wait() for mode, m in models.items()}
+            assert gens["on"].tokens == gens["off"].tokens == gens["split"].tokens, (extra, prompt)
+            s = gens["on"].stats
+            assert s.cpu_expert_pairs > 0 and s.spare_fetches == 0, (extra, prompt)
+            if not extra:
+                assert s.bytes_copied == 0 and not any(models["on"].offload.cache.key), prompt
+        got = {mode: m.offload.counters.since(total[mode]) for mode, m in models.items()}
+        assert got["split"].cpu_expert_pairs > 0 and got["split"].spare_fetches > 0, extra
+        assert got["off"].cpu_expert_pairs == 0
+        if not extra:  # (a lookahead prefetches what the draft routes to, whoever computed it last time)
+            link = {mode: c.bytes_copied + c.zero_copy_bytes for mode, c in got.items()}
+            assert 0 < link["split"] < link["off"], link
+
+
+def test_routing_repeats_is_judged_from_decode_steps(shipped_model) -> None:
+    """`routing_repeats` starts true (the order measured at the usual scale) and follows a running average of the
+    share of a decode step's experts that the step before used, against REUSED_SHARE; forwards of more than one
+    token (a verification, a prefill) neither count nor serve as the step before."""
+    model = Model.load(shipped_model, device="cpu", progress=False, ctx_size=CTX, gpu_budget=_budget(shipped_model),
+                       offload="lru", hybrid="on")
+    rt, cfg = model.offload, model.offload.cfg
+    assert rt.routing_repeats
+
+    def step(*experts: int, tokens: int = 1) -> None:
+        counts = np.zeros((cfg.n_layer, cfg.n_expert), dtype=np.int32)
+        for layer in rt.layers:
+            counts[layer, list(experts)] = tokens
+        rt._track_repeats(counts)
+
+    k = cfg.n_expert_used
+    for _ in range(3 * offload.REUSE_FORWARDS):  # steps that share none of their experts: not repeating
+        step(*range(k))
+        step(*range(k, 2 * k))
+    assert not rt.routing_repeats
+    for _ in range(3 * offload.REUSE_FORWARDS):  # a verification between the steps hides their repetition
+        step(*range(k))
+        step(*range(2 * k), tokens=2)
+    assert not rt.routing_repeats
+    for _ in range(3 * offload.REUSE_FORWARDS):  # steps that repeat
+        step(*range(k))
+    assert rt.routing_repeats
+
+
 def _split_reference(slot_of: list[int], routed: list[int], per_expert: int, per_token: int,
-                     link: int) -> list[int]:
-    """The split's definition: misses ranked by (tokens, expert); the CPU takes the longest prefix along which
-    each one taken (per_expert + tokens * per_token, in ns) makes max(CPU time, link time) smaller."""
-    misses = sorted((t, e) for e, (s, t) in enumerate(zip(slot_of, routed)) if t > 0 and s < 0)
+                     link: int, free_spares: int = 0) -> list[int]:
+    """The split's definition: misses ranked by (tokens, expert), but for the first `free_spares` of those with no
+    slot (-1) in ascending order (the spares' with spares first); the CPU takes the longest prefix along which each
+    one taken (per_expert + tokens * per_token, in ns) makes max(CPU time, link time) smaller."""
+    spared = [e for e, (s, t) in enumerate(zip(slot_of, routed)) if t > 0 and s == -1][:free_spares]
+    misses = sorted((t, e) for e, (s, t) in enumerate(zip(slot_of, routed)) if t > 0 and s < 0 and e not in spared)
     taken, cpu = [], 0
     for r, (t, e) in enumerate(misses):
         cost = per_expert + t * per_token
@@ -291,9 +361,8 @@ def _split_reference(slot_of: list[int], routed: list[int], per_expert: int, per
 @pytest.mark.parametrize("device", DEVICES)
 @torch.inference_mode()
 def test_the_split_weighs_the_cpu_against_the_link(tiny_models, device: str) -> None:
-    """The post's split (native, on the device) against its definition, random layers of 1 to 160 experts; the
-    experts it gives the CPU leave the GPU's pointer table. (The pairs route no token, so nothing is handed over:
-    the split reads only the routing counts.)"""
+    """The post's split (native, on the device) against its definition, random layers of 1 to 160 experts. (The
+    pairs route no token, so nothing is handed over: the split reads only the routing counts.)"""
     dev = torch.device(device)
     store, _, cfg = _store(tiny_models[("qwen2moe", "f16")], dev)
     g = torch.Generator().manual_seed(0)
@@ -304,24 +373,30 @@ def test_the_split_weighs_the_cpu_against_the_link(tiny_models, device: str) -> 
             x, ids, weights = torch.zeros(1, cfg.n_embd), torch.full((1, 1), -1, dtype=torch.int32), torch.ones(1, 1)
             try:
                 for _ in range(20):
-                    slot_of = torch.where(torch.rand(n_expert, generator=g) < 0.5, -1, 3).to(torch.int64)
+                    # no slot, a slot, or a copy into slot 5 on its way (a miss that no spare takes)
+                    pick = torch.rand(n_expert, generator=g)
+                    slot_of = torch.where(pick < 0.4, -1, torch.where(pick < 0.8, 3, -2 - 5)).to(torch.int64)
                     used = torch.rand(n_expert, generator=g) < 0.4
                     routed = torch.randint(1, 6, (n_expert,), generator=g, dtype=torch.int32) * used
                     per_expert, per_token, link_us = [float(v) for v in torch.randint(0, 800, (3,), generator=g)]
                     choice = HybridChoice(True, per_expert, per_token, copy_us=link_us, link_us=link_us)
                     on_cpu = torch.ones(n_expert, dtype=torch.bool, device=dev)
                     cpu_routed = torch.full((n_expert,), 7, dtype=torch.int32, device=dev)
-                    gpu_ptrs = torch.arange(1, 3 * n_expert + 1, device=dev).reshape(3, n_expert)
                     out = torch.zeros(1, cfg.n_embd, device=dev)
+                    # spare slots (some used: -1), and whether they take their misses first
+                    slots = torch.where(torch.rand(MAX_SPARES, generator=g) < 0.7, 5, -1)
+                    first = int(torch.randint(0, 2, (1,), generator=g))
+                    spares = SpareSlots(slots.to(dev), torch.zeros(n_expert, dtype=torch.int32, device=dev),
+                                        torch.zeros(1, dtype=torch.int32, device=dev))
                     cpu.post(0, x.to(dev), ids.to(dev), weights.to(dev), slot_of.to(dev), routed.to(dev),
-                             choice.costs_ns(), on_cpu, cpu_routed, gpu_ptrs)
+                             choice.costs_ns(), on_cpu, cpu_routed, spares,
+                             torch.tensor([first], dtype=torch.int32, device=dev))
                     cpu.collect(out, ids.to(dev), on_cpu)
                     want = _split_reference(slot_of.tolist(), routed.tolist(), round(per_expert * 1000),
-                                            round(per_token * 1000), max(1, round(link_us * 1000)))
+                                            round(per_token * 1000), max(1, round(link_us * 1000)),
+                                            int((slots >= 0).sum()) * first)
                     assert on_cpu.int().tolist() == want, (n_expert, per_expert, per_token, link_us)
                     assert cpu_routed.tolist() == [t * w for t, w in zip(routed.tolist(), want)]
-                    kept = torch.arange(1, 3 * n_expert + 1).reshape(3, n_expert)
-                    assert torch.equal(gpu_ptrs.cpu(), kept.masked_fill(torch.tensor(want, dtype=torch.bool), 0))
                     assert not out.any()
                     checked += sum(want)
                 cpu.check()

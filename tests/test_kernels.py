@@ -521,6 +521,11 @@ def test_residency_pointers(device: str, n_expert: int) -> None:
     ptrs = kernels.residency_pointers(slot_of.to(device), host.to(device), pool, ids.to(device), routed_dev)
     assert torch.equal(ptrs.cpu(), expect)
     assert torch.equal(routed_dev.cpu(), expect_routed)
+    # the experts the CPU computes (`skip`) get no pointer; without `routed` nothing is counted
+    skip = torch.from_numpy(rng.random(n_expert) < 0.3)
+    ptrs = kernels.residency_pointers(slot_of.to(device), host.to(device), pool, ids.to(device), None,
+                                      skip=skip.to(device))
+    assert torch.equal(ptrs.cpu(), expect.masked_fill(skip, 0))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -530,7 +535,8 @@ def test_residency_pointers_copy_misses_into_spares(device: str, n_expert: int, 
     is on its way, below -1), in ascending order, into the usable spares (>= 0) in ascending order: their bytes
     land in the slots' parts, the residency row names the slots, `fetched` gets slot + 1, the spares used become -1,
     and their pointers are the slots'. Everything else in the pool is left as it was; a miss beyond the spares is
-    read in place. Parts of 40 bytes take the byte-wise copy; 256 KiB ones the 16-byte one over every CTA."""
+    read in place, and a miss the CPU computes takes none. Parts of 40 bytes take the byte-wise copy; 256 KiB ones
+    the 16-byte one over every CTA."""
     rng = np.random.default_rng(7)
     record = sum(part_bytes)
     offsets = (0, part_bytes[0], part_bytes[0] + part_bytes[1])
@@ -543,6 +549,7 @@ def test_residency_pointers_copy_misses_into_spares(device: str, n_expert: int, 
     pool = kernels.SlotPool(pool_mem.data_ptr(), slot_bytes, offsets, part_bytes)
     slot_of = torch.full((n_expert,), -1, dtype=torch.int64)
     slot_of[1], slot_of[4] = 0, -2 - 5            # 1 resident in slot 0; 4's copy into slot 5 on its way
+    start = slot_of.clone()
     spare_slots = torch.tensor([7, -1, 9, 11])    # spare 1 used already: 7, 9 and 11 are usable
     ids = torch.tensor([[5, 1], [2, 4], [3, 5], [0, 1]], dtype=torch.int32)  # misses 0, 2, 3, 5
     fetched = torch.zeros(n_expert, dtype=torch.int32)
@@ -573,6 +580,13 @@ def test_residency_pointers_copy_misses_into_spares(device: str, n_expert: int, 
     ptrs = kernels.residency_pointers(row, host.to(device), pool, ids.to(device), routed, spares)
     assert torch.equal(row.cpu(), expect_row) and torch.equal(pool_mem.cpu(), expect_pool)
     assert ptrs[0, 5].item() == host[0, 5].item()
+    # a miss the CPU computes (`skip`) takes no spare: the next miss does, and the skipped one gets no pointer
+    row, spares.slots[:] = start.to(device), torch.tensor([7, 9, -1, -1])
+    skip = torch.zeros(n_expert, dtype=torch.bool)
+    skip[2] = True
+    ptrs = kernels.residency_pointers(row, host.to(device), pool, ids.to(device), routed, spares, skip.to(device))
+    assert [int(row[e]) for e in (0, 2, 3, 5)] == [7, -1, 9, -1]
+    assert ptrs[:, 2].tolist() == [0, 0, 0] and ptrs[0, 5].item() == host[0, 5].item()
 
 
 # ---------------------------------------------------------------------------------------------

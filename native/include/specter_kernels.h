@@ -244,25 +244,27 @@ typedef struct specter_spare_slots {
 } specter_spare_slots;
 
 /* One MoE layer's pointer tables for specter_moe_ffn and its routing counted, in one call (one kernel on CUDA): for
- * each expert e < n_expert, ptrs[part * n_expert + e] (int64 [3, n_expert]) = pool->base + slot_of[e] *
+ * each expert e < n_expert, ptrs[part * n_expert + e] (int64 [3, n_expert]) = 0 where skip[e] != 0 (uint8
+ * [n_expert], may be NULL: an expert the CPU computes, which the kernel then skips), else pool->base + slot_of[e] *
  * pool->slot_bytes + pool->part_offset[part] where slot_of[e] >= 0 (int64 [n_expert]: the expert's slot; -1: none;
  * below -1: none yet, a copy into slot -2 - slot_of[e] is on its way), else host_ptrs[part * n_expert + e] (the
- * record's parts in host memory, read in place by the kernel); and routed[e] += how many of the n_pairs ids (int32)
- * are e (ids outside [0, n_expert) are not counted).
- * With `spares` (NULL: none), first the missed experts (routed by `ids`, slot_of[e] == -1), in ascending order, are
- * copied from host memory into the spare slots whose slots[j] >= 0, in ascending j, as many as there are: each such
- * expert gets slot_of[e] = its slot, fetched[e] = slot + 1 and slots[j] = -1, and its pointers are its slot's. The
- * copies cross PCIe once (a miss read in place is read again in every forward until the host copies it in).
+ * record's parts in host memory, read in place by the kernel); and, where `routed` is given (NULL: not counted),
+ * routed[e] += how many of the n_pairs ids (int32) are e (ids outside [0, n_expert) are not counted).
+ * With `spares` (NULL: none), first the missed experts (routed by `ids`, slot_of[e] == -1, not skipped), in
+ * ascending order, are copied from host memory into the spare slots whose slots[j] >= 0, in ascending j, as many as
+ * there are: each such expert gets slot_of[e] = its slot, fetched[e] = slot + 1 and slots[j] = -1, and its pointers
+ * are its slot's. The copies cross PCIe once (a miss read in place is read again in every forward until the host
+ * copies it in).
  * Device memory for CUDA, except `pool` and `spares`: host memory, read by the call (a CUDA graph keeps the
  * values it was captured with). */
 SPECTER_API int specter_expert_table(int64_t * slot_of, const int64_t * host_ptrs, const specter_slot_pool * pool,
-                                     int64_t n_expert, const int32_t * ids, int64_t n_pairs,
+                                     int64_t n_expert, const int32_t * ids, int64_t n_pairs, const uint8_t * skip,
                                      const specter_spare_slots * spares, int32_t * routed, int64_t * ptrs,
                                      int n_threads);
 SPECTER_API int specter_cuda_expert_table(int64_t * slot_of, const int64_t * host_ptrs, const specter_slot_pool * pool,
                                           int64_t n_expert, const int32_t * ids, int64_t n_pairs,
-                                          const specter_spare_slots * spares, int32_t * routed, int64_t * ptrs,
-                                          void * stream);
+                                          const uint8_t * skip, const specter_spare_slots * spares, int32_t * routed,
+                                          int64_t * ptrs, void * stream);
 
 /* ---- the sampling chain (speculative sampling on the device) ------------------------------------------------ */
 
@@ -333,9 +335,9 @@ SPECTER_API int specter_cuda_pace(const int64_t * n_bytes, int64_t extra_bytes, 
 /* A worker thread on the host that computes the routed experts a forward hands it, one MoE layer at a time, and
  * gives back their weighted sum, without a host synchronisation or a host node: it works inside a CUDA graph.
  * A MoE layer's hand-off is two calls, each one kernel on CUDA. specter_cuda_cpu_experts_post chooses which of the
- * layer's missed experts the CPU computes (the split below), takes them out of the GPU's pointer table, and writes
- * the layer's hidden states, its routing (the pairs of those experts; the others -1) and a sequence number into a
- * mailbox in pinned host memory; the worker, polling the mailbox, runs specter_moe_ffn over the experts' host
+ * layer's missed experts the CPU computes (the split below; specter_expert_table's `skip` then takes them out of
+ * the GPU's pointer table and of its copies into spare slots), and writes the layer's hidden states, its routing
+ * (the pairs of those experts; the others -1) and a sequence number into a mailbox in pinned host memory; the worker, polling the mailbox, runs specter_moe_ffn over the experts' host
  * copies into the mailbox and answers with the same number; specter_cuda_cpu_experts_collect waits for the answer
  * (one thread a CTA polls; past timeout_ns it traps, a CUDA error at the caller's next synchronisation) and adds
  * the sum into the rows of the layer's output whose tokens have a pair on the CPU. Work enqueued between the two
@@ -386,19 +388,24 @@ SPECTER_API int specter_cpu_experts_arm(specter_cpu_experts * w);
  * (routed[e] > 0, int32 [n_expert]) that have no slot on the device (slot_of[e] < 0, int64), the ones with the
  * fewest tokens, as many as make the later of the CPU's finish and the link's the earliest by `costs` (the two
  * work at the same time); ties rank by expert id, and the CPU and CUDA versions choose alike (integer costs).
- * Writes on_cpu[e] = 1 for those, else 0 (uint8 [n_expert]), cpu_routed[e] = routed[e] for those, else 0; where
- * gpu_ptrs is not NULL (int64 [3, n_expert]: the GPU's gate, up and down pointers), sets the entries of those
- * experts to 0, so that the GPU's grouped kernel skips them. n_expert <= 1024. Device memory for CUDA, except
- * `costs`: host memory, read by the call (a CUDA graph keeps the costs it was captured with). */
+ * Writes on_cpu[e] = 1 for those, else 0 (uint8 [n_expert]), cpu_routed[e] = routed[e] for those, else 0.
+ * With `spares` (NULL: none; the layer's spare slots, as specter_expert_table takes them) and *spares_first != 0
+ * (int32, read when the call runs; NULL: 0), the misses those spares will take (the routed experts with
+ * slot_of[e] == -1 in ascending order, one for each usable spare) are the link's before the split, which weighs
+ * only the rest: where routing repeats from forward to forward, the spares cache a miss at once.
+ * n_expert <= 1024. Device memory for CUDA, except `costs` and `spares`: host memory, read by the call (a CUDA
+ * graph keeps the values it was captured with). */
 SPECTER_API int specter_cpu_experts_post(specter_cpu_experts * w, int64_t layer, const float * x, const int32_t * ids,
                                          const float * weights, int64_t n_tokens, const int64_t * slot_of,
                                          const int32_t * routed, const specter_hybrid_costs * costs,
-                                         uint8_t * on_cpu, int32_t * cpu_routed, int64_t * gpu_ptrs, int n_threads);
+                                         const specter_spare_slots * spares, const int32_t * spares_first,
+                                         uint8_t * on_cpu, int32_t * cpu_routed, int n_threads);
 SPECTER_API int specter_cuda_cpu_experts_post(specter_cpu_experts * w, int64_t layer, const float * x,
                                               const int32_t * ids, const float * weights, int64_t n_tokens,
                                               const int64_t * slot_of, const int32_t * routed,
-                                              const specter_hybrid_costs * costs, uint8_t * on_cpu,
-                                              int32_t * cpu_routed, int64_t * gpu_ptrs, void * stream);
+                                              const specter_hybrid_costs * costs,
+                                              const specter_spare_slots * spares, const int32_t * spares_first,
+                                              uint8_t * on_cpu, int32_t * cpu_routed, void * stream);
 /* out [n_tokens, d_model] f32 += the worker's answer to the last post, once it has come, in the rows of the tokens
  * with a pair on the CPU (ids and on_cpu: the post's, on_cpu as it wrote it). Where waited_ns is not NULL (int64,
  * device memory for CUDA), the nanoseconds spent waiting for the answer are added to it (on CUDA those of the first

@@ -221,19 +221,29 @@ int specter_cpu_experts_arm(specter_cpu_experts * w) {
 
 int specter_cpu_experts_post(specter_cpu_experts * w, int64_t layer, const float * x, const int32_t * ids,
                              const float * weights, int64_t n_tokens, const int64_t * slot_of, const int32_t * routed,
-                             const specter_hybrid_costs * costs, uint8_t * on_cpu, int32_t * cpu_routed,
-                             int64_t * gpu_ptrs, int n_threads) {
+                             const specter_hybrid_costs * costs, const specter_spare_slots * spares,
+                             const int32_t * spares_first, uint8_t * on_cpu, int32_t * cpu_routed, int n_threads) {
     (void)n_threads;
-    const int rc = check_post(w, layer, x, ids, weights, n_tokens, slot_of, routed, costs, on_cpu, cpu_routed);
+    const int rc = check_post(w, layer, x, ids, weights, n_tokens, slot_of, routed, costs, spares, on_cpu,
+                              cpu_routed);
     if (rc != SPECTER_OK) return rc;
     MailboxHeader * h = header(w);
     if (load(&h->answer) != h->issued) return SPECTER_ERR_INVALID_ARG;  // the last post was not collected
     // the split: the misses ranked by (tokens, expert); the CPU takes the prefix cpu_takes accepts
     const int64_t E = w->n_expert;
+    std::vector<uint8_t> linked(size_t(E), 0);  // the misses the spare slots take first
+    if (spares && spares_first && *spares_first) {
+        for (int64_t e = 0; e < E; ++e) linked[size_t(e)] = routed[e] > 0;
+        int expert[SPECTER_MAX_SPARES], spare[SPECTER_MAX_SPARES];
+        const int n = assign_spares(slot_of, linked.data(), nullptr, E, spares->slots, spares->n_spare, expert,
+                                    spare);
+        std::fill(linked.begin(), linked.end(), uint8_t(0));
+        for (int i = 0; i < n; ++i) linked[size_t(expert[i])] = 1;
+    }
     std::vector<std::pair<int32_t, int64_t>> misses;
     for (int64_t e = 0; e < E; ++e) {
         on_cpu[e] = 0, cpu_routed[e] = 0;
-        if (routed[e] > 0 && slot_of[e] < 0) misses.emplace_back(routed[e], e);
+        if (routed[e] > 0 && slot_of[e] < 0 && !linked[size_t(e)]) misses.emplace_back(routed[e], e);
     }
     std::sort(misses.begin(), misses.end());
     const int64_t m = int64_t(misses.size());
@@ -241,8 +251,6 @@ int specter_cpu_experts_post(specter_cpu_experts * w, int64_t layer, const float
     for (int64_t r = 0; r < m && cpu_takes(r, before, misses[size_t(r)].first, m, *costs); ++r) {
         const auto [tokens, e] = misses[size_t(r)];
         on_cpu[e] = 1, cpu_routed[e] = tokens, before += tokens;
-        if (gpu_ptrs)
-            for (int64_t part = 0; part < 3; ++part) gpu_ptrs[part * E + e] = 0;
     }
     // the pairs of those experts
     const int64_t P = n_tokens * w->top_k;

@@ -56,8 +56,12 @@ namespace specter {
 // The arguments of a post and of a collect (both the CPU's and the CUDA entry points).
 inline int check_post(const specter_cpu_experts * w, int64_t layer, const float * x, const int32_t * ids,
                       const float * weights, int64_t n_tokens, const int64_t * slot_of, const int32_t * routed,
-                      const specter_hybrid_costs * costs, const uint8_t * on_cpu, const int32_t * cpu_routed) {
+                      const specter_hybrid_costs * costs, const specter_spare_slots * spares,
+                      const uint8_t * on_cpu, const int32_t * cpu_routed) {
     if (!w || !x || !ids || !weights || !slot_of || !routed || !costs || !on_cpu || !cpu_routed)
+        return SPECTER_ERR_INVALID_ARG;
+    if (spares &&
+        (spares->n_spare < 0 || spares->n_spare > SPECTER_MAX_SPARES || (spares->n_spare > 0 && !spares->slots)))
         return SPECTER_ERR_INVALID_ARG;
     if (layer < 0 || layer >= w->n_layer || n_tokens < 1 || n_tokens > w->max_tokens || w->n_expert > 1024)
         return SPECTER_ERR_INVALID_ARG;
@@ -83,10 +87,10 @@ SPECTER_HOST_DEVICE inline bool has_cpu_pair(const int32_t * ids, int64_t k, int
 // ascending, the one of rank r (`tokens` of them; `before`: the tokens of those ranked before it) goes to the CPU
 // when the later of the CPU's finish (cpu_ns_per_expert + tokens * cpu_ns_per_token for each it takes) and the
 // link's is earlier with it on the CPU than without. The CPU's time grows and the link's shrinks along the ranks,
-// so the ones that go form a prefix. In integers: the CPU and CUDA versions decide alike. No future hits are weighed:
-// the cache ends up the same either way. Spare slots take their misses before the split runs, a forward that brings
-// its experts in (plain lru decoding) brings in the CPU's too, and the lookahead's prefetches come from the draft's
-// routing (tests/test_hybrid.py: the split leaves the cache as transfers only would).
+// so the ones that go form a prefix. In integers: the CPU and CUDA versions decide alike. The post runs before
+// specter_expert_table copies misses into spare slots: with spares first it leaves the spares' misses out of the
+// split, else the spares skip the CPU's. Whether the CPU's experts are brought into the cache afterwards is the
+// host's choice (specter_gguf/runtime/hybrid.py). No future hits are weighed.
 SPECTER_HOST_DEVICE inline bool cpu_takes(int64_t r, int64_t before, int64_t tokens, int64_t m,
                                           const specter_hybrid_costs & c) {
     const int64_t cpu_without = r * c.cpu_ns_per_expert + before * c.cpu_ns_per_token;

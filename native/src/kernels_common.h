@@ -63,11 +63,11 @@ inline int check_topk(const float * logits, int64_t n_tokens, int64_t n_expert, 
 
 inline int check_expert_table(const int64_t * slot_of, const int64_t * host_ptrs, const specter_slot_pool * pool,
                               int64_t n_expert, const int32_t * ids, int64_t n_pairs,
-                              const specter_spare_slots * spares, const int32_t * routed, const int64_t * ptrs) {
+                              const specter_spare_slots * spares, const int64_t * ptrs) {
     if (!slot_of || !host_ptrs || !pool || !ptrs || n_expert < 1 || n_expert > (int64_t(1) << 24) || n_pairs < 0 ||
         n_pairs > (int64_t(1) << 30) || pool->slot_bytes < 0)
         return SPECTER_ERR_INVALID_ARG;
-    if (n_pairs > 0 && (!ids || !routed)) return SPECTER_ERR_INVALID_ARG;
+    if (n_pairs > 0 && !ids) return SPECTER_ERR_INVALID_ARG;
     if (spares) {
         if (spares->n_spare < 0 || spares->n_spare > SPECTER_MAX_SPARES ||
             (spares->n_spare > 0 && (!spares->slots || !spares->fetched || !spares->arrivals)))
@@ -80,22 +80,26 @@ inline int check_expert_table(const int64_t * slot_of, const int64_t * host_ptrs
     return SPECTER_OK;
 }
 
-// specter_expert_table's entry of expert e, part `part`: its slot's part, or its record's part in host memory.
+// specter_expert_table's entry of expert e, part `part`: 0 for an expert the CPU computes (`skip`), its slot's
+// part, or its record's part in host memory.
 SPECTER_HOST_DEVICE inline int64_t expert_address(const int64_t * slot_of, const int64_t * host_ptrs,
-                                                  const specter_slot_pool & pool, int64_t n_expert, int part,
-                                                  int64_t e) {
+                                                  const specter_slot_pool & pool, const uint8_t * skip,
+                                                  int64_t n_expert, int part, int64_t e) {
+    if (skip && skip[e]) return 0;
     const int64_t slot = slot_of[e];
     return slot >= 0 ? pool.base + slot * pool.slot_bytes + pool.part_offset[part] : host_ptrs[part * n_expert + e];
 }
 
 // Which missed experts specter_expert_table copies into which spare slots: of the experts the call routes (used[e]
-// != 0), the missed ones (slot_of[e] == -1) in ascending order take the usable spares (slots[j] >= 0) in ascending
-// j. Writes expert[i] and spare[i] (the index j) of each, returns how many (at most n_spare).
-SPECTER_HOST_DEVICE inline int assign_spares(const int64_t * slot_of, const uint8_t * used, int64_t n_expert,
-                                             const int64_t * slots, int64_t n_spare, int * expert, int * spare) {
+// != 0), the missed ones (slot_of[e] == -1) that the CPU does not compute (`skip`, may be NULL) in ascending order
+// take the usable spares (slots[j] >= 0) in ascending j. Writes expert[i] and spare[i] (the index j) of each,
+// returns how many (at most n_spare).
+SPECTER_HOST_DEVICE inline int assign_spares(const int64_t * slot_of, const uint8_t * used, const uint8_t * skip,
+                                             int64_t n_expert, const int64_t * slots, int64_t n_spare, int * expert,
+                                             int * spare) {
     int n = 0, j = 0;
     for (int64_t e = 0; e < n_expert; ++e) {
-        if (!used[e] || slot_of[e] != -1) continue;
+        if (!used[e] || slot_of[e] != -1 || (skip && skip[e])) continue;
         while (j < n_spare && slots[j] < 0) ++j;
         if (j == n_spare) break;
         expert[n] = int(e), spare[n] = j++, ++n;

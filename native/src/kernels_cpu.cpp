@@ -831,18 +831,18 @@ int specter_sample_chain(const float * logits, int64_t n_rows, int64_t n_vocab, 
 }
 
 int specter_expert_table(int64_t * slot_of, const int64_t * host_ptrs, const specter_slot_pool * pool,
-                         int64_t n_expert, const int32_t * ids, int64_t n_pairs, const specter_spare_slots * spares,
-                         int32_t * routed, int64_t * ptrs, int n_threads) {
+                         int64_t n_expert, const int32_t * ids, int64_t n_pairs, const uint8_t * skip,
+                         const specter_spare_slots * spares, int32_t * routed, int64_t * ptrs, int n_threads) {
     (void)n_threads;
-    const int rc = check_expert_table(slot_of, host_ptrs, pool, n_expert, ids, n_pairs, spares, routed, ptrs);
+    const int rc = check_expert_table(slot_of, host_ptrs, pool, n_expert, ids, n_pairs, spares, ptrs);
     if (rc != SPECTER_OK) return rc;
     if (spares && spares->n_spare > 0) {
         std::vector<uint8_t> used(size_t(n_expert), 0);
         for (int64_t p = 0; p < n_pairs; ++p)
             if (ids[p] >= 0 && ids[p] < n_expert) used[size_t(ids[p])] = 1;
         int expert[SPECTER_MAX_SPARES], spare[SPECTER_MAX_SPARES];
-        const int n = assign_spares(slot_of, used.data(), n_expert, spares->slots,
-                                    spares->n_spare, expert, spare);
+        const int n = assign_spares(slot_of, used.data(), skip, n_expert, spares->slots, spares->n_spare, expert,
+                                    spare);
         for (int i = 0; i < n; ++i) {
             const int64_t slot = spares->slots[spare[i]];
             for (int part = 0; part < 3; ++part)
@@ -856,8 +856,8 @@ int specter_expert_table(int64_t * slot_of, const int64_t * host_ptrs, const spe
     }
     for (int part = 0; part < 3; ++part)
         for (int64_t e = 0; e < n_expert; ++e)
-            ptrs[part * n_expert + e] = expert_address(slot_of, host_ptrs, *pool, n_expert, part, e);
-    for (int64_t p = 0; p < n_pairs; ++p)
+            ptrs[part * n_expert + e] = expert_address(slot_of, host_ptrs, *pool, skip, n_expert, part, e);
+    for (int64_t p = 0; routed && p < n_pairs; ++p)
         if (ids[p] >= 0 && ids[p] < n_expert) ++routed[ids[p]];
     return SPECTER_OK;
 }

@@ -16,15 +16,17 @@ namespace {
 constexpr int kPostFlags = 1024;
 
 // One CTA. First the split, a thread per expert: each ranks its own miss among the layer's by (tokens, expert) and
-// applies cpu_takes; then, where the CPU takes any pair, the pairs, the hidden states of the tokens with a pair for
-// the CPU, then the header and, last, `request` (a post that hands nothing over writes no host memory).
+// applies cpu_takes (with spares first, over the misses the spare slots do not take: assign_spares, by thread 0);
+// then, where the CPU takes any pair, the pairs, the hidden states of the tokens with a pair for the CPU, then the
+// header and, last, `request` (a post that hands nothing over writes no host memory).
 __global__ void __launch_bounds__(1024) post_kernel(volatile MailboxHeader * h, float * hx, int32_t * hids,
                                                    float * hweights, const float * __restrict__ x,
                                                    const int32_t * __restrict__ ids,
                                                    const float * __restrict__ weights,
                                                    const int64_t * __restrict__ slot_of,
                                                    const int32_t * __restrict__ routed, specter_hybrid_costs costs,
-                                                   uint8_t * on_cpu, int32_t * cpu_routed, int64_t * gpu_ptrs,
+                                                   specter_spare_slots spares, const int32_t * spares_first,
+                                                   uint8_t * on_cpu, int32_t * cpu_routed,
                                                    long long layer, int T, int d, int k, int n_expert) {
     start_after_prior_kernels();
     __shared__ int32_t tokens[1024];  // of each expert's miss; 0: not a miss
@@ -41,6 +43,18 @@ __global__ void __launch_bounds__(1024) post_kernel(volatile MailboxHeader * h, 
     }
     if (threadIdx.x == 0) n_pairs = 0;
     for (int t = threadIdx.x; flags && t < T; t += blockDim.x) needed[t] = 0;
+    if (spares.n_spare > 0 && spares_first && *spares_first) {  // the spares' misses are the link's
+        if (e < n_expert) taken[e] = routed[e] > 0;  // (as assign_spares' `used`)
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int expert[SPECTER_MAX_SPARES], spare[SPECTER_MAX_SPARES];
+            const int n = assign_spares(slot_of, taken, nullptr, n_expert, spares.slots, spares.n_spare, expert,
+                                        spare);
+            for (int i = 0; i < n; ++i) tokens[expert[i]] = 0;
+        }
+        __syncthreads();
+        if (e < n_expert) mine = tokens[e];
+    }
     __syncthreads();
     if (e < n_expert) {
         long long m = 0, rank = 0, before = 0;
@@ -53,8 +67,6 @@ __global__ void __launch_bounds__(1024) post_kernel(volatile MailboxHeader * h, 
         taken[e] = take;
         on_cpu[e] = take;
         cpu_routed[e] = take ? mine : 0;
-        if (take && gpu_ptrs)
-            for (int part = 0; part < 3; ++part) gpu_ptrs[size_t(part) * n_expert + e] = 0;
     }
     __syncthreads();
     for (int p = threadIdx.x; p < T * k; p += blockDim.x) {
@@ -131,16 +143,19 @@ extern "C" {
 
 int specter_cuda_cpu_experts_post(specter_cpu_experts * w, int64_t layer, const float * x, const int32_t * ids,
                                   const float * weights, int64_t n_tokens, const int64_t * slot_of,
-                                  const int32_t * routed, const specter_hybrid_costs * costs, uint8_t * on_cpu,
-                                  int32_t * cpu_routed, int64_t * gpu_ptrs, void * stream) {
-    const int rc = check_post(w, layer, x, ids, weights, n_tokens, slot_of, routed, costs, on_cpu, cpu_routed);
+                                  const int32_t * routed, const specter_hybrid_costs * costs,
+                                  const specter_spare_slots * spares, const int32_t * spares_first, uint8_t * on_cpu,
+                                  int32_t * cpu_routed, void * stream) {
+    const int rc = check_post(w, layer, x, ids, weights, n_tokens, slot_of, routed, costs, spares, on_cpu,
+                              cpu_routed);
     if (rc != SPECTER_OK) return rc;
     char * m = w->mailbox;
     cudaGetLastError();
     launch(post_kernel, 1, 1024, cudaStream_t(stream), reinterpret_cast<volatile MailboxHeader *>(m),
            reinterpret_cast<float *>(m + w->layout.x), reinterpret_cast<int32_t *>(m + w->layout.ids),
-           reinterpret_cast<float *>(m + w->layout.weights), x, ids, weights, slot_of, routed, *costs, on_cpu,
-           cpu_routed, gpu_ptrs, (long long)layer, int(n_tokens), int(w->d_model), int(w->top_k), int(w->n_expert));
+           reinterpret_cast<float *>(m + w->layout.weights), x, ids, weights, slot_of, routed, *costs,
+           spares ? *spares : specter_spare_slots{nullptr, 0, nullptr, nullptr}, spares_first, on_cpu, cpu_routed,
+           (long long)layer, int(n_tokens), int(w->d_model), int(w->top_k), int(w->n_expert));
     return launch_status();
 }
 

@@ -265,13 +265,15 @@ __device__ void copy_share(uint8_t * __restrict__ dst, const uint8_t * __restric
     for (; i < words; i += nt) d[i] = s[i];
 }
 
-// The pointer table and the routing counts of specter_expert_table: one CTA, a thread per expert, a thread per pair.
+// The pointer table and the routing counts (where `routed` is given) of specter_expert_table: one CTA, a thread per
+// expert, a thread per pair.
 __device__ void write_table(const int64_t * slot_of, const int64_t * host_ptrs, const specter_slot_pool & pool,
-                            int n_expert, const int32_t * ids, int n_pairs, int32_t * routed, int64_t * ptrs) {
+                            const uint8_t * skip, int n_expert, const int32_t * ids, int n_pairs, int32_t * routed,
+                            int64_t * ptrs) {
     for (int e = threadIdx.x; e < n_expert; e += blockDim.x)
         for (int part = 0; part < 3; ++part)
-            ptrs[size_t(part) * n_expert + e] = expert_address(slot_of, host_ptrs, pool, n_expert, part, e);
-    for (int p = threadIdx.x; p < n_pairs; p += blockDim.x)
+            ptrs[size_t(part) * n_expert + e] = expert_address(slot_of, host_ptrs, pool, skip, n_expert, part, e);
+    for (int p = threadIdx.x; routed && p < n_pairs; p += blockDim.x)
         if (ids[p] >= 0 && ids[p] < n_expert) atomicAdd(routed + ids[p], 1);
 }
 
@@ -281,6 +283,7 @@ __device__ void write_table(const int64_t * slot_of, const int64_t * host_ptrs, 
 __global__ void __launch_bounds__(256) expert_table_kernel(int64_t * slot_of, const int64_t * __restrict__ host_ptrs,
                                                            specter_slot_pool pool, int n_expert,
                                                            const int32_t * __restrict__ ids, int n_pairs,
+                                                           const uint8_t * __restrict__ skip,
                                                            specter_spare_slots spares, int32_t * routed,
                                                            int64_t * ptrs) {
     start_after_prior_kernels();
@@ -296,11 +299,11 @@ __global__ void __launch_bounds__(256) expert_table_kernel(int64_t * slot_of, co
             if (ids[p] >= 0 && ids[p] < n_expert) used[ids[p]] = 1;
         __syncthreads();
         if (threadIdx.x == 0)
-            n_copy = assign_spares(slot_of, used, n_expert, spares.slots, spares.n_spare, expert, spare);
+            n_copy = assign_spares(slot_of, used, skip, n_expert, spares.slots, spares.n_spare, expert, spare);
     }
     __syncthreads();
     if (n_copy == 0) {
-        if (blockIdx.x == 0) write_table(slot_of, host_ptrs, pool, n_expert, ids, n_pairs, routed, ptrs);
+        if (blockIdx.x == 0) write_table(slot_of, host_ptrs, pool, skip, n_expert, ids, n_pairs, routed, ptrs);
         return;
     }
     for (int i = 0; i < n_copy; ++i) {
@@ -328,7 +331,7 @@ __global__ void __launch_bounds__(256) expert_table_kernel(int64_t * slot_of, co
         *spares.arrivals = 0;
     }
     __syncthreads();
-    write_table(slot_of, host_ptrs, pool, n_expert, ids, n_pairs, routed, ptrs);
+    write_table(slot_of, host_ptrs, pool, skip, n_expert, ids, n_pairs, routed, ptrs);
 }
 
 }  // namespace
@@ -391,15 +394,15 @@ extern "C" int specter_cuda_moe_ffn(const float * x, int64_t n_tokens, int64_t d
 
 extern "C" int specter_cuda_expert_table(int64_t * slot_of, const int64_t * host_ptrs, const specter_slot_pool * pool,
                                          int64_t n_expert, const int32_t * ids, int64_t n_pairs,
-                                         const specter_spare_slots * spares, int32_t * routed, int64_t * ptrs,
-                                         void * stream) {
-    const int rc = check_expert_table(slot_of, host_ptrs, pool, n_expert, ids, n_pairs, spares, routed, ptrs);
+                                         const uint8_t * skip, const specter_spare_slots * spares, int32_t * routed,
+                                         int64_t * ptrs, void * stream) {
+    const int rc = check_expert_table(slot_of, host_ptrs, pool, n_expert, ids, n_pairs, spares, ptrs);
     if (rc != SPECTER_OK) return rc;
     if (n_expert > kMaxExperts) return SPECTER_ERR_INVALID_ARG;
     const specter_spare_slots none{nullptr, 0, nullptr, nullptr};
     const specter_spare_slots & sp = spares ? *spares : none;
     cudaGetLastError();
     launch(expert_table_kernel, sp.n_spare > 0 ? kTableCtas : 1, 256, cudaStream_t(stream), slot_of, host_ptrs, *pool,
-           int(n_expert), ids, int(n_pairs), sp, routed, ptrs);
+           int(n_expert), ids, int(n_pairs), skip, sp, routed, ptrs);
     return launch_status();
 }
