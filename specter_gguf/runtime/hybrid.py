@@ -17,8 +17,9 @@ answer at each forward):
   used, the CPU's too: they will be wanted again. (Measured with the split first and the CPU's left out instead,
   at the usual scale, 16 GiB, H100: hits fell from 93% to 81% / 87% and a token took 7.45 / 5.99 ms instead of
   3.47 / 3.77, greedy / sampled.)
-- where it does not, the split runs first, the spares take only the link's misses, and the CPU's experts cross no
-  link, then or later: the split halves the link's bytes where it gives the CPU half the misses. (Measured at
+- where it does not, the split runs first, the spares take only the link's misses, and lru never brings the CPU's
+  experts in (a speculative decoder's lookahead may still prefetch them from the draft's routing): the split halves
+  the link's bytes where it gives the CPU half the misses. (Measured at
   --attn-output-scale 0.3, 16 GiB, H100: 15.87 / 14.58 ms a token, greedy / sampled, against 19.40 / 20.28 with the
   spares first and everything brought in; docs/BENCHMARKS.md 2026-12-07 16:29.)
 The switch between the two is not measured on a GPU yet: each side is the measured behaviour named there.

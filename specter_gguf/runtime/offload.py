@@ -306,7 +306,7 @@ class OffloadRuntime:
             return out
         on_cpu = self._on_cpu[layer]
         routed.index_add_(0, ids.reshape(-1), self._ones[:ids.numel()])  # the split's token counts
-        spares = (self._pointers[layer] if layer in self._pointers else self._layer_pointers(layer))[2]
+        spares = self._layer_pointers(layer)[2]
         cpu.post(layer, x, ids, weights, self.cache.table[layer], routed, self.hybrid.costs_ns(), on_cpu,
                  self.cpu_routed[layer], spares, self._spares_first)
         out = moe_ffn(x, ids, weights, self.expert_table(layer, ids, on_cpu))
@@ -347,7 +347,7 @@ class OffloadRuntime:
         residency table; the same kernel first copies misses into the layer's free spare slots (lru) and adds the
         routing into `routed`. With `on_cpu` (a hand-off's, which counted the routing itself), the experts the CPU
         computes get no pointer (the kernel skips them) and no spare."""
-        host, pool, spares = self._pointers[layer] if layer in self._pointers else self._layer_pointers(layer)
+        host, pool, spares = self._layer_pointers(layer)
         ptrs = residency_pointers(self.cache.table[layer], host, pool, ids,
                                   self.routed[layer] if on_cpu is None else None, spares, on_cpu)
         return ExpertTable(ptrs, self.experts[layer].types, self.cfg.n_embd, self.cfg.n_ff_exp, (self.cache.pool,))
@@ -355,6 +355,8 @@ class OffloadRuntime:
     def _layer_pointers(self, layer: int) -> tuple[torch.Tensor, SlotPool, SpareSlots | None]:
         """(host addresses [3, n_expert] on the device, where the layer's records lie in the slot pool, its spare
         slots) of `layer`, made once (before a CUDA graph reads them: `prepare_graphs`)."""
+        if layer in self._pointers:
+            return self._pointers[layer]
         host = torch.tensor(self.store.addresses(layer), dtype=torch.int64)
         parts = self.layouts[layer].parts
         pool = SlotPool(self.cache.pool.data_ptr(), self.plan.slot_bytes, tuple(p.offset for p in parts),
@@ -368,8 +370,7 @@ class OffloadRuntime:
     def prepare_graphs(self) -> None:
         """Everything a captured forward reads, made now: every layer pinned and its pointers on the device."""
         for layer in self.layers:
-            if layer not in self._pointers:
-                self._layer_pointers(layer)
+            self._layer_pointers(layer)
 
     def begin(self) -> None:
         """Before a forward: publish the copies that have landed; `routed` counts this forward's routing."""
