@@ -421,7 +421,8 @@ class OffloadRuntime:
             for layer, e in zip(*np.nonzero(fetched)):  # before the bring-in below finds them missing
                 cache.adopt((int(layer), int(e)), int(fetched[layer, e]) - 1)
             used = self.last_used = counts > 0
-            self._track_repeats(counts)
+            if self.cpu_experts is not None:  # only hybrid's order and bring-in depend on it
+                self._track_repeats(counts)
             self._free_hosts.append(host)
             self.last_missed = used & ~seen
             read_in_place = used & ~seen & ~(on_cpu > 0) & ~(fetched > 0)
