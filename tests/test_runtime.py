@@ -363,6 +363,29 @@ def test_spare_slots_are_adopted_and_replaced(shipped_model) -> None:
     check_slots(cache)
 
 
+def test_spare_slots_are_lent_to_the_cache_and_kept_again(shipped_model) -> None:
+    """Lent (`keep_spares(False)`), each layer's spares join its partition as free slots and the device finds none
+    (-1); kept again, the next `publish` sets the least recently used slots aside as spares, evicting their
+    experts."""
+    cache = small_cache(shipped_model, 4, n_spare=1)
+    cache.request([(0, 1), (0, 2), (0, 3)])
+    cache.publish()
+    cache.keep_spares(False)
+    assert not cache.spares_kept and (cache.spares == -1).all() and not cache._spare_of
+    assert cache.capacity(0) == 4
+    check_slots(cache)
+    cache.request([(0, 4)])  # the lent slot takes it: nothing evicted
+    cache.publish()
+    assert cache.resident([(0, 1), (0, 2), (0, 3), (0, 4)]) == [True] * 4 and cache.counters.cache_evictions == 0
+    cache.publish()  # lent: no spare is set aside again
+    assert (cache.spares == -1).all()
+    cache.keep_spares(True)
+    cache.publish()
+    assert cache.capacity(0) == 3 and len(cache._spare_of) == len(cache.position)
+    assert cache.resident([(0, 1), (0, 2), (0, 3), (0, 4)]) == [False, True, True, True]
+    check_slots(cache)
+
+
 # ---------------------------------------------------------------------------------------------- routing hooks
 def test_device_routing_counts_and_profile_roundtrip(tmp_path) -> None:
     counts = DeviceRoutingCounts(3, 8, "cpu")

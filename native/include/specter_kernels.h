@@ -389,23 +389,23 @@ SPECTER_API int specter_cpu_experts_arm(specter_cpu_experts * w);
  * fewest tokens, as many as make the later of the CPU's finish and the link's the earliest by `costs` (the two
  * work at the same time); ties rank by expert id, and the CPU and CUDA versions choose alike (integer costs).
  * Writes on_cpu[e] = 1 for those, else 0 (uint8 [n_expert]), cpu_routed[e] = routed[e] for those, else 0.
- * With `spares` (NULL: none; the layer's spare slots, as specter_expert_table takes them) and *spares_first != 0
- * (int32, read when the call runs; NULL: 0), the misses those spares will take (the routed experts with
- * slot_of[e] == -1 in ascending order, one for each usable spare) are the link's before the split, which weighs
- * only the rest: where routing repeats from forward to forward, the spares cache a miss at once.
+ * With `spares` (NULL: none; the layer's spare slots, as specter_expert_table takes them), the misses those
+ * spares will take (the routed experts with slot_of[e] == -1 in ascending order, one for each usable spare) are
+ * the link's before the split, which weighs only the rest: a spare caches a miss at once, and the host keeps
+ * spares only where routing repeats from forward to forward.
  * n_expert <= 1024. Device memory for CUDA, except `costs` and `spares`: host memory, read by the call (a CUDA
  * graph keeps the values it was captured with). */
 SPECTER_API int specter_cpu_experts_post(specter_cpu_experts * w, int64_t layer, const float * x, const int32_t * ids,
                                          const float * weights, int64_t n_tokens, const int64_t * slot_of,
                                          const int32_t * routed, const specter_hybrid_costs * costs,
-                                         const specter_spare_slots * spares, const int32_t * spares_first,
-                                         uint8_t * on_cpu, int32_t * cpu_routed, int n_threads);
+                                         const specter_spare_slots * spares, uint8_t * on_cpu, int32_t * cpu_routed,
+                                         int n_threads);
 SPECTER_API int specter_cuda_cpu_experts_post(specter_cpu_experts * w, int64_t layer, const float * x,
                                               const int32_t * ids, const float * weights, int64_t n_tokens,
                                               const int64_t * slot_of, const int32_t * routed,
                                               const specter_hybrid_costs * costs,
-                                              const specter_spare_slots * spares, const int32_t * spares_first,
-                                              uint8_t * on_cpu, int32_t * cpu_routed, void * stream);
+                                              const specter_spare_slots * spares, uint8_t * on_cpu,
+                                              int32_t * cpu_routed, void * stream);
 /* out [n_tokens, d_model] f32 += the worker's answer to the last post, once it has come, in the rows of the tokens
  * with a pair on the CPU (ids and on_cpu: the post's, on_cpu as it wrote it). Where waited_ns is not NULL (int64,
  * device memory for CUDA), the nanoseconds spent waiting for the answer are added to it (on CUDA those of the first

@@ -222,7 +222,7 @@ int specter_cpu_experts_arm(specter_cpu_experts * w) {
 int specter_cpu_experts_post(specter_cpu_experts * w, int64_t layer, const float * x, const int32_t * ids,
                              const float * weights, int64_t n_tokens, const int64_t * slot_of, const int32_t * routed,
                              const specter_hybrid_costs * costs, const specter_spare_slots * spares,
-                             const int32_t * spares_first, uint8_t * on_cpu, int32_t * cpu_routed, int n_threads) {
+                             uint8_t * on_cpu, int32_t * cpu_routed, int n_threads) {
     (void)n_threads;
     const int rc = check_post(w, layer, x, ids, weights, n_tokens, slot_of, routed, costs, spares, on_cpu,
                               cpu_routed);
@@ -232,7 +232,7 @@ int specter_cpu_experts_post(specter_cpu_experts * w, int64_t layer, const float
     // the split: the misses ranked by (tokens, expert); the CPU takes the prefix cpu_takes accepts
     const int64_t E = w->n_expert;
     std::vector<uint8_t> linked(size_t(E), 0);  // the misses the spare slots take first
-    if (spares && spares_first && *spares_first) {
+    if (spares && spares->n_spare > 0) {
         for (int64_t e = 0; e < E; ++e) linked[size_t(e)] = routed[e] > 0;
         int expert[SPECTER_MAX_SPARES], spare[SPECTER_MAX_SPARES];
         const int n = assign_spares(slot_of, linked.data(), nullptr, E, spares->slots, spares->n_spare, expert,

@@ -88,9 +88,9 @@ SPECTER_HOST_DEVICE inline bool has_cpu_pair(const int32_t * ids, int64_t k, int
 // when the later of the CPU's finish (cpu_ns_per_expert + tokens * cpu_ns_per_token for each it takes) and the
 // link's is earlier with it on the CPU than without. The CPU's time grows and the link's shrinks along the ranks,
 // so the ones that go form a prefix. In integers: the CPU and CUDA versions decide alike. The post runs before
-// specter_expert_table copies misses into spare slots: with spares first it leaves the spares' misses out of the
-// split, else the spares skip the CPU's. Whether the CPU's experts are brought into the cache afterwards is the
-// host's choice (specter_gguf/runtime/hybrid.py). No future hits are weighed.
+// specter_expert_table copies misses into spare slots and leaves the spares' misses out of the split. Whether a
+// layer has spares, and whether the CPU's experts are brought into the cache afterwards, is the host's choice
+// (specter_gguf/runtime/hybrid.py). No future hits are weighed.
 SPECTER_HOST_DEVICE inline bool cpu_takes(int64_t r, int64_t before, int64_t tokens, int64_t m,
                                           const specter_hybrid_costs & c) {
     const int64_t cpu_without = r * c.cpu_ns_per_expert + before * c.cpu_ns_per_token;

@@ -57,7 +57,7 @@ int specter_cuda_wait_counter(const int64_t *, const int64_t *, int64_t, int64_t
 int specter_cuda_pace(const int64_t *, int64_t, double, void *) { return SPECTER_ERR_NO_CUDA; }
 int specter_cuda_cpu_experts_post(specter_cpu_experts *, int64_t, const float *, const int32_t *, const float *,
                                   int64_t, const int64_t *, const int32_t *, const specter_hybrid_costs *,
-                                  const specter_spare_slots *, const int32_t *, uint8_t *, int32_t *, void *) {
+                                  const specter_spare_slots *, uint8_t *, int32_t *, void *) {
     return SPECTER_ERR_NO_CUDA;
 }
 int specter_cuda_cpu_experts_collect(specter_cpu_experts *, float *, const int32_t *, const uint8_t *, int64_t,

@@ -175,6 +175,7 @@ class ExpertCache:
         self.pace_ns_per_byte = 0.0  # a benchmark's slower PCIe (`OffloadRuntime.pace_transfers`): each copy's extra
         # spares waiting for a slot (`publish` retries them): none, every slot being free now
         self._unarmed = [(layer, j) for layer in layers for j in range(n_spare) if not self._arm(layer, j)]
+        self.spares_kept = True  # (`keep_spares`)
 
     # -- sizes and addresses -------------------------------------------------------------------------------
     def capacity(self, layer: int) -> int:
@@ -228,6 +229,25 @@ class ExpertCache:
         self.published[key] = True
         self._parts[self._part_of_layer[layer]][slot] = None
         self._unarmed.append((layer, j))
+
+    def keep_spares(self, keep: bool) -> None:
+        """Keep the spare slots (the next `publish` takes them from the partitions again), or lend them to the
+        partitions as free slots, so that a layer caches with every slot it has and a forward copies no miss (its
+        table kernel finds no usable spare). Lend only once every forward that may have copied into a spare has
+        been adopted."""
+        if keep == self.spares_kept:
+            return
+        self.spares_kept = keep
+        if keep:
+            self._unarmed = [(layer, j) for layer in self.position for j in range(self.n_spare)]
+            return
+        for slot, (layer, _) in self._spare_of.items():
+            p = self._part_of_layer[layer]
+            self._parts[p][slot] = None
+            self._free[p].append(slot)
+        self._spare_of.clear()
+        self._unarmed = []
+        self.spares.fill_(-1)
 
     def _arm(self, layer: int, j: int) -> bool:
         """Make a slot of `layer`'s partition its spare j: a free one, else the least recently used one that no

@@ -11,17 +11,18 @@ then one kernel waits for the worker's sum and adds it (`CpuExperts.collect`, `O
 layer that hands nothing over pays for the two kernels only: the second reads no host memory then.
 
 What the link carries depends on whether routing repeats from token to token (`offload.REUSED_SHARE`, judged by
-the host from the decode steps it has read back, taken to repeat until they show otherwise; the device reads the
-answer at each forward):
+the host from the decode steps it has read back, taken to repeat until they show otherwise):
 - where it repeats, the spare slots take their misses before the split, and lru brings in every expert a forward
   used, the CPU's too: they will be wanted again. (Measured with the split first and the CPU's left out instead,
   at the usual scale, 16 GiB, H100: hits fell from 93% to 81% / 87% and a token took 7.45 / 5.99 ms instead of
   3.47 / 3.77, greedy / sampled.)
-- where it does not, the split runs first, the spares take only the link's misses, and lru never brings the CPU's
-  experts in (a speculative decoder's lookahead may still prefetch them from the draft's routing): the split halves
-  the link's bytes where it gives the CPU half the misses. (Measured at
-  --attn-output-scale 0.3, 16 GiB, H100: 15.87 / 14.58 ms a token, greedy / sampled, against 19.40 / 20.28 with the
-  spares first and everything brought in; docs/BENCHMARKS.md 2026-12-07 16:29.)
+- where it does not, the spare slots join their layers' cache (`ExpertCache.keep_spares`): the split weighs every
+  miss, the link's share is read in place and brought in after the forward, and lru never brings the CPU's experts
+  in (a speculative decoder's lookahead may still prefetch them from the draft's routing): the split halves the
+  link's bytes where it gives the CPU half the misses. (Measured at --attn-output-scale 0.3, 16 GiB, H100, as
+  `--spare-slots 0`: 13.99 / 13.41 ms a token, greedy / sampled, against 19.40 / 20.28 with the spares first and
+  everything brought in, and 15.87 / 14.58 with the split first and the spares taking the link's misses;
+  docs/BENCHMARKS.md 2026-12-07 16:29.)
 The switch between the two is not measured on a GPU yet: each side is the measured behaviour named there.
 
 The CPU's sum of an expert agrees with the GPU's to float32 rounding (different summation orders); on the CPU
@@ -118,23 +119,22 @@ class CpuExperts:
 
     def post(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slot_of: torch.Tensor,
              routed: torch.Tensor, costs: tuple[int, int, int], on_cpu: torch.Tensor, cpu_routed: torch.Tensor,
-             spares: SpareSlots | None = None, spares_first: torch.Tensor | None = None) -> None:
+             spares: SpareSlots | None = None) -> None:
         """Hand the worker layer `layer`'s pairs of the missed experts that the CPU computes (native
         `specter_cpu_experts_post`, on the device: no host synchronisation): of those the layer routes `routed`
         (int32 [n_expert]) tokens to that have no slot (`slot_of` < 0, int64), the fewest-token ones, as many as make
         the later of the CPU's and the link's finish the earliest by `costs` (ns: an expert's part paid once, a
         token's, the link's per expert; EVERY_MISS gives the CPU every miss). Writes those experts into `on_cpu`
         (bool [n_expert]) and their token counts into `cpu_routed` (int32); the GPU's pointer table then skips them
-        (`kernels.residency_pointers`' `skip`). With the layer's `spares` and `spares_first` (int32 [1], read on the
-        device) not 0, the misses those spares will take are the link's before the split."""
+        (`kernels.residency_pointers`' `skip`). With the layer's `spares`, the misses those spares will take are
+        the link's before the split."""
         T = x.shape[0]
         x32 = _aligned(x.float())
         ids32, w32 = ids.to(torch.int32).contiguous(), weights.float().contiguous()
         args = (self.handle, layer, _ptr(x32, "float *"), _ptr(ids32, "int32_t *"), _ptr(w32, "float *"), T,
                 _ptr(slot_of, "int64_t *"), _ptr(routed, "int32_t *"),
-                native.ffi().new("specter_hybrid_costs *", costs), _spare_slots(spares),
-                native.ffi().NULL if spares_first is None else _ptr(spares_first, "int32_t *"),
-                _ptr(on_cpu, "uint8_t *"), _ptr(cpu_routed, "int32_t *"))
+                native.ffi().new("specter_hybrid_costs *", costs), _spare_slots(spares), _ptr(on_cpu, "uint8_t *"),
+                _ptr(cpu_routed, "int32_t *"))
         _call("cpu_experts_post", args, self.device, f"handing layer {layer}'s experts to the CPU")
 
     def collect(self, out: torch.Tensor, ids: torch.Tensor, on_cpu: torch.Tensor) -> None:

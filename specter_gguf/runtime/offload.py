@@ -59,9 +59,9 @@ SPARES_WITH_LOOKAHEAD = 2  # lru's default spare slots per MoE layer under specu
 # Routing repeats from token to token where decode steps share at least this share of their experts with the step
 # before, on average over the last REUSE_FORWARDS or so (an exponential average). Then hybrid's spare slots take
 # their misses before the split and lru brings in the experts the CPU computed too, as they will be wanted again;
-# else the split runs first and the CPU's experts stay on the host, so the link carries only its own share of the
-# misses (`runtime.hybrid`). Between the means measured on 4-layer Qwen1.5-MoE files with random weights (bench
-# prompts, 48 tokens greedy and sampled): 0.36-0.37 at the usual scale, 0.16-0.17 at --attn-output-scale 0.3.
+# else the spare slots join their layers' cache, the CPU's share of the misses stays on the host and the link's is
+# read in place (`runtime.hybrid`). Between the means measured on 4-layer Qwen1.5-MoE files with random weights
+# (bench prompts, 48 tokens greedy and sampled): 0.36-0.37 at the usual scale, 0.16-0.17 at --attn-output-scale 0.3.
 REUSED_SHARE = 0.27
 REUSE_FORWARDS = 8
 
@@ -221,13 +221,14 @@ class OffloadRuntime:
     read in place from the store in host memory (zero-copy over PCIe: no copy, no slot, no wait). In lru mode the
     same kernel first copies the layer's misses into its spare slots, as many as it has free (`spare_slots` per
     layer; `cache` module docstring), and they are computed from there: they cross PCIe once and the next forward
-    finds them in a slot. The layer adds its routing into `routed`, the experts it copied into `fetched`; a forward
-    is bracketed by `begin` (publishes finished copies, zeroes both) and `end` (an asynchronous copy of them to the
-    host), and `settle` reads those copies once they have landed: it hands the cache the experts copied into spares
-    (`ExpertCache.adopt`), counts lookups, hits and misses against the table the forward saw and, in lru mode
-    without a lookahead buffer (with one: for the forwards enqueued `bringing_in`), brings the other experts it
-    used into the cache (least recently used out), so the next forwards find them in slots. Big batches (prefill)
-    and gate-prefetch take `OffloadedExperts`' host-managed waves instead."""
+    finds them in a slot (with hybrid on, only while routing repeats: REUSED_SHARE). The layer adds its routing into
+    `routed`, the experts it copied into `fetched`; a forward is bracketed by `begin` (publishes finished copies,
+    zeroes both) and `end` (an asynchronous copy of them to the host), and `settle` reads those copies once they
+    have landed: it hands the cache the experts copied into spares (`ExpertCache.adopt`), counts lookups, hits and
+    misses against the table the forward saw and, in lru mode without a lookahead buffer (with one: for the forwards
+    enqueued `bringing_in`), brings the other experts it used into the cache (least recently used out), so the next
+    forwards find them in slots. Big batches (prefill) and gate-prefetch take `OffloadedExperts`' host-managed waves
+    instead."""
 
     HOST_BUFFERS = 8  # forwards whose routing may be in flight to the host at once
 
@@ -271,11 +272,10 @@ class OffloadRuntime:
         self._ones = torch.ones(residency_max_tokens(self.cfg) * self.cfg.n_expert_used, dtype=torch.int32,
                                 device=self.device)
         # whether routing repeats (REUSED_SHARE; until decode steps have shown otherwise, the order measured at the
-        # usual scale), and the same for the device, set before each forward
+        # usual scale)
         self.routing_repeats = True
         self._reused: float | None = None  # the average share (REUSED_SHARE)
         self._last_step: np.ndarray | None = None  # the experts of the last settled forward, if a decode step
-        self._spares_first = torch.ones(1, dtype=torch.int32, device=self.device)
         self._free_hosts = [torch.empty_like(self._routing, device="cpu", pin_memory=cuda)
                             for _ in range(self.HOST_BUFFERS)]
         self._in_flight: list[tuple[torch.cuda.Event | None, torch.Tensor, np.ndarray, bool]] = []
@@ -297,8 +297,8 @@ class OffloadRuntime:
     # -- the residency path (no host synchronisation) ---------------------------------------------------
     def from_residency(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Layer `layer`'s routed experts for a small batch, each from its slot or from host memory, or with hybrid
-        on computed by the CPU (`runtime.hybrid`): those are handed over first, before the spare slots take the
-        link's misses, and the GPU's experts run meanwhile."""
+        on computed by the CPU (`runtime.hybrid`: which misses it takes, and whether the spare slots take theirs
+        first) while the GPU's experts run."""
         routed, cpu = self.routed[layer], self.cpu_experts
         if cpu is None or x.shape[0] > cpu.max_tokens:
             out = moe_ffn(x, ids, weights, self.expert_table(layer, ids))
@@ -308,7 +308,7 @@ class OffloadRuntime:
         routed.index_add_(0, ids.reshape(-1), self._ones[:ids.numel()])  # the split's token counts
         spares = self._layer_pointers(layer)[2]
         cpu.post(layer, x, ids, weights, self.cache.table[layer], routed, self.hybrid.costs_ns(), on_cpu,
-                 self.cpu_routed[layer], spares, self._spares_first)
+                 self.cpu_routed[layer], spares)
         out = moe_ffn(x, ids, weights, self.expert_table(layer, ids, on_cpu))
         self._pace_reads(layer, routed, on_cpu)  # the CPU works on meanwhile, as it would beside a slower link
         cpu.collect(out, ids, on_cpu)
@@ -373,13 +373,18 @@ class OffloadRuntime:
             self._layer_pointers(layer)
 
     def begin(self) -> None:
-        """Before a forward: publish the copies that have landed; `routed` counts this forward's routing."""
+        """Before a forward: the spare slots kept or lent to the cache (REUSED_SHARE), the copies that have landed
+        published; `routed` counts this forward's routing."""
         self.settle()
+        spares = self.routing_repeats or self.cpu_experts is None  # (REUSED_SHARE)
+        if spares != self.cache.spares_kept:
+            if not spares:  # every forward that may have copied into a spare adopted first (a wait, at a switch)
+                self.settle(wait=True)
+            self.cache.keep_spares(spares)
         self.cache.publish()
         self._seen = self.cache.published.copy()  # the table this forward reads, for its hits and misses
         self._routing.zero_()
         if self.cpu_experts is not None:
-            self._spares_first.fill_(int(self.routing_repeats))
             self.cpu_experts.arm()
 
     def end(self) -> None:

@@ -16,7 +16,7 @@ namespace {
 constexpr int kPostFlags = 1024;
 
 // One CTA. First the split, a thread per expert: each ranks its own miss among the layer's by (tokens, expert) and
-// applies cpu_takes (with spares first, over the misses the spare slots do not take: assign_spares, by thread 0);
+// applies cpu_takes (with spares, over the misses the spare slots do not take: assign_spares, by thread 0);
 // then, where the CPU takes any pair, the pairs, the hidden states of the tokens with a pair for the CPU, then the
 // header and, last, `request` (a post that hands nothing over writes no host memory).
 __global__ void __launch_bounds__(1024) post_kernel(volatile MailboxHeader * h, float * hx, int32_t * hids,
@@ -25,8 +25,8 @@ __global__ void __launch_bounds__(1024) post_kernel(volatile MailboxHeader * h, 
                                                    const float * __restrict__ weights,
                                                    const int64_t * __restrict__ slot_of,
                                                    const int32_t * __restrict__ routed, specter_hybrid_costs costs,
-                                                   specter_spare_slots spares, const int32_t * spares_first,
-                                                   uint8_t * on_cpu, int32_t * cpu_routed,
+                                                   specter_spare_slots spares, uint8_t * on_cpu,
+                                                   int32_t * cpu_routed,
                                                    long long layer, int T, int d, int k, int n_expert) {
     start_after_prior_kernels();
     __shared__ int32_t tokens[1024];  // of each expert's miss; 0: not a miss
@@ -43,7 +43,7 @@ __global__ void __launch_bounds__(1024) post_kernel(volatile MailboxHeader * h, 
     }
     if (threadIdx.x == 0) n_pairs = 0;
     for (int t = threadIdx.x; flags && t < T; t += blockDim.x) needed[t] = 0;
-    if (spares.n_spare > 0 && spares_first && *spares_first) {  // the spares' misses are the link's
+    if (spares.n_spare > 0) {  // the spares' misses are the link's
         if (e < n_expert) taken[e] = routed[e] > 0;  // (as assign_spares' `used`)
         __syncthreads();
         if (threadIdx.x == 0) {
@@ -144,8 +144,8 @@ extern "C" {
 int specter_cuda_cpu_experts_post(specter_cpu_experts * w, int64_t layer, const float * x, const int32_t * ids,
                                   const float * weights, int64_t n_tokens, const int64_t * slot_of,
                                   const int32_t * routed, const specter_hybrid_costs * costs,
-                                  const specter_spare_slots * spares, const int32_t * spares_first, uint8_t * on_cpu,
-                                  int32_t * cpu_routed, void * stream) {
+                                  const specter_spare_slots * spares, uint8_t * on_cpu, int32_t * cpu_routed,
+                                  void * stream) {
     const int rc = check_post(w, layer, x, ids, weights, n_tokens, slot_of, routed, costs, spares, on_cpu,
                               cpu_routed);
     if (rc != SPECTER_OK) return rc;
@@ -154,7 +154,7 @@ int specter_cuda_cpu_experts_post(specter_cpu_experts * w, int64_t layer, const 
     launch(post_kernel, 1, 1024, cudaStream_t(stream), reinterpret_cast<volatile MailboxHeader *>(m),
            reinterpret_cast<float *>(m + w->layout.x), reinterpret_cast<int32_t *>(m + w->layout.ids),
            reinterpret_cast<float *>(m + w->layout.weights), x, ids, weights, slot_of, routed, *costs,
-           spares ? *spares : specter_spare_slots{nullptr, 0, nullptr, nullptr}, spares_first, on_cpu, cpu_routed,
+           spares ? *spares : specter_spare_slots{nullptr, 0, nullptr, nullptr}, on_cpu, cpu_routed,
            (long long)layer, int(n_tokens), int(w->d_model), int(w->top_k), int(w->n_expert));
     return launch_status();
 }
