@@ -98,7 +98,8 @@ class StepGraphs(Steps):
     def _capture(self, window: int) -> None:
         # eager warm-up on a side stream, as torch.cuda.graph asks; it computes the same forward the graph then
         # replays (same tokens, same positions), so writing the KV cache twice is harmless. It also grows the
-        # cache and the RoPE tables to the window before their addresses are captured.
+        # cache and the RoPE tables to the window before their addresses are captured. No `end` counts its
+        # routing; what it copied into spare slots is adopted.
         dev = self.cache.device
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -107,6 +108,8 @@ class StepGraphs(Steps):
                 if self.offload is not None:
                     self.offload.begin()
                 self._body(window)
+                if self.offload is not None:
+                    self.offload.adopt_spares()
         torch.cuda.current_stream(dev).wait_stream(side)
         self._storage_moved()
         graph = torch.cuda.CUDAGraph()

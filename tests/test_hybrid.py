@@ -321,6 +321,49 @@ def test_where_routing_does_not_repeat_the_cpus_experts_cross_no_link(tiny_model
             assert 0 < link["split"] < link["link"], link
 
 
+def test_the_spares_are_kept_and_lent_as_routing_changes(shipped_model, monkeypatch) -> None:
+    """Routing judged to repeat for one prompt and not for the next, six times over: the spare slots are lent to
+    the cache and kept again between generations (after forwards that copied into them), and the tokens are the
+    target's alone."""
+    plain = Model.load(shipped_model, device="cpu", progress=False, ctx_size=CTX)
+    model = Model.load(shipped_model, device="cpu", progress=False, ctx_size=CTX,
+                       gpu_budget=_budget(shipped_model, slots=3), offload="lru", hybrid="on")
+    cache = model.offload.cache
+    assert cache.n_spare > 0
+    kept, fetches = [], 0
+    for i, prompt in enumerate(PROMPTS[:6]):
+        monkeypatch.setattr(offload, "REUSED_SHARE", 0.0 if i % 2 else 1.01)
+        got = model.generate(prompt, 32, GREEDY).wait()
+        assert got.tokens == plain.generate(prompt, 32, GREEDY).wait().tokens, prompt
+        kept.append(cache.spares_kept)
+        fetches += got.stats.spare_fetches
+    assert kept == [False, True] * 3 and fetches > 0
+
+
+def test_a_warm_up_forwards_spare_copies_are_adopted(shipped_model) -> None:
+    """A CUDA graph's warm-up forward has no `end`: `adopt_spares` hands the cache what its table kernels copied into
+    spare slots, so that lending the spares later leaves no table entry naming a slot that holds another expert."""
+    model = Model.load(shipped_model, device="cpu", progress=False, ctx_size=CTX,
+                       gpu_budget=_budget(shipped_model, slots=3), offload="lru", hybrid="on")
+    rt, cache, cfg = model.offload, model.offload.cache, model.offload.cfg
+    g = torch.Generator().manual_seed(0)
+    rt.begin()
+    for layer in rt.layers:  # a decode step's MoE layers, as the warm-up runs them
+        ids = torch.randperm(cfg.n_expert, generator=g)[:cfg.n_expert_used].reshape(1, -1).to(torch.int32)
+        rt.from_residency(layer, torch.randn(1, cfg.n_embd, generator=g), ids,
+                          torch.full(ids.shape, 1.0 / cfg.n_expert_used))
+    assert rt.fetched.any()  # misses copied into spares
+    rt.adopt_spares()
+    rt.routing_repeats = False
+    rt.begin()  # lends the spares
+    for layer in rt.layers:  # the cache fills every slot, the lent ones too
+        cache.request([(layer, e) for e in range(cfg.n_expert)], prefetch=False)
+    cache.publish()
+    for layer in rt.layers:
+        for e, slot in enumerate(cache.table[layer].tolist()):
+            assert slot < 0 or cache.key[slot] == (layer, e), (layer, e, slot, cache.key[slot])
+
+
 def test_routing_repeats_is_judged_from_decode_steps(shipped_model) -> None:
     """`routing_repeats` starts true (the order measured at the usual scale) and follows a running average of the
     share of a decode step's experts that the step before used, against REUSED_SHARE; forwards of more than one
@@ -392,17 +435,19 @@ def test_the_split_weighs_the_cpu_against_the_link(tiny_models, device: str) -> 
                     on_cpu = torch.ones(n_expert, dtype=torch.bool, device=dev)
                     cpu_routed = torch.full((n_expert,), 7, dtype=torch.int32, device=dev)
                     out = torch.zeros(1, cfg.n_embd, device=dev)
-                    # spare slots (some used: -1), which take their misses first, or none
-                    slots = torch.where(torch.rand(MAX_SPARES, generator=g) < 0.7, 5, -1)
-                    first = int(torch.randint(0, 2, (1,), generator=g))
+                    # spare slots (some used: -1; every one, as when they are lent to the cache, one time in
+                    # five), which take their misses first, or none
+                    usable = 0.0 if int(torch.randint(0, 5, (1,), generator=g)) == 0 else 0.7
+                    slots = torch.where(torch.rand(MAX_SPARES, generator=g) < usable, 5, -1)
+                    given = int(torch.randint(0, 2, (1,), generator=g))
                     spares = SpareSlots(slots.to(dev), torch.zeros(n_expert, dtype=torch.int32, device=dev),
-                                        torch.zeros(1, dtype=torch.int32, device=dev)) if first else None
+                                        torch.zeros(1, dtype=torch.int32, device=dev)) if given else None
                     cpu.post(0, x.to(dev), ids.to(dev), weights.to(dev), slot_of.to(dev), routed.to(dev),
                              choice.costs_ns(), on_cpu, cpu_routed, spares)
                     cpu.collect(out, ids.to(dev), on_cpu)
                     want = _split_reference(slot_of.tolist(), routed.tolist(), round(per_expert * 1000),
                                             round(per_token * 1000), max(1, round(link_us * 1000)),
-                                            int((slots >= 0).sum()) * first)
+                                            int((slots >= 0).sum()) * given)
                     assert on_cpu.int().tolist() == want, (n_expert, per_expert, per_token, link_us)
                     assert cpu_routed.tolist() == [t * w for t, w in zip(routed.tolist(), want)]
                     assert not out.any()

@@ -21,7 +21,9 @@ partition, that a layer's table kernel copies the experts it misses into during 
 resident for the next forward; `kernels.residency_pointers`), entering them in `table` itself. The host learns of
 it when the forward's routing comes back (`adopt`: the slot joins the partition, the least recently used slot
 becomes the spare) and supersedes the device's entry with its own. So that the device never copies an expert that
-a copy is already bringing in, with spares the table holds -2 - slot for an expert whose copy is on its way.
+a copy is already bringing in, with spares the table holds -2 - slot for an expert whose copy is on its way. The
+spares can be lent to the partitions as free slots and taken back (`keep_spares`: hybrid lends them where routing
+does not repeat).
 
 CUDA ordering, without host waits:
 - copies run on a dedicated copy stream (`non_blocking` from pinned memory);

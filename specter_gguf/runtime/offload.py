@@ -376,16 +376,26 @@ class OffloadRuntime:
         """Before a forward: the spare slots kept or lent to the cache (REUSED_SHARE), the copies that have landed
         published; `routed` counts this forward's routing."""
         self.settle()
-        spares = self.routing_repeats or self.cpu_experts is None  # (REUSED_SHARE)
-        if spares != self.cache.spares_kept:
-            if not spares:  # every forward that may have copied into a spare adopted first (a wait, at a switch)
+        if self.cache.n_spare and self._spares_wanted() != self.cache.spares_kept:
+            if self.cache.spares_kept:  # every forward that may have copied into a spare adopted first (a wait)
                 self.settle(wait=True)
-            self.cache.keep_spares(spares)
+            self.cache.keep_spares(self._spares_wanted())
         self.cache.publish()
         self._seen = self.cache.published.copy()  # the table this forward reads, for its hits and misses
         self._routing.zero_()
         if self.cpu_experts is not None:
             self.cpu_experts.arm()
+
+    def _spares_wanted(self) -> bool:
+        """Whether the spare slots are kept: unless hybrid is on and routing does not repeat (REUSED_SHARE)."""
+        return self.routing_repeats or self.cpu_experts is None
+
+    def adopt_spares(self) -> None:
+        """After a forward that no `end` follows (a CUDA graph's warm-up, whose routing is not counted): adopt
+        the experts it copied into spare slots, waiting for it, before the next `begin` clears the record."""
+        fetched = self.fetched.cpu().numpy()
+        for layer, e in zip(*np.nonzero(fetched)):
+            self.cache.adopt((int(layer), int(e)), int(fetched[layer, e]) - 1)
 
     def end(self) -> None:
         """After a forward was enqueued: its routing goes to the host without waiting (read by `settle`), and
