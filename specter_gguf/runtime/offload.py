@@ -393,7 +393,11 @@ class OffloadRuntime:
     def adopt_spares(self) -> None:
         """After a forward that no `end` follows (a CUDA graph's warm-up, whose routing is not counted): adopt
         the experts it copied into spare slots, waiting for it, before the next `begin` clears the record."""
-        fetched = self.fetched.cpu().numpy()
+        if self.cache.n_spare:
+            self._adopt(self.fetched.cpu().numpy())
+
+    def _adopt(self, fetched: np.ndarray) -> None:
+        """Hand the cache the experts a forward's table kernels copied into spare slots (`fetched`: slot + 1)."""
         for layer, e in zip(*np.nonzero(fetched)):
             self.cache.adopt((int(layer), int(e)), int(fetched[layer, e]) - 1)
 
@@ -433,8 +437,7 @@ class OffloadRuntime:
                 event.synchronize()
             self._in_flight.pop(0)
             counts, on_cpu, fetched = host.numpy()
-            for layer, e in zip(*np.nonzero(fetched)):  # before the bring-in below finds them missing
-                cache.adopt((int(layer), int(e)), int(fetched[layer, e]) - 1)
+            self._adopt(fetched)  # before the bring-in below finds them missing
             used = self.last_used = counts > 0
             if self.cpu_experts is not None:  # only hybrid's order and bring-in depend on it
                 self._track_repeats(counts)
