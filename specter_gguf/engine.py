@@ -191,6 +191,7 @@ class GenerationStats:
     zero_copy_bytes: int | None = None  # experts read in place from host memory by the kernels
     spare_slots: int | None = None      # slots per MoE layer kept for misses to be copied into as forwards run
     spare_fetches: int | None = None    # ... missed experts copied into them (bytes counted in bytes_copied)
+    spares_lent: bool | None = None     # ... lent to their layers' cache at the end (hybrid: routing did not repeat)
     hybrid: bool | None = None          # missed experts of small batches computed on the CPU (runtime.hybrid)
     cpu_expert_pairs: int | None = None  # ... the (token, expert) pairs it computed
     cpu_expert_s: float | None = None    # ... the time its worker spent on them
@@ -331,7 +332,8 @@ class GenerationStats:
                      f"moved per token ({format_size(self.bytes_copied_per_token or 0)} copied), "
                      f"{100 * (self.hidden_copy_share or 0):.0f}% of copy time hidden")
             if self.spare_slots:
-                text += f", {self.spare_fetches} misses copied into spare slots ({self.spare_slots} a layer)"
+                text += (f", {self.spare_fetches} misses copied into spare slots ({self.spare_slots} a layer"
+                         f"{', lent to the cache at the end: routing did not repeat' if self.spares_lent else ''})")
             if self.hybrid:
                 text += (f", {self.cpu_expert_pairs} (token, expert) pairs computed on the CPU in "
                          f"{1000 * (self.cpu_expert_s or 0):.1f} ms (the forwards waited "
@@ -738,6 +740,7 @@ class Model:
         stats.cache_evictions, stats.prefetches, stats.bytes_copied = c.cache_evictions, c.prefetches, c.bytes_copied
         stats.zero_copy_bytes = c.zero_copy_bytes
         stats.spare_slots, stats.spare_fetches = self.offload.cache.n_spare, c.spare_fetches
+        stats.spares_lent = bool(self.offload.cache.n_spare) and not self.offload.cache.spares_kept
         stats.hybrid, stats.cpu_expert_pairs = self.offload.hybrid.on, c.cpu_expert_pairs
         stats.cpu_expert_s, stats.cpu_wait_s = c.cpu_expert_s, c.cpu_wait_s
         stats.copy_s, stats.copy_exposed_s = c.copy_s, min(c.copy_exposed_s, c.copy_s)

@@ -336,6 +336,8 @@ def test_the_spares_are_kept_and_lent_as_routing_changes(shipped_model, monkeypa
         got = model.generate(prompt, 32, GREEDY).wait()
         assert got.tokens == plain.generate(prompt, 32, GREEDY).wait().tokens, prompt
         kept.append(cache.spares_kept)
+        assert got.stats.spares_lent is not cache.spares_kept and (" lent to the cache" in got.stats.summary()) is (
+            not cache.spares_kept)
         fetches += got.stats.spare_fetches
     assert kept == [False, True] * 3 and fetches > 0
 
