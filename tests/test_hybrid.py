@@ -275,16 +275,15 @@ def test_where_routing_repeats_the_cache_is_as_transfers_only_leave_it(tiny_mode
 
 
 @pytest.mark.parametrize("arch", ["qwen2moe", "qwen3moe"])
-def test_where_routing_does_not_repeat_the_cpus_experts_cross_no_link(tiny_models, arch: str,
-                                                                      monkeypatch) -> None:
+def test_where_routing_does_not_repeat_misses_are_split_and_brought_in_by_uses(tiny_models, arch: str,
+                                                                                monkeypatch) -> None:
     """Where routing does not repeat (REUSED_SHARE above 1 here: never, once decode steps have been read back) the
     spare slots are lent to their layers' cache: the split weighs every miss, the link's share is read in place, and
-    an expert the CPU computes crosses no link, then or later (lru brings in the link's misses only), so the link
-    carries only its own share. Unmeasured (the CPU device) every miss is the CPU's, and plain decoding copies
-    nothing at all (speculative decoding copies only what its lookahead prefetches from the draft's routing); with a
-    CPU as slow as the link (each layer's misses split) plain decoding moves fewer bytes over the link than with a
-    CPU too slow to take any. No spare takes a miss. Plain offloaded decoding and speculative decoding, tokens
-    unchanged (and those of hybrid off)."""
+    an expert the CPU computes crosses no link then; after the forward lru brings in only experts used more often
+    than the one they would evict, a few of the misses once the free slots are filled, fewer bytes than hybrid off
+    copies. Unmeasured (the CPU device) every miss is the CPU's; with a CPU as slow as the link (each layer's misses
+    split) plain decoding moves fewer bytes over the link than with a CPU too slow to take any. No spare takes a
+    miss. Plain offloaded decoding and speculative decoding, tokens unchanged (and those of hybrid off)."""
     target, draft = tiny_models[(arch, "f16")], tiny_models[(arch, "q4_k_m")]
     costs = {"split": HybridChoice(True, cpu_us_per_expert=50.0, cpu_us_per_token=50.0, copy_us=100.0,
                                    link_us=100.0),
@@ -306,8 +305,6 @@ def test_where_routing_does_not_repeat_the_cpus_experts_cross_no_link(tiny_model
             assert all(g.tokens == gens["off"].tokens for g in gens.values()), (extra, prompt)
             s = gens["on"].stats
             assert s.cpu_expert_pairs > 0 and s.spare_fetches == 0, (extra, prompt)
-            if not extra:
-                assert s.bytes_copied == 0 and not any(models["on"].offload.cache.key), prompt
         for mode in ("on", "split", "link"):  # every slot in a layer's cache
             lent = models[mode].offload.cache
             assert not lent.spares_kept and (lent.spares < 0).all(), mode
@@ -319,6 +316,9 @@ def test_where_routing_does_not_repeat_the_cpus_experts_cross_no_link(tiny_model
         if not extra:  # (a lookahead prefetches what the draft routes to, whoever computed it last time)
             link = {mode: c.bytes_copied + c.zero_copy_bytes for mode, c in got.items()}
             assert 0 < link["split"] < link["link"], link
+            record = next(iter(models["on"].offload.layouts.values())).nbytes  # (every layer's is the same size)
+            on = got["on"]  # brought in by uses: a small share of the misses once the free slots are filled
+            assert 0 < on.bytes_copied < on.cache_misses * record // 4 and on.bytes_copied < got["off"].bytes_copied
 
 
 def test_the_spares_are_kept_and_lent_as_routing_changes(shipped_model, monkeypatch) -> None:

@@ -317,6 +317,22 @@ def test_request_priority_and_resident(shipped_model) -> None:
     assert cache.publish() == 1 and cache.table[0, 5] == cache.where[(0, 5)]
 
 
+def test_request_by_uses_brings_in_only_the_more_used(shipped_model) -> None:
+    """`by_uses`: a missing key takes a free slot, or evicts the least recently used expert only where it has been
+    used more often (`count_uses`); resident keys are refreshed either way."""
+    cache = small_cache(shipped_model, 2)  # 2 per layer
+    cache.count_uses([(0, 1), (0, 1), (0, 2), (0, 3), (0, 4), (0, 4), (0, 4)])
+    assert cache.request([(0, 3), (0, 1)], prefetch=False, by_uses=True) == 2  # free slots
+    assert cache.request([(0, 2)], prefetch=False, by_uses=True) == 0  # 1 use, (0, 3) the victim with 1
+    assert cache.request([(0, 4)], prefetch=False, by_uses=True) == 1  # 3 uses evict (0, 3)
+    assert cache.resident([(0, 1), (0, 3), (0, 4)]) == [True, False, True]
+    cache.request([(0, 1)], prefetch=False, by_uses=True)  # refreshed: (0, 4) is the least recently used now
+    cache.count_uses([(0, 5)] * 3)
+    assert cache.request([(0, 5)], prefetch=False, by_uses=True) == 0  # 3 uses do not beat (0, 4)'s 3
+    assert cache.request([(0, 5)], prefetch=False) == 1  # without by_uses: lru
+    assert cache.resident([(0, 1), (0, 4), (0, 5)]) == [True, False, True]
+
+
 def check_slots(cache) -> None:
     """Every slot is in exactly one place: a partition (its expert, if any, in `where` and the table once published)
     or the spares (empty, in the device's spare row, named by no table entry)."""

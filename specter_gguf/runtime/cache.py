@@ -274,13 +274,14 @@ class ExpertCache:
 
     # -- prefetch (gate-prefetch, the lookahead buffer, lru's refresh after a forward, static-hot's warm-up) -
     def request(self, keys: Sequence[Key], priority: Sequence[float] | None = None, prefetch: bool = True,
-                reserve: bool = False) -> int:
+                reserve: bool = False, by_uses: bool = False) -> int:
         """Make `keys` resident, most important first (`priority`, higher first; default: the order given).
         Returns at once: copies are queued on the copy stream. A key already resident is refreshed (it
         becomes most recently used); a key that finds no evictable slot in its partition (all pinned, reserved
-        or taken by higher-priority keys of this request) is skipped. With `reserve`, the keys' slots join
-        `reserved`. Returns the number of copies issued, counted as prefetches unless `prefetch` is False
-        (experts brought in because they were just used)."""
+        or taken by higher-priority keys of this request) is skipped, and so, `by_uses`, is one used no more often
+        (`count_uses`) than the expert it would evict. With `reserve`, the keys' slots join `reserved`. Returns the
+        number of copies issued, counted as prefetches unless `prefetch` is False (experts brought in because they
+        were just used)."""
         order = list(keys) if priority is None else \
             [k for _, k in sorted(zip(priority, keys), key=lambda pk: -pk[0])]
         taken: set[int] = set()
@@ -290,6 +291,9 @@ class ExpertCache:
             if slot is None:
                 slot = self._victim(key[0], taken | self.reserved)
                 if slot is None:
+                    continue
+                old = self.key[slot]
+                if by_uses and old is not None and self._uses.get(key, 0) <= self._uses.get(old, 0):
                     continue
                 self._load(slot, key)
                 self.counters.prefetches += prefetch

@@ -17,12 +17,16 @@ the host from the decode steps it has read back, taken to repeat until they show
   at the usual scale, 16 GiB, H100: hits fell from 93% to 81% / 87% and a token took 7.45 / 5.99 ms instead of
   3.47 / 3.77, greedy / sampled.)
 - where it does not, the spare slots join their layers' cache (`ExpertCache.keep_spares`): the split weighs every
-  miss, the link's share is read in place and brought in after the forward, and lru never brings the CPU's experts
-  in (a speculative decoder's lookahead may still prefetch them from the draft's routing): the split halves the
-  link's bytes where it gives the CPU half the misses. (Measured at --attn-output-scale 0.3, 16 GiB, H100, as
-  `--spare-slots 0`: 13.99 / 13.41 ms a token, greedy / sampled, against 19.40 / 20.28 with the spares first and
-  everything brought in, and 15.87 / 14.58 with the split first and the spares taking the link's misses;
-  docs/BENCHMARKS.md 2026-12-07 16:29.)
+  miss, the link's share is read in place, and lru brings in after the forward only the experts (the CPU's too)
+  used more often so far than the least recently used one they would evict: the split halves the link's bytes
+  where it gives the CPU half the misses, and without repetition a copy of each miss mostly evicts an expert as
+  likely to be wanted next. (Measured at --attn-output-scale 0.3, 16 GiB, H100, as `--spare-slots 0` with the
+  link's misses all brought in and the CPU's never: 13.99 / 13.41 ms a token, greedy / sampled, against 19.40 /
+  20.28 with the spares first and everything brought in, and 15.87 / 14.58 with the split first and the spares
+  taking the link's misses; docs/BENCHMARKS.md 2026-12-07 16:29. Replayed over the routing of 4-layer files at
+  that scale, 24 and 36 slots a layer of 60, bringing in by uses raised the hit rate by 1.5-3.5 points, with
+  7-10% fewer copies at 24 slots and 41-74% more at 36, against bringing in the link's misses only; BENCHMARKS
+  2026-12-07 22:10.)
 The switch between the two is not measured on a GPU yet: each side is the measured behaviour named there.
 
 The CPU's sum of an expert agrees with the GPU's to float32 rounding (different summation orders); on the CPU

@@ -58,9 +58,9 @@ DENSE_MIN_TOKENS_PER_EXPERT = ResidentExperts.DENSE_MIN_TOKENS_PER_EXPERT
 SPARES_WITH_LOOKAHEAD = 2  # lru's default spare slots per MoE layer under speculative decoding (its rows' count)
 # Routing repeats from token to token where decode steps share at least this share of their experts with the step
 # before, on average over the last REUSE_FORWARDS or so (an exponential average). Then hybrid's spare slots take
-# their misses before the split and lru brings in the experts the CPU computed too, as they will be wanted again;
-# else the spare slots join their layers' cache, the CPU's share of the misses stays on the host and the link's is
-# read in place (`runtime.hybrid`). Between the means measured on 4-layer Qwen1.5-MoE files with random weights
+# their misses before the split and lru brings in every expert a forward used, as they will be wanted again; else
+# the spare slots join their layers' cache, the link's share of the misses is read in place, and lru brings in only
+# an expert used more often than the one it would evict (`runtime.hybrid`). Between the means measured on 4-layer Qwen1.5-MoE files with random weights
 # (bench prompts, 48 tokens greedy and sampled): 0.36-0.37 at the usual scale, 0.16-0.17 at --attn-output-scale 0.3.
 REUSED_SHARE = 0.27
 REUSE_FORWARDS = 8
@@ -448,13 +448,13 @@ class OffloadRuntime:
             c.cache_hits += int((used & seen).sum())
             c.cache_misses += int((used & ~seen).sum())
             c.cpu_expert_pairs += int(on_cpu.sum())
-            brought = used if self.routing_repeats else used & ~(on_cpu > 0)  # (REUSED_SHARE)
             for layer in map(int, np.flatnonzero(used.any(1))):
                 keys = [(layer, int(e)) for e in np.flatnonzero(used[layer])]
                 c.zero_copy_bytes += self.layouts[layer].nbytes * int(read_in_place[layer].sum())
                 cache.count_uses(keys)
-                if bring_in:  # hits refreshed, the link's misses brought in for next time
-                    cache.request([(layer, int(e)) for e in np.flatnonzero(brought[layer])], prefetch=False)
+                if bring_in:  # hits refreshed first (no miss evicts them), misses brought in for next time
+                    cache.request(sorted(keys, key=lambda k: k not in cache.where), prefetch=False,
+                                  by_uses=not self.routing_repeats)  # (REUSED_SHARE)
 
     def _track_repeats(self, counts: np.ndarray) -> None:
         """Update `routing_repeats` (REUSED_SHARE) from a settled forward's routing counts: decode steps (one token)
