@@ -26,7 +26,7 @@ the host from the decode steps it has read back, taken to repeat until they show
   taking the link's misses; docs/BENCHMARKS.md 2026-12-07 16:29. Replayed over the routing of 4-layer files at
   that scale, 24 and 36 slots a layer of 60, bringing in by uses raised the hit rate by 1.5-3.5 points, with
   7-10% fewer copies at 24 slots and 41-74% more at 36, against bringing in the link's misses only; BENCHMARKS
-  2026-12-07 22:10.)
+  2026-12-07 21:53.)
 The switch between the two is not measured on a GPU yet: each side is the measured behaviour named there.
 
 The CPU's sum of an expert agrees with the GPU's to float32 rounding (different summation orders); on the CPU
