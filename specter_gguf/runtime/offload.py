@@ -60,8 +60,9 @@ SPARES_WITH_LOOKAHEAD = 2  # lru's default spare slots per MoE layer under specu
 # before, on average over the last REUSE_FORWARDS or so (an exponential average). Then hybrid's spare slots take
 # their misses before the split and lru brings in every expert a forward used, as they will be wanted again; else
 # the spare slots join their layers' cache, the link's share of the misses is read in place, and lru brings in only
-# an expert used more often than the one it would evict (`runtime.hybrid`). Between the means measured on 4-layer Qwen1.5-MoE files with random weights
-# (bench prompts, 48 tokens greedy and sampled): 0.36-0.37 at the usual scale, 0.16-0.17 at --attn-output-scale 0.3.
+# an expert used more often than the one it would evict (`runtime.hybrid`). Between the means measured on 4-layer
+# Qwen1.5-MoE files with random weights (bench prompts, 48 tokens greedy and sampled): 0.36-0.37 at the usual scale,
+# 0.16-0.17 at --attn-output-scale 0.3.
 REUSED_SHARE = 0.27
 REUSE_FORWARDS = 8
 
