@@ -20,14 +20,13 @@ the host from the decode steps it has read back, taken to repeat until they show
   miss, the link's share is read in place, and lru brings in after the forward only the experts (the CPU's too)
   used more often so far than the least recently used one they would evict: the split halves the link's bytes
   where it gives the CPU half the misses, and without repetition a copy of each miss mostly evicts an expert as
-  likely to be wanted next. (Measured at --attn-output-scale 0.3, 16 GiB, H100, as `--spare-slots 0` with the
-  link's misses all brought in and the CPU's never: 13.99 / 13.41 ms a token, greedy / sampled, against 19.40 /
-  20.28 with the spares first and everything brought in, and 15.87 / 14.58 with the split first and the spares
-  taking the link's misses; docs/BENCHMARKS.md 2026-12-07 16:29. Replayed over the routing of 4-layer files at
-  that scale, 24 and 36 slots a layer of 60, bringing in by uses raised the hit rate by 1.5-3.5 points, with
-  7-10% fewer copies at 24 slots and 41-74% more at 36, against bringing in the link's misses only; BENCHMARKS
-  2026-12-07 21:53.)
-The switch between the two is not measured on a GPU yet: each side is the measured behaviour named there.
+  likely to be wanted next, while the copies share PCIe with the reads in place. (Measured at
+  --attn-output-scale 0.3, 16 GiB, H100: 13.39 / 12.92 ms a token, greedy / sampled, against 17.05 / 17.10 bringing
+  in every miss of the link's and none of the CPU's, whose copies kept the copy stream busy 18.5 ms a token; the
+  link moved 196 / 156 MiB a token instead of 589, and hits rose from 51% to 58% / 62%; docs/BENCHMARKS.md
+  2026-12-07 22:25.)
+At the usual scale, routing repeats and the same build keeps the spares and brings in every expert used (3.59 /
+3.84 ms a token at 16 GiB against 3.61 / 3.90 before bringing in by uses existed, same call).
 
 The CPU's sum of an expert agrees with the GPU's to float32 rounding (different summation orders); on the CPU
 device both are the same native function.
