@@ -521,7 +521,7 @@ def plan(model: Path, gpu_budget: str, draft: Path | str | None, ctx_size: int |
     the budget is below it."""
     from specter_gguf.engine import plan_budget
 
-    from specter_gguf.runtime.offload import spares_per_layer
+    from specter_gguf.runtime.offload import REUSED_SHARE, spares_per_layer
 
     p = plan_budget(model, _gpu_budget(gpu_budget), ctx_size, device, None if draft == "none" else draft)
     if p.budget < p.minimum:  # the split, then the error (exit 1) says what is missing: no cache to say more of
@@ -535,6 +535,9 @@ def plan(model: Path, gpu_budget: str, draft: Path | str | None, ctx_size: int |
                   "a forward to copy its misses into (--spare-slots); the cache keeps the others")
     if spare_slots is not None and spares < spare_slots and not p.fits_all:
         spare_line += f" (--spare-slots {spare_slots}: at most {spares} fit beside a token's {p.top_k} experts)"
+    if spares and hybrid_line.startswith("hybrid on"):
+        spare_line += ("; hybrid lends them to the cache while routing does not repeat from token to token (decode "
+                       f"steps sharing under {REUSED_SHARE:.0%} of their experts with the step before)")
     click.echo(json.dumps({**p.to_dict(), "hybrid": hybrid_line, "spare_slots": spares}) if as_json
                else f"{p.describe()}\n{spare_line}\n{hybrid_line}")
 

@@ -177,6 +177,10 @@ def test_plan_command(shipped_model) -> None:
     budget = str(_budget_for(shipped_model, 5))
     r = CliRunner().invoke(cli, ["plan", str(shipped_model), "--gpu-budget", budget, "-c", str(CTX), "--device", "cpu"])
     assert r.exit_code == 0 and "spare slots: 2 of each MoE layer's 7" in r.output, r.output
+    assert "lends them to the cache" not in r.output  # hybrid auto is off on the CPU device
+    r = CliRunner().invoke(cli, ["plan", str(shipped_model), "--gpu-budget", budget, "-c", str(CTX), "--device", "cpu",
+                                 "--hybrid", "on"])
+    assert r.exit_code == 0 and "hybrid lends them to the cache while routing does not repeat" in r.output, r.output
     r = CliRunner().invoke(cli, ["plan", str(shipped_model), "--gpu-budget", budget, "-c", str(CTX), "--device", "cpu",
                                  "--json", "--spare-slots", "9"])
     assert r.exit_code == 2, r.output  # above MAX_SPARES
