@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""Expert-cache hit rates over a model's own routing (`specter_gguf.bench.cache_replay`): the lru and lfu policies
-and the best possible (Belady's), each with a missed expert in a slot for the next forward (delay 0), the one after
-(1) and as the engine has it (3: it decodes one step ahead of the host), at the slots per MoE layer of each GPU
-budget's plan; and lru as the engine has it with spare slots (`--spare-slots`: a layer's misses copied by the
-forward itself into that many of its slots, found from the next forward on). Which misses a better policy could
-save and which only an earlier copy could.
+"""Expert-cache hit rates over a model's own routing (`specter_gguf.bench.cache_replay`): the lru, lfu and by-uses
+policies (by-uses: hybrid's where routing does not repeat) and the best possible (Belady's), each with a missed
+expert in a slot for the next forward (delay 0), the one after (1) and as the engine has it (3: it decodes one
+step ahead of the host), at the slots per MoE layer of each GPU budget's plan; and lru as the engine has it with
+spare slots (`--spare-slots`: a layer's misses copied by the forward itself into that many of its slots, found
+from the next forward on). Which misses a better policy could save and which only an earlier copy could.
 
     python3 scripts/bench_cache.py MODEL.gguf [--budgets 12GiB,16GiB,20GiB] [--spares 2,4] [--prompts 2] [-n 64]
         [--device cuda]

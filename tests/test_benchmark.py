@@ -154,9 +154,23 @@ def test_replay_policies_and_delays():
         replay(same, 2, "fifo")
 
 
+def test_replay_by_uses():
+    """by-uses brings in after a decode forward only an expert used more often than the least recently used one it
+    would evict; the prompt's forward brings in every expert. Two experts alternating with a third used once: lru
+    lets the one-off in, evicting one of the pair, by-uses keeps the pair."""
+    trace = [{0: frozenset({0, 1})}, {0: frozenset({0})}, {0: frozenset({1})}, {0: frozenset({2})},
+             {0: frozenset({0})}, {0: frozenset({1})}]
+    # lru: 2 evicts 0 (least recent), forward 4 misses 0, which evicts 1, and forward 5 misses 1; by-uses: 2 (one
+    # use) does not beat 0 (two), so only forward 3 misses
+    assert replay(trace, 2, "lru") == pytest.approx(2 / 5)
+    assert replay(trace, 2, "by-uses") == pytest.approx(4 / 5)
+    assert replay([{0: frozenset({0, 1})}, {0: frozenset({0, 1})}], 2, "by-uses") == 1.0  # the prompt's: all in
+
+
 def test_replay_with_spares():
     """A miss copied into a spare is found from the next forward on, whatever the delay; on CUDA's timing a spare
-    comes back to the layer two forwards after it was used. With delay 0 a spare is only a slot fewer for the cache."""
+    comes back to the layer two forwards after it was used. With delay 0 a spare is a slot fewer for the cache, but
+    for where its expert stands in the recency order (taken in before the forward's hits are refreshed)."""
     same = [{0: frozenset({5}), 3: frozenset({1, 2})}] * 11  # 10 forwards after the prompt's
     # layer 0: only the first forward misses 5. Layer 3: 1 is copied in the first forward, 2 in the third (the spare
     # is out in the second), and from the fourth the prompt's copies are in: 0 + 1 + 1 + 7 * 2 of 20
@@ -164,7 +178,7 @@ def test_replay_with_spares():
     rng = np.random.default_rng(3)
     trace = [{layer: frozenset(rng.choice(16, 4, replace=False).tolist()) for layer in range(3)} for _ in range(60)]
     for policy in ("lru", "lfu"):
-        assert replay(trace, 8, policy, 0, spares=2) == replay(trace, 6, policy, 0)
+        assert replay(trace, 8, policy, 0, spares=2) == pytest.approx(replay(trace, 6, policy, 0), abs=0.01)
         assert replay(trace, 8, policy, 3, spares=2) > replay(trace, 6, policy, 3)
     with pytest.raises(ValueError, match="spares"):
         replay(same, 2, "lru", 0, spares=2)
@@ -217,6 +231,40 @@ def test_replay_at_delay_0_is_the_engines_lru_on_the_cpu(tiny_models):
     slots = m.offload.cache.capacity(min(m.offload.layers))
     assert replay(trace, slots, "lru", 0) == pytest.approx(hits / lookups)
     assert replay(trace, slots, "lru", 3) < hits / lookups
+
+
+def test_replay_at_delay_0_is_the_engines_by_uses_on_the_cpu(tiny_models, monkeypatch):
+    """Hybrid where routing does not repeat (REUSED_SHARE above 1: never) brings in by uses: on the CPU its decode hit
+    rate is the by-uses replay's with delay 0, lookup for lookup, at the slots of a layer's partition (no spare slots:
+    one lent only once the prompt's experts are in would start the two apart)."""
+    from specter_gguf.engine import Model
+    from specter_gguf.gguf_file import GGUFFile
+    from specter_gguf.runtime import offload
+    from specter_gguf.runtime.budget import plan_memory
+    from specter_gguf.sampling import SamplingParams
+
+    monkeypatch.setattr(offload, "REUSED_SHARE", 1.01)
+    path, greedy, prompt = tiny_models[("qwen2moe", "f16")], SamplingParams(temperature=0), list(range(3, 40))
+    plan = plan_memory(GGUFFile(path), 1 << 40, 256, "cpu")
+    budget = plan.minimum + 2 * plan.n_moe_layers * plan.slot_bytes
+
+    def offloaded(n: int):
+        m = Model.load(path, device="cpu", progress=False, ctx_size=256, gpu_budget=budget, offload="lru",
+                       hybrid="on", spare_slots=0)
+        m.offload.routing_repeats = False  # as decode steps would soon show
+        return m, m.generate(prompt, n, greedy, ignore_eos=True).wait().stats
+
+    _, prefill = offloaded(1)
+    m, whole = offloaded(48)
+    lookups, hits = whole.cache_lookups - prefill.cache_lookups, whole.cache_hits - prefill.cache_hits
+    assert whole.cache_evictions > 0 and 0 < hits < lookups
+    plain = Model.load(path, device="cpu", progress=False, ctx_size=256)
+    plain.routing_observer = recorder = RoutingRecorder()
+    plain.generate(prompt, 48, greedy, ignore_eos=True).wait()
+    trace = recorder.take()
+    slots = m.offload.cache.capacity(min(m.offload.layers))
+    assert replay(trace, slots, "by-uses", 0) == pytest.approx(hits / lookups)
+    assert replay(trace, slots, "lru", 0) != pytest.approx(hits / lookups)  # (the two policies part on this trace)
 
 
 # ----------------------------------------------------------------------------------------- prompts

@@ -3,20 +3,24 @@ missed expert is in a slot leave a model's decoding from the best any policy cou
 
 A trace is a generation's forwards in order, each the experts every MoE layer used (`RoutingRecorder`, a routing
 observer). `replay` plays the residency path's cache over it (`runtime.offload.OffloadRuntime`): each MoE layer has
-`slots` slots (the per-layer partition of lru); a forward's lookup of an expert hits when the expert is in a slot
-it can see; after the forward every expert it used is brought in (a resident one refreshed, a missing one evicting
-the policy's victim), and forward n sees what the forwards up to n - 1 - `delay` brought in. On CUDA the engine
-decodes one step ahead of the host and copies into a slot only after the forward enqueued before the copy: forward
-n finds in slots the misses of forward n - 4 and earlier (`ENGINE_DELAY`, read from the code's order). On the CPU a
-copy is done before the next forward: delay 0, where the engine's decode hit rate is the replay's (a test checks).
-With `spares` (the engine's `--spare-slots`), that many of a layer's slots are set aside: a forward's misses, in
-ascending order, take the free ones and are in a slot from the next forward on; the host takes them into the cache
-(evicting the policy's victim among the experts that forward did not use) and frees the spares when it reads the
-forward's routing: before the next forward with delay 0, on CUDA before the one after (`SPARE_RETURN`, read from
-the code's order), so there a spare serves one forward in two.
-Policies: `lru`, `lfu` (uses so far; the engine's lfu shares one partition among the layers, here each layer has its
-own), `optimal` (Belady's: the resident expert used again last, or never, goes; no policy that brings in every miss
-does better).
+`slots` slots (the per-layer partition of lru); a forward's lookup of an expert hits when the expert is in a slot it
+can see; after the forward every expert it used is brought in (a resident one refreshed, a missing one evicting the
+policy's victim; the prompt's experts in waves of the layer's slots, each wave evicting the one before, as the
+engine's prefill brings them in), and forward n sees what the forwards up to n - 1 - `delay` brought in. On CUDA the
+engine decodes one step ahead of the host and copies into a slot only after the forward enqueued before the copy:
+forward n finds in slots the misses of forward n - 4 and earlier (`ENGINE_DELAY`, read from the code's order). On
+the CPU a copy is done before the next forward: delay 0, where the engine's decode hit rate is the replay's (a test
+checks). With `spares` (the engine's `--spare-slots`), that many of a layer's slots are set aside: a forward's
+misses, in ascending order, take the free ones and are in a slot from the next forward on; the host takes them into
+the cache (evicting the policy's victim among the experts that forward did not use) and frees the spares when it
+reads the forward's routing: before the next forward with delay 0, on CUDA before the one after (`SPARE_RETURN`,
+read from the code's order), so there a spare serves one forward in two. A forward's experts already resident are
+refreshed before its misses are brought in, and none of them is a victim. Policies: `lru`, `lfu` (uses so far; the
+engine's lfu shares one partition among the layers, here each layer has its own), `by-uses` (lru, but a decode
+forward brings a missed expert in only where it has been used more often so far than the least recently used expert
+it would evict: the engine's lru with hybrid where routing does not repeat; the prompt's forward brings its experts
+in as lru), `optimal` (Belady's: the resident expert used again last, or never, goes; no policy that brings in every
+miss does better).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Sequence
 import torch
 
 Forward = dict[int, frozenset[int]]  # MoE layer -> the experts it used
-POLICIES = ("lru", "lfu", "optimal")
+POLICIES = ("lru", "lfu", "by-uses", "optimal")
 ENGINE_DELAY = 3
 SPARE_RETURN = 2  # on CUDA: forwards after the one that used a spare, the host has taken its expert and freed it
 
@@ -69,13 +73,18 @@ def replay(trace: Sequence[Forward], slots: int, policy: str = "lru", delay: int
         if n - back >= 0:  # taken into the cache, before the host brings in that forward's other experts
             f = n - back
             for layer, experts in copied[f].items():
-                _bring_in(cache.setdefault(layer, OrderedDict()), layer, experts, part, policy, uses, trace, n,
-                          keep=trace[f][layer])
+                _bring_in(cache.setdefault(layer, OrderedDict()), layer, experts, part,
+                          "lru" if policy == "by-uses" else policy, uses, trace, n, keep=trace[f][layer])
         if n - 1 - delay >= 0:
-            for layer, experts in trace[n - 1 - delay].items():
+            f = n - 1 - delay
+            for layer, experts in trace[f].items():
                 for e in experts:  # the uses the host knows of when it brings them in
                     uses[layer, e] = uses.get((layer, e), 0) + 1
-                _bring_in(cache.setdefault(layer, OrderedDict()), layer, experts, part, policy, uses, trace, n)
+                if f == 0:  # the prompt's: in waves of a layer's slots, each evicting the one before (the engine's)
+                    _bring_in(cache.setdefault(layer, OrderedDict()), layer, experts, part,
+                              "lru" if policy == "by-uses" else policy, uses, trace, n, keep=frozenset())
+                else:
+                    _bring_in(cache.setdefault(layer, OrderedDict()), layer, experts, part, policy, uses, trace, n)
         now: Forward = {}
         if n > 0:
             for layer, experts in forward.items():
@@ -92,18 +101,19 @@ def replay(trace: Sequence[Forward], slots: int, policy: str = "lru", delay: int
 def _bring_in(cache: OrderedDict[int, None], layer: int, experts: frozenset[int], slots: int, policy: str,
               uses: dict[tuple[int, int], int], trace: Sequence[Forward], now: int,
               keep: frozenset[int] | None = None) -> None:
-    """`experts` into `cache` (a resident one refreshed), each evicting the policy's victim among the experts not in
-    `keep` (default: `experts`) when the cache is full."""
+    """`experts` into `cache` (the resident ones refreshed first), each evicting the policy's victim among the
+    experts not in `keep` (default: `experts`) when the cache is full."""
     keep = experts if keep is None else keep
-    for e in sorted(experts):
-        if e in cache:
-            cache.move_to_end(e)
-            continue
+    for e in sorted(experts & cache.keys()):
+        cache.move_to_end(e)
+    for e in sorted(experts - cache.keys()):
         if len(cache) >= slots:
             others = [x for x in cache if x not in keep]  # least recently used first
             if not others:  # the forward used more experts than the layer has slots
                 continue
-            if policy == "lru":
+            if policy == "by-uses" and uses.get((layer, e), 0) <= uses.get((layer, others[0]), 0):
+                continue
+            if policy in ("lru", "by-uses"):
                 victim = others[0]
             elif policy == "lfu":
                 victim = min(others, key=lambda x: uses.get((layer, x), 0))
