@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from specter_gguf.bench.cache_replay import ENGINE_DELAY, POLICIES, RoutingRecorder, replay  # noqa: E402
-from specter_gguf.runtime.offload import MAX_SPARES  # noqa: E402
+from specter_gguf.runtime.offload import MAX_SPARES, residency_max_tokens  # noqa: E402
 from specter_gguf.bench.metrics import SAMPLED  # noqa: E402
 from specter_gguf.bench.prompts import load_prompts  # noqa: E402
 from specter_gguf.engine import Model  # noqa: E402
@@ -62,14 +62,15 @@ def main() -> int:
     except SpecterError as e:
         sys.exit(f"bench_cache.py: {e}")
     model = Model.load(args.model, device=args.device, progress=False, ctx_size=args.ctx_size)
+    waves_above = residency_max_tokens(model.config)  # a longer prompt's experts come in waves (`replay`)
     recorder = RoutingRecorder()
     model.routing_observer = recorder
     traces = {}
     for name, sampling in DECODINGS.items():
         traces[name] = []
         for p in load_prompts(n=args.prompts):
-            model.generate(p.text, args.n_predict, sampling, ignore_eos=True).wait()
-            traces[name].append(recorder.take())
+            g = model.generate(p.text, args.n_predict, sampling, ignore_eos=True).wait()
+            traces[name].append((recorder.take(), g.stats.prompt_tokens > waves_above))
     heads = [f"{policy} d{d}" for policy in POLICIES for d in DELAYS] + [f"lru d{ENGINE_DELAY} + {n} spares"
                                                                           for n in spares]
     print(f"Decode hit rate, {args.model.name}, {args.prompts} prompts × {args.n_predict} tokens (dN: a missed expert "
@@ -86,8 +87,8 @@ def main() -> int:
                 if n >= slots:
                     rates.append("—")
                     continue
-                hits = sum(replay(t, slots, policy, d, n) * _lookups(t) for t in runs)
-                rates.append(f"{100 * hits / sum(_lookups(t) for t in runs):.1f}%")
+                hits = sum(replay(t, slots, policy, d, n, prompt_in_waves=waves) * _lookups(t) for t, waves in runs)
+                rates.append(f"{100 * hits / sum(_lookups(t) for t, _ in runs):.1f}%")
             print(f"| {name} | {budget} | {slots} of {experts} | " + " | ".join(rates) + " |")
     return 0
 

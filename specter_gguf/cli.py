@@ -277,7 +277,9 @@ def load_options(f: Any = None, *, depth: bool = True) -> Any:
                      help="Expert-cache slots per MoE layer kept free for a forward to copy the experts it misses "
                      "into as it computes them, so that they cross PCIe once and the next token finds them "
                      f"(--offload lru; default {SPARE_SLOTS_DEFAULT}; 0: misses are read in place and copied into "
-                     "the cache after the forward)."),
+                     "the cache after the forward). With --hybrid, where routing does not repeat from token to "
+                     "token, the spare slots are lent to the cache and only experts used more often than the one "
+                     "they would evict are copied in."),
         click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
                      help="Replay each decode step, draft step and verification as a CUDA graph (CUDA; not with "
                      "--offload gate-prefetch)."),
@@ -535,9 +537,10 @@ def plan(model: Path, gpu_budget: str, draft: Path | str | None, ctx_size: int |
                   "a forward to copy its misses into (--spare-slots); the cache keeps the others")
     if spare_slots is not None and spares < spare_slots and not p.fits_all:
         spare_line += f" (--spare-slots {spare_slots}: at most {spares} fit beside a token's {p.top_k} experts)"
-    if spares and hybrid_line.startswith("hybrid on"):
-        spare_line += ("; hybrid lends them to the cache while routing does not repeat from token to token (decode "
-                       f"steps sharing under {REUSED_SHARE:.0%} of their experts with the step before)")
+    if spares and hybrid_line.startswith(("hybrid on", "hybrid auto")):
+        spare_line += (f"; {'if auto turns it on, ' if hybrid_line.startswith('hybrid auto') else ''}hybrid lends "
+                       "them to the cache while routing does not repeat from token to token (decode steps sharing "
+                       f"under {REUSED_SHARE:.0%} of their experts with the step before)")
     click.echo(json.dumps({**p.to_dict(), "hybrid": hybrid_line, "spare_slots": spares}) if as_json
                else f"{p.describe()}\n{spare_line}\n{hybrid_line}")
 

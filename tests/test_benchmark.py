@@ -208,6 +208,7 @@ def test_replay_at_delay_0_is_the_engines_lru_on_the_cpu(tiny_models):
     from specter_gguf.engine import Model
     from specter_gguf.gguf_file import GGUFFile
     from specter_gguf.runtime.budget import plan_memory
+    from specter_gguf.runtime.offload import residency_max_tokens
     from specter_gguf.sampling import SamplingParams
 
     path, greedy, prompt = tiny_models[("qwen2moe", "f16")], SamplingParams(temperature=0), list(range(3, 40))
@@ -229,14 +230,17 @@ def test_replay_at_delay_0_is_the_engines_lru_on_the_cpu(tiny_models):
     trace = recorder.take()
     assert sum(len(e) for f in trace[1:] for e in f.values()) == lookups
     slots = m.offload.cache.capacity(min(m.offload.layers))
-    assert replay(trace, slots, "lru", 0) == pytest.approx(hits / lookups)
-    assert replay(trace, slots, "lru", 3) < hits / lookups
+    waves = len(prompt) > residency_max_tokens(m.config)  # (it is)
+    assert replay(trace, slots, "lru", 0, prompt_in_waves=waves) == pytest.approx(hits / lookups)
+    assert replay(trace, slots, "lru", 3, prompt_in_waves=waves) < hits / lookups
 
 
-def test_replay_at_delay_0_is_the_engines_by_uses_on_the_cpu(tiny_models, monkeypatch):
+@pytest.mark.parametrize("prompt_len", [37, 20])
+def test_replay_at_delay_0_is_the_engines_by_uses_on_the_cpu(tiny_models, monkeypatch, prompt_len: int):
     """Hybrid where routing does not repeat (REUSED_SHARE above 1: never) brings in by uses: on the CPU its decode hit
     rate is the by-uses replay's with delay 0, lookup for lookup, at the slots of a layer's partition (no spare slots:
-    one lent only once the prompt's experts are in would start the two apart)."""
+    one lent only once the prompt's experts are in would start the two apart); a prompt's experts come in waves above
+    `residency_max_tokens` (31 here), by uses below."""
     from specter_gguf.engine import Model
     from specter_gguf.gguf_file import GGUFFile
     from specter_gguf.runtime import offload
@@ -244,7 +248,8 @@ def test_replay_at_delay_0_is_the_engines_by_uses_on_the_cpu(tiny_models, monkey
     from specter_gguf.sampling import SamplingParams
 
     monkeypatch.setattr(offload, "REUSED_SHARE", 1.01)
-    path, greedy, prompt = tiny_models[("qwen2moe", "f16")], SamplingParams(temperature=0), list(range(3, 40))
+    path, greedy = tiny_models[("qwen2moe", "f16")], SamplingParams(temperature=0)
+    prompt = list(range(3, 3 + prompt_len))
     plan = plan_memory(GGUFFile(path), 1 << 40, 256, "cpu")
     budget = plan.minimum + 2 * plan.n_moe_layers * plan.slot_bytes
 
@@ -263,8 +268,10 @@ def test_replay_at_delay_0_is_the_engines_by_uses_on_the_cpu(tiny_models, monkey
     plain.generate(prompt, 48, greedy, ignore_eos=True).wait()
     trace = recorder.take()
     slots = m.offload.cache.capacity(min(m.offload.layers))
-    assert replay(trace, slots, "by-uses", 0) == pytest.approx(hits / lookups)
-    assert replay(trace, slots, "lru", 0) != pytest.approx(hits / lookups)  # (the two policies part on this trace)
+    waves = prompt_len > offload.residency_max_tokens(m.config)
+    assert waves == (prompt_len == 37)
+    assert replay(trace, slots, "by-uses", 0, prompt_in_waves=waves) == pytest.approx(hits / lookups)
+    assert replay(trace, slots, "lru", 0, prompt_in_waves=waves) != pytest.approx(hits / lookups)
 
 
 # ----------------------------------------------------------------------------------------- prompts

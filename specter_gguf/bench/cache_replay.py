@@ -5,22 +5,20 @@ A trace is a generation's forwards in order, each the experts every MoE layer us
 observer). `replay` plays the residency path's cache over it (`runtime.offload.OffloadRuntime`): each MoE layer has
 `slots` slots (the per-layer partition of lru); a forward's lookup of an expert hits when the expert is in a slot it
 can see; after the forward every expert it used is brought in (a resident one refreshed, a missing one evicting the
-policy's victim; the prompt's experts in waves of the layer's slots, each wave evicting the one before, as the
-engine's prefill brings them in), and forward n sees what the forwards up to n - 1 - `delay` brought in. On CUDA the
-engine decodes one step ahead of the host and copies into a slot only after the forward enqueued before the copy:
-forward n finds in slots the misses of forward n - 4 and earlier (`ENGINE_DELAY`, read from the code's order). On
-the CPU a copy is done before the next forward: delay 0, where the engine's decode hit rate is the replay's (a test
-checks). With `spares` (the engine's `--spare-slots`), that many of a layer's slots are set aside: a forward's
-misses, in ascending order, take the free ones and are in a slot from the next forward on; the host takes them into
-the cache (evicting the policy's victim among the experts that forward did not use) and frees the spares when it
-reads the forward's routing: before the next forward with delay 0, on CUDA before the one after (`SPARE_RETURN`,
-read from the code's order), so there a spare serves one forward in two. A forward's experts already resident are
-refreshed before its misses are brought in, and none of them is a victim. Policies: `lru`, `lfu` (uses so far; the
-engine's lfu shares one partition among the layers, here each layer has its own), `by-uses` (lru, but a decode
-forward brings a missed expert in only where it has been used more often so far than the least recently used expert
-it would evict: the engine's lru with hybrid where routing does not repeat; the prompt's forward brings its experts
-in as lru), `optimal` (Belady's: the resident expert used again last, or never, goes; no policy that brings in every
-miss does better).
+policy's victim; a long prompt's in waves: `replay`), and forward n sees what the forwards up to n - 1 - `delay`
+brought in. On CUDA the engine decodes one step ahead of the host and copies into a slot only after the forward
+enqueued before the copy: forward n finds in slots the misses of forward n - 4 and earlier (`ENGINE_DELAY`, read
+from the code's order). On the CPU a copy is done before the next forward: delay 0, where the engine's decode hit
+rate is the replay's (a test checks). With `spares` (the engine's `--spare-slots`), that many of a layer's slots are
+set aside: a forward's misses, in ascending order, take the free ones and are in a slot from the next forward on;
+the host takes them into the cache (evicting the policy's victim among the experts that forward did not use) and
+frees the spares when it reads the forward's routing: before the next forward with delay 0, on CUDA before the one
+after (`SPARE_RETURN`, read from the code's order), so there a spare serves one forward in two. A forward's experts
+already resident are refreshed before its misses are brought in, and none of them is a victim. Policies: `lru`,
+`lfu` (uses so far; the engine's lfu shares one partition among the layers, here each layer has its own), `by-uses`
+(lru, but a forward brings a missed expert in only where it has been used more often so far than the least recently
+used expert it would evict: the engine's lru with hybrid where routing does not repeat), `optimal` (Belady's: the
+resident expert used again last, or never, goes; no policy that brings in every miss does better).
 """
 
 from __future__ import annotations
@@ -57,8 +55,12 @@ class RoutingRecorder:
         return out
 
 
-def replay(trace: Sequence[Forward], slots: int, policy: str = "lru", delay: int = 0, spares: int = 0) -> float:
-    """The hit rate of the lookups of every forward after the first (the prompt's, which fills the cache)."""
+def replay(trace: Sequence[Forward], slots: int, policy: str = "lru", delay: int = 0, spares: int = 0,
+           prompt_in_waves: bool = False) -> float:
+    """The hit rate of the lookups of every forward after the first (the prompt's, which fills the cache). The
+    prompt's experts come in as any forward's, or with `prompt_in_waves` (a prompt of more than
+    `runtime.offload.residency_max_tokens` tokens, which the engine's prefill takes in host-managed waves) as lru
+    with each wave of a layer's slots evicting the one before."""
     if policy not in POLICIES:
         raise ValueError(f"policy {policy!r}: one of {POLICIES}")
     if not 0 <= spares < slots:
@@ -80,9 +82,9 @@ def replay(trace: Sequence[Forward], slots: int, policy: str = "lru", delay: int
             for layer, experts in trace[f].items():
                 for e in experts:  # the uses the host knows of when it brings them in
                     uses[layer, e] = uses.get((layer, e), 0) + 1
-                if f == 0:  # the prompt's: in waves of a layer's slots, each evicting the one before (the engine's)
-                    _bring_in(cache.setdefault(layer, OrderedDict()), layer, experts, part,
-                              "lru" if policy == "by-uses" else policy, uses, trace, n, keep=frozenset())
+                if f == 0 and prompt_in_waves:
+                    _bring_in(cache.setdefault(layer, OrderedDict()), layer, experts, part, "lru", uses, trace, n,
+                              keep=frozenset())
                 else:
                     _bring_in(cache.setdefault(layer, OrderedDict()), layer, experts, part, policy, uses, trace, n)
         now: Forward = {}
