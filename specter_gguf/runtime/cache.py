@@ -279,9 +279,9 @@ class ExpertCache:
         Returns at once: copies are queued on the copy stream. A key already resident is refreshed (it
         becomes most recently used); a key that finds no evictable slot in its partition (all pinned, reserved
         or taken by higher-priority keys of this request) is skipped, and so, `by_uses`, is one used no more often
-        (`count_uses` and `acquire` count uses) than the expert it would evict. With `reserve`, the keys' slots join `reserved`. Returns the
-        number of copies issued, counted as prefetches unless `prefetch` is False (experts brought in because they
-        were just used)."""
+        (`count_uses` and `acquire` count uses) than the expert it would evict. With `reserve`, the keys' slots
+        join `reserved`. Returns the number of copies issued, counted as prefetches unless `prefetch` is False
+        (experts brought in because they were just used)."""
         order = list(keys) if priority is None else \
             [k for _, k in sorted(zip(priority, keys), key=lambda pk: -pk[0])]
         taken: set[int] = set()
