@@ -529,7 +529,7 @@ def plan(model: Path, gpu_budget: str, draft: Path | str | None, ctx_size: int |
     if p.budget < p.minimum:  # the split, then the error (exit 1) says what is missing: no cache to say more of
         click.echo(json.dumps({**p.to_dict(), "hybrid": None, "spare_slots": None}) if as_json else p.describe())
         p.check()
-    hybrid_line = _hybrid_plan(model, hybrid, device, p.fits_all)
+    hybrid_on, hybrid_line = _hybrid_plan(model, hybrid, device, p.fits_all)
     spares = 0 if p.fits_all else spares_per_layer(p.n_slots, p.n_moe_layers, p.top_k, spare_slots,
                                                    lookahead=p.draft_experts > 0)
     spare_line = ("spare slots: none (the whole model fits the budget)" if p.fits_all else
@@ -537,27 +537,30 @@ def plan(model: Path, gpu_budget: str, draft: Path | str | None, ctx_size: int |
                   "a forward to copy its misses into (--spare-slots); the cache keeps the others")
     if spare_slots is not None and spares < spare_slots and not p.fits_all:
         spare_line += f" (--spare-slots {spare_slots}: at most {spares} fit beside a token's {p.top_k} experts)"
-    if spares and hybrid_line.startswith(("hybrid on", "hybrid auto")):
-        spare_line += (f"; {'if auto turns it on, ' if hybrid_line.startswith('hybrid auto') else ''}hybrid lends "
+    if spares and hybrid_on is not False:
+        spare_line += (f"; {'if auto turns it on, ' if hybrid_on is None else ''}hybrid lends "
                        "them to the cache while routing does not repeat from token to token (decode steps sharing "
                        f"under {REUSED_SHARE:.0%} of their experts with the step before)")
     click.echo(json.dumps({**p.to_dict(), "hybrid": hybrid_line, "spare_slots": spares}) if as_json
                else f"{p.describe()}\n{spare_line}\n{hybrid_line}")
 
 
-def _hybrid_plan(model: Path, hybrid: str, device: str, fits_all: bool) -> str:
-    """`plan`'s line on --hybrid: what a load would choose on `device`, and why."""
+def _hybrid_plan(model: Path, hybrid: str, device: str, fits_all: bool) -> tuple[bool | None, str]:
+    """Whether a load would turn --hybrid on on `device` (None: auto, unmeasured here; False also where the whole
+    model fits), and `plan`'s line on it: what it would choose, and why."""
     import torch
 
     from specter_gguf.engine import plan_hybrid
 
     if fits_all:
-        return f"hybrid {hybrid}: no expert is offloaded (the whole model fits the budget)"
+        return False, f"hybrid {hybrid}: no expert is offloaded (the whole model fits the budget)"
     if hybrid == "off":
-        return "hybrid off: the experts a forward misses are read over PCIe"
+        return False, "hybrid off: the experts a forward misses are read over PCIe"
     if device == "cuda" and not torch.cuda.is_available():
-        return f"hybrid {hybrid}: measured when the model loads on a CUDA GPU (none here to measure on)"
-    return plan_hybrid(model, hybrid, device).describe()
+        return (True if hybrid == "on" else None,
+                f"hybrid {hybrid}: measured when the model loads on a CUDA GPU (none here to measure on)")
+    choice = plan_hybrid(model, hybrid, device)
+    return choice.on, choice.describe()
 
 
 @cli.command()

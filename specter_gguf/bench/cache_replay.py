@@ -82,11 +82,9 @@ def replay(trace: Sequence[Forward], slots: int, policy: str = "lru", delay: int
             for layer, experts in trace[f].items():
                 for e in experts:  # the uses the host knows of when it brings them in
                     uses[layer, e] = uses.get((layer, e), 0) + 1
-                if f == 0 and prompt_in_waves:
-                    _bring_in(cache.setdefault(layer, OrderedDict()), layer, experts, part, "lru", uses, trace, n,
-                              keep=frozenset())
-                else:
-                    _bring_in(cache.setdefault(layer, OrderedDict()), layer, experts, part, policy, uses, trace, n)
+                waves = f == 0 and prompt_in_waves  # (each wave evicts the one before: no expert is kept)
+                _bring_in(cache.setdefault(layer, OrderedDict()), layer, experts, part, "lru" if waves else policy,
+                          uses, trace, n, keep=frozenset() if waves else None)
         now: Forward = {}
         if n > 0:
             for layer, experts in forward.items():
