@@ -527,7 +527,8 @@ def plan(model: Path, gpu_budget: str, draft: Path | str | None, ctx_size: int |
 
     p = plan_budget(model, _gpu_budget(gpu_budget), ctx_size, device, None if draft == "none" else draft)
     if p.budget < p.minimum:  # the split, then the error (exit 1) says what is missing: no cache to say more of
-        click.echo(json.dumps({**p.to_dict(), "hybrid": None, "spare_slots": None}) if as_json else p.describe())
+        click.echo(json.dumps({**p.to_dict(), "hybrid": None, "spare_slots": None, "lends_spares": None}) if as_json
+                   else p.describe())
         p.check()
     hybrid_on, hybrid_line = _hybrid_plan(model, hybrid, device, p.fits_all)
     spares = 0 if p.fits_all else spares_per_layer(p.n_slots, p.n_moe_layers, p.top_k, spare_slots,
@@ -537,12 +538,14 @@ def plan(model: Path, gpu_budget: str, draft: Path | str | None, ctx_size: int |
                   "a forward to copy its misses into (--spare-slots); the cache keeps the others")
     if spare_slots is not None and spares < spare_slots and not p.fits_all:
         spare_line += f" (--spare-slots {spare_slots}: at most {spares} fit beside a token's {p.top_k} experts)"
-    if spares and hybrid_on is not False:
+    # whether hybrid would lend the spares to the cache while routing does not repeat (None: auto, unmeasured here)
+    lends_spares = hybrid_on if spares else False
+    if lends_spares is not False:
         spare_line += (f"; {'if auto turns it on, ' if hybrid_on is None else ''}hybrid lends "
                        "them to the cache while routing does not repeat from token to token (decode steps sharing "
                        f"under {REUSED_SHARE:.0%} of their experts with the step before)")
-    click.echo(json.dumps({**p.to_dict(), "hybrid": hybrid_line, "spare_slots": spares}) if as_json
-               else f"{p.describe()}\n{spare_line}\n{hybrid_line}")
+    click.echo(json.dumps({**p.to_dict(), "hybrid": hybrid_line, "spare_slots": spares, "lends_spares": lends_spares})
+               if as_json else f"{p.describe()}\n{spare_line}\n{hybrid_line}")
 
 
 def _hybrid_plan(model: Path, hybrid: str, device: str, fits_all: bool) -> tuple[bool | None, str]:

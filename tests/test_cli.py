@@ -381,6 +381,7 @@ def test_plan_spare_slots_and_a_budget_below_the_minimum(shipped_model: Path) ->
                     "--json")
     got = json.loads(result.stdout.splitlines()[0])
     assert result.exit_code == 1 and got["spare_slots"] is None and got["hybrid"] is None
+    assert got["lends_spares"] is None
     run = invoke("run", str(shipped_model), "-p", PROMPT, "-n", "2", "--device", "cpu", "--gpu-budget", "20MiB",
                  "--draft", "none", "--spare-slots", "8")
     assert run.exit_code == 0 and "--spare-slots 8: each MoE layer's 4 slots hold 2" in run.stderr

@@ -181,6 +181,10 @@ def test_plan_command(shipped_model) -> None:
     r = CliRunner().invoke(cli, ["plan", str(shipped_model), "--gpu-budget", budget, "-c", str(CTX), "--device", "cpu",
                                  "--hybrid", "on"])
     assert r.exit_code == 0 and "hybrid lends them to the cache while routing does not repeat" in r.output, r.output
+    for hybrid, lent in ("on", True), ("off", False), ("auto", False):  # auto: off on the CPU device
+        r = CliRunner().invoke(cli, ["plan", str(shipped_model), "--gpu-budget", budget, "-c", str(CTX), "--device",
+                                     "cpu", "--hybrid", hybrid, "--json"])
+        assert r.exit_code == 0 and json.loads(r.output)["lends_spares"] is lent, r.output
     r = CliRunner().invoke(cli, ["plan", str(shipped_model), "--gpu-budget", budget, "-c", str(CTX), "--device", "cpu",
                                  "--json", "--spare-slots", "9"])
     assert r.exit_code == 2, r.output  # above MAX_SPARES
