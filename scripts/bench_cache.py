@@ -4,14 +4,16 @@ policies (by-uses: hybrid's where routing does not repeat) and the best possible
 expert in a slot for the next forward (delay 0), the one after (1) and as the engine has it (3: it decodes one
 step ahead of the host), at the slots per MoE layer of each GPU budget's plan; and lru as the engine has it with
 spare slots (`--spare-slots`: a layer's misses copied by the forward itself into that many of its slots, found
-from the next forward on). Which misses a better policy could save and which only an earlier copy could.
+from the next forward on). Which misses a better policy could save and which only an earlier copy could. A second
+table keeps one cache through every prompt in turn, as a server does, with use counts halved as the engine's and
+kept for the cache's lifetime.
 
     python3 scripts/bench_cache.py MODEL.gguf [--budgets 12GiB,16GiB,20GiB] [--spares 2,4] [--prompts 2] [-n 64]
         [--device cuda]
 
 Records the routing of the bench prompts (scripts/bench_prompts.json), greedy and sampled (temperature 1, top-k 40,
 top-p 0.95, min-p 0.05), with the whole model loaded (on the CPU when it does not fit the GPU: routing is the
-same); prints a Markdown table of decode hit rates, all prompts' lookups together.
+same); prints Markdown tables of decode hit rates, all prompts' lookups together.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from specter_gguf.bench.cache_replay import ENGINE_DELAY, POLICIES, RoutingRecorder, replay  # noqa: E402
+from specter_gguf.bench.cache_replay import ENGINE_DELAY, POLICIES, RoutingRecorder, replay, replay_served  # noqa: E402
 from specter_gguf.runtime.offload import MAX_SPARES, residency_max_tokens  # noqa: E402
 from specter_gguf.bench.metrics import SAMPLED  # noqa: E402
 from specter_gguf.bench.prompts import load_prompts  # noqa: E402
@@ -30,6 +32,7 @@ from specter_gguf.engine import Model  # noqa: E402
 from specter_gguf.errors import SpecterError  # noqa: E402
 from specter_gguf.gguf_file import GGUFFile  # noqa: E402
 from specter_gguf.runtime.budget import plan_memory  # noqa: E402
+from specter_gguf.runtime.cache import USES_HALVED_AFTER  # noqa: E402
 from specter_gguf.sampling import SamplingParams  # noqa: E402
 
 DECODINGS = {"greedy": SamplingParams(temperature=0.0), "sampled": SamplingParams(**SAMPLED, seed=1234)}
@@ -89,6 +92,18 @@ def main() -> int:
                     continue
                 hits = sum(replay(t, slots, policy, d, n, prompt_in_waves=waves) * _lookups(t) for t, waves in runs)
                 rates.append(f"{100 * hits / sum(_lookups(t) for t, _ in runs):.1f}%")
+            print(f"| {name} | {budget} | {slots} of {experts} | " + " | ".join(rates) + " |")
+    served = [(policy, halve) for policy in ("lru", "lfu", "by-uses") for halve in (USES_HALVED_AFTER, 0)
+              if policy != "lru" or halve]  # lru counts no uses
+    print(f"\nThe same prompts one after another in one cache, as a server keeps it (d{ENGINE_DELAY}; use counts "
+          f"halved after each {USES_HALVED_AFTER} × the slots in counted uses as the engine's, or lifetime counts)\n")
+    heads = ["lru" if policy == "lru" else f"{policy}, {'halved' if halve else 'lifetime'}" for policy, halve in served]
+    print("| Decoding | Budget | Slots/layer | " + " | ".join(heads) + " |")
+    print("|---|---|---|" + "---|" * len(heads))
+    for name, runs in traces.items():
+        for budget, slots, experts in budgets:
+            rates = [f"{100 * replay_served(runs, slots, policy, ENGINE_DELAY, halve_after=halve):.1f}%"
+                     for policy, halve in served]
             print(f"| {name} | {budget} | {slots} of {experts} | " + " | ".join(rates) + " |")
     return 0
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from specter_gguf.bench import prompts
-from specter_gguf.bench.cache_replay import RoutingRecorder, replay
+from specter_gguf.bench.cache_replay import RoutingRecorder, replay, replay_served
 from specter_gguf.bench.llamacpp import EXPERT_RE, ModelSizes, llama_server_args, smallest_ncmoe
 from specter_gguf.bench.matrix import (LLAMA_FAMILIES, Budget, MatrixConfig, SystemSpec, build_matrix, parse_budgets,
                                        select_families, split_part)
@@ -167,6 +167,24 @@ def test_replay_by_uses():
     assert replay([{0: frozenset({0, 1})}, {0: frozenset({0, 1})}], 2, "by-uses") == 1.0  # the prompt's: all in
 
 
+
+def test_replay_served_halves_use_counts():
+    """One cache through two generations in turn: on lifetime counts by-uses never brings in the second's two experts
+    (the first's were used more often), with counts halved after each 5 × the slots of uses it does within a few
+    forwards; a single generation served is `replay`'s."""
+    first = [{0: frozenset({0, 1})}] * 41  # a prompt's forward and 40 decode forwards
+    second = [{0: frozenset({2, 3})}] * 41
+    runs = [(first, False), (second, False)]
+    assert replay_served(runs, 2, "by-uses", halve_after=0) == 0.5  # the first's 80 lookups hit, the second's miss
+    assert replay_served(runs, 2, "lru", halve_after=0) == 1.0  # the second's prompt brings its experts in
+    halved = replay_served(runs, 2, "by-uses", halve_after=5)
+    assert 0.9 < halved < 1.0
+    assert replay_served([(first, False)], 2, "by-uses") == replay(first, 2, "by-uses") == 1.0
+    trace = [{layer: frozenset(np.random.default_rng(n).choice(16, 4, replace=False).tolist()) for layer in range(3)}
+             for n in range(30)]
+    assert replay_served([(trace, True)], 6, "by-uses", 3) == replay(trace, 6, "by-uses", 3, prompt_in_waves=True)
+
+
 def test_replay_with_spares():
     """A miss copied into a spare is found from the next forward on, whatever the delay; on CUDA's timing a spare
     comes back to the layer two forwards after it was used. With delay 0 a spare is a slot fewer for the cache, but
@@ -177,9 +195,10 @@ def test_replay_with_spares():
     assert replay(same, 3, "lru", 3, spares=1) == pytest.approx((9 + 16) / 30)
     rng = np.random.default_rng(3)
     trace = [{layer: frozenset(rng.choice(16, 4, replace=False).tolist()) for layer in range(3)} for _ in range(60)]
-    for policy in ("lru", "lfu"):
-        assert replay(trace, 8, policy, 0, spares=2) == pytest.approx(replay(trace, 6, policy, 0), abs=0.01)
-        assert replay(trace, 8, policy, 3, spares=2) > replay(trace, 6, policy, 3)
+    for policy in ("lru", "lfu"):  # lifetime counts: use counts halve after a number of uses that the slots set
+        assert replay(trace, 8, policy, 0, spares=2, halve_after=0) == pytest.approx(
+            replay(trace, 6, policy, 0, halve_after=0), abs=0.01)
+        assert replay(trace, 8, policy, 3, spares=2, halve_after=0) > replay(trace, 6, policy, 3, halve_after=0)
     with pytest.raises(ValueError, match="spares"):
         replay(same, 2, "lru", 0, spares=2)
 
@@ -239,8 +258,8 @@ def test_replay_at_delay_0_is_the_engines_lru_on_the_cpu(tiny_models):
 def test_replay_at_delay_0_is_the_engines_by_uses_on_the_cpu(tiny_models, monkeypatch, prompt_len: int):
     """Hybrid where routing does not repeat (REUSED_SHARE above 1: never) brings in by uses: on the CPU its decode hit
     rate is the by-uses replay's with delay 0, lookup for lookup, at the slots of a layer's partition (no spare slots:
-    one lent only once the prompt's experts are in would start the two apart); a prompt's experts come in waves above
-    `residency_max_tokens` (31 here), by uses below."""
+    one lent only once the prompt's experts are in would start the two apart), use counts halved as the engine's; a
+    prompt's experts come in waves above `residency_max_tokens` (31 here), by uses below."""
     from specter_gguf.engine import Model
     from specter_gguf.gguf_file import GGUFFile
     from specter_gguf.runtime import offload
@@ -272,6 +291,8 @@ def test_replay_at_delay_0_is_the_engines_by_uses_on_the_cpu(tiny_models, monkey
     assert waves == (prompt_len == 37)
     assert replay(trace, slots, "by-uses", 0, prompt_in_waves=waves) == pytest.approx(hits / lookups)
     assert replay(trace, slots, "lru", 0, prompt_in_waves=waves) != pytest.approx(hits / lookups)
+    if not waves:  # the use counts halved on the way (USES_HALVED_AFTER), in the engine as in the replay
+        assert replay(trace, slots, "by-uses", 0, halve_after=0) != pytest.approx(hits / lookups)
 
 
 # ----------------------------------------------------------------------------------------- prompts

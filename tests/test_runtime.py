@@ -341,6 +341,26 @@ def test_request_by_uses_brings_in_only_the_more_used(shipped_model) -> None:
     assert cache.resident([(0, 1), (0, 4), (0, 5)]) == [True, False, True]
 
 
+
+def test_use_counts_halve_so_that_the_experts_used_now_overtake(shipped_model) -> None:
+    """Every use count halves once `USES_HALVED_AFTER` × the slots of uses are counted since the last halving: an
+    expert used now overtakes an old favourite that it would need as many uses as the favourite had to overtake on
+    lifetime counts."""
+    from specter_gguf.runtime.cache import USES_HALVED_AFTER
+
+    cache = small_cache(shipped_model, 2)  # 2 per layer
+    window = USES_HALVED_AFTER * cache.n_slots
+    cache.count_uses([(0, 1)] * (window - 1))  # an old favourite, one use short of a halving
+    cache.request([(0, 1), (0, 2)], prefetch=False)  # (0, 1) the least recently used
+    uses = 0
+    while not cache.request([(0, 5)], prefetch=False, by_uses=True):
+        cache.count_uses([(0, 5)])
+        uses += 1
+    # the first use halves (0, 1)'s count (and its own 1 to 0), the next ones pass what is left
+    assert uses == 1 + (window - 1) // 2 + 1 < window
+    assert cache.resident([(0, 1), (0, 2), (0, 5)]) == [False, True, True]
+
+
 def check_slots(cache) -> None:
     """Every slot is in exactly one place: a partition (its expert, if any, in `where` and the table once published)
     or the spares (empty, in the device's spare row, named by no table entry)."""
@@ -530,7 +550,10 @@ def test_spares_stay_right_when_the_host_learns_late(tiny_models, arch: str, roo
 
 
 @pytest.mark.parametrize("policy", ["lfu", "static-hot"])
-def test_policies_match_the_plain_engine(tiny_models, tmp_path, policy: str) -> None:
+def test_policies_match_the_plain_engine(tiny_models, tmp_path, monkeypatch, policy: str) -> None:
+    from specter_gguf.runtime import cache as cache_module
+
+    monkeypatch.setattr(cache_module, "USES_HALVED_AFTER", 1 << 30)  # lifetime counts, to count them below
     path = tiny_models[("qwen3moe", "f16")]
     expected = _reference_tokens(path)
     kwargs = {}

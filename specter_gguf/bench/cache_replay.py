@@ -15,18 +15,24 @@ the host takes them into the cache (evicting the policy's victim among the exper
 frees the spares when it reads the forward's routing: before the next forward with delay 0, on CUDA before the one
 after (`SPARE_RETURN`, read from the code's order), so there a spare serves one forward in two. A forward's experts
 already resident are refreshed before its misses are brought in, and none of them is a victim. Policies: `lru`,
-`lfu` (uses so far; the engine's lfu shares one partition among the layers, here each layer has its own), `by-uses`
-(lru, but a forward brings a missed expert in only where it has been used more often so far than the least recently
-used expert it would evict: the engine's lru with hybrid where routing does not repeat), `optimal` (Belady's: the
-resident expert used again last, or never, goes; no policy that brings in every miss does better).
+`lfu` (fewest recent uses; the engine's lfu shares one partition among the layers, here each layer has its own),
+`by-uses` (lru, but a forward brings a missed expert in only where it has been used more often lately than the least
+recently used expert it would evict: the engine's lru with hybrid where routing does not repeat), `optimal`
+(Belady's: the resident expert used again last, or never, goes; no policy that brings in every miss does better).
+Uses are counted as the host learns of them, a layer at a time, and every count halves after each `halve_after`
+times the slots of all layers in counted uses, as the engine's (`runtime.cache.USES_HALVED_AFTER`).
+`replay_served` plays one cache through several generations in turn, as a server keeps it.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import accumulate
 from typing import Sequence
 
 import torch
+
+from specter_gguf.runtime.cache import USES_HALVED_AFTER
 
 Forward = dict[int, frozenset[int]]  # MoE layer -> the experts it used
 POLICIES = ("lru", "lfu", "by-uses", "optimal")
@@ -56,11 +62,30 @@ class RoutingRecorder:
 
 
 def replay(trace: Sequence[Forward], slots: int, policy: str = "lru", delay: int = 0, spares: int = 0,
-           prompt_in_waves: bool = False) -> float:
+           prompt_in_waves: bool = False, halve_after: int = USES_HALVED_AFTER) -> float:
     """The hit rate of the lookups of every forward after the first (the prompt's, which fills the cache). The
     prompt's experts come in as any forward's, or with `prompt_in_waves` (a prompt of more than
     `runtime.offload.residency_max_tokens` tokens, which the engine's prefill takes in host-managed waves) as lru
-    with each wave of a layer's slots evicting the one before."""
+    with each wave of a layer's slots evicting the one before. `halve_after` 0: lifetime use counts."""
+    hits, lookups = _replay(trace, {0: prompt_in_waves}, slots, policy, delay, spares, halve_after)
+    return hits / lookups if lookups else 0.0
+
+
+def replay_served(runs: Sequence[tuple[Sequence[Forward], bool]], slots: int, policy: str = "lru", delay: int = 0,
+                  spares: int = 0, halve_after: int = USES_HALVED_AFTER) -> float:
+    """`replay` of several generations one after another in one cache, each a (trace, prompt_in_waves) pair: the
+    hit rate of their decode forwards' lookups. A prompt finds the cache as the generation before left it."""
+    trace = [forward for run, _ in runs for forward in run]
+    starts = accumulate((len(run) for run, _ in runs[:-1]), initial=0)
+    hits, lookups = _replay(trace, {s: waves for s, (_, waves) in zip(starts, runs)}, slots, policy, delay, spares,
+                            halve_after)
+    return hits / lookups if lookups else 0.0
+
+
+def _replay(trace: Sequence[Forward], prompts: dict[int, bool], slots: int, policy: str, delay: int, spares: int,
+            halve_after: int) -> tuple[int, int]:
+    """Hits and lookups of the forwards that are not prompts (`prompts`: a prompt's forward -> its experts come in
+    waves)."""
     if policy not in POLICIES:
         raise ValueError(f"policy {policy!r}: one of {POLICIES}")
     if not 0 <= spares < slots:
@@ -69,6 +94,8 @@ def replay(trace: Sequence[Forward], slots: int, policy: str = "lru", delay: int
     back = 1 + min(delay, SPARE_RETURN - 1)  # forwards until the host takes a spare's expert and frees it
     cache: dict[int, OrderedDict[int, None]] = {}
     uses: dict[tuple[int, int], int] = {}
+    halving = halve_after * slots * len({layer for forward in trace for layer in forward})
+    counted = 0  # uses counted since the last halving
     copied: list[Forward] = []  # per forward: the misses each layer copied into spares
     hits = lookups = 0
     for n, forward in enumerate(trace):
@@ -82,11 +109,15 @@ def replay(trace: Sequence[Forward], slots: int, policy: str = "lru", delay: int
             for layer, experts in trace[f].items():
                 for e in experts:  # the uses the host knows of when it brings them in
                     uses[layer, e] = uses.get((layer, e), 0) + 1
-                waves = f == 0 and prompt_in_waves  # (each wave evicts the one before: no expert is kept)
+                counted += len(experts)
+                if halving and counted >= halving:
+                    uses = {key: n // 2 for key, n in uses.items() if n > 1}
+                    counted = 0
+                waves = prompts.get(f, False)  # (each wave evicts the one before: no expert is kept)
                 _bring_in(cache.setdefault(layer, OrderedDict()), layer, experts, part, "lru" if waves else policy,
                           uses, trace, n, keep=frozenset() if waves else None)
         now: Forward = {}
-        if n > 0:
+        if n not in prompts:
             for layer, experts in forward.items():
                 resident = cache.get(layer, ())
                 in_spares = frozenset().union(*(copied[f].get(layer, frozenset()) for f in range(n - back + 1, n)))
@@ -95,7 +126,7 @@ def replay(trace: Sequence[Forward], slots: int, policy: str = "lru", delay: int
                 misses = sorted(e for e in experts if e not in resident and e not in in_spares)
                 now[layer] = frozenset(misses[:spares - len(in_spares)])
         copied.append(now)
-    return hits / lookups if lookups else 0.0
+    return hits, lookups
 
 
 def _bring_in(cache: OrderedDict[int, None], layer: int, experts: frozenset[int], slots: int, policy: str,

@@ -6,7 +6,8 @@ One device allocation holds `n_slots` slots of `slot_bytes` each; a slot holds o
 all (`"global"`: hot layers may take more slots). Inside a partition the policy picks the victim:
 
 - `lru`: least recently used;
-- `lfu`: fewest uses so far (lifetime counts, ties broken by recency);
+- `lfu`: fewest recent uses (ties broken by recency): every count halves after each `USES_HALVED_AFTER` × `n_slots`
+  counted uses, so that an expert once hot does not outweigh the experts used now (TinyLFU's ageing);
 - `static-hot`: lowest count in a routing profile (a profiling run's counts per (layer, expert)); the hottest
   experts are loaded up front (`warm`) and a cold expert brought in for a miss is the next to go, so the hot
   set stays resident.
@@ -66,6 +67,11 @@ from specter_gguf.runtime.store import ExpertStore
 
 Key = tuple[int, int]  # (layer, expert)
 POLICIES = ("lru", "lfu", "static-hot")
+# Use counts (lfu's victims, lru's bring-in by uses) halve after this many times the slots in counted uses, so that
+# a long-running cache follows the experts used now: replaying 8 generations in one cache (4-layer Qwen1.5-MoE shapes,
+# routing that follows the token, 6-21 slots a layer), bringing in by lifetime uses hit 2-9 points less than lru, by
+# uses halved after 5 x the slots 2-7 points more (after 3 or 8 x: within 1.9 points of 5; docs/BENCHMARKS.md).
+USES_HALVED_AFTER = 5
 
 
 class CopyProgress:
@@ -141,7 +147,8 @@ class ExpertCache:
         self._pins = [0] * n_slots
         # slots a coming verification needs (the lookahead buffer's): no request evicts them until it clears them
         self.reserved: set[int] = set()
-        self._uses: dict[Key, int] = {}  # lifetime uses (lfu)
+        self._uses: dict[Key, int] = {}  # recent uses (lfu, bring-in by uses): halved by `_age`
+        self._counted = 0  # uses counted since the last halving
         # partitions: ordered least- to most-recently used (OrderedDict of slot -> None)
         if partition == "layer":
             base, extra = divmod(n_slots, len(layers))
@@ -279,9 +286,9 @@ class ExpertCache:
         Returns at once: copies are queued on the copy stream. A key already resident is refreshed (it
         becomes most recently used); a key that finds no evictable slot in its partition (all pinned, reserved
         or taken by higher-priority keys of this request) is skipped, and so, `by_uses`, is one used no more often
-        (`count_uses` and `acquire` count uses) than the expert it would evict. With `reserve`, the keys' slots
-        join `reserved`. Returns the number of copies issued, counted as prefetches unless `prefetch` is False
-        (experts brought in because they were just used)."""
+        lately (`count_uses` and `acquire` count uses; `USES_HALVED_AFTER`) than the expert it would evict. With
+        `reserve`, the keys' slots join `reserved`. Returns the number of copies issued, counted as prefetches
+        unless `prefetch` is False (experts brought in because they were just used)."""
         order = list(keys) if priority is None else \
             [k for _, k in sorted(zip(priority, keys), key=lambda pk: -pk[0])]
         taken: set[int] = set()
@@ -308,6 +315,8 @@ class ExpertCache:
         """A forward used `keys` (counted for lfu; `acquire` counts its own)."""
         for key in keys:
             self._uses[key] = self._uses.get(key, 0) + 1
+            self._counted += 1
+        self._age()
 
     def resident(self, keys: Iterable[Key], include_in_flight: bool = False) -> list[bool]:
         """Which of `keys` are resident now: copy finished (or, with `include_in_flight`, at least issued).
@@ -335,6 +344,7 @@ class ExpertCache:
             key = (layer, e)
             self.counters.cache_lookups += 1
             self._uses[key] = self._uses.get(key, 0) + 1
+            self._counted += 1
             slot = self.where.get(key)
             if slot is not None and reuse:
                 self.counters.cache_hits += 1
@@ -349,6 +359,7 @@ class ExpertCache:
             self._pins[slot] += 1
             self._touch(slot)
             slots.append(slot)
+        self._age()
         return slots
 
     def wait(self, slot: int) -> None:
@@ -401,6 +412,12 @@ class ExpertCache:
     def _touch(self, slot: int) -> None:
         part = self._parts[self._part_of_layer[self.key[slot][0]]] if self.partition == "layer" else self._parts[0]
         part.move_to_end(slot)
+
+    def _age(self) -> None:
+        """Halve every use count once `USES_HALVED_AFTER` × `n_slots` uses are counted since the last halving."""
+        if self._counted >= USES_HALVED_AFTER * self.n_slots:
+            self._uses = {key: n // 2 for key, n in self._uses.items() if n > 1}
+            self._counted = 0
 
     def _score(self, slot: int) -> float:
         key = self.key[slot]
