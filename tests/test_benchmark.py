@@ -167,7 +167,6 @@ def test_replay_by_uses():
     assert replay([{0: frozenset({0, 1})}, {0: frozenset({0, 1})}], 2, "by-uses") == 1.0  # the prompt's: all in
 
 
-
 def test_replay_served_halves_use_counts():
     """One cache through two generations in turn: on lifetime counts by-uses never brings in the second's two experts
     (the first's were used more often), with counts halved after each 5 × the slots of uses it does within a few
@@ -183,6 +182,14 @@ def test_replay_served_halves_use_counts():
     trace = [{layer: frozenset(np.random.default_rng(n).choice(16, 4, replace=False).tolist()) for layer in range(3)}
              for n in range(30)]
     assert replay_served([(trace, True)], 6, "by-uses", 3) == replay(trace, 6, "by-uses", 3, prompt_in_waves=True)
+    # a later prompt of six experts on two slots: in waves each evicts the one before and 6, 7 are left, so the
+    # decode forward's 2 and 3 miss; as a forward's, 2 and 3 come in and the others find no slot the forward did
+    # not use
+    many = [{0: frozenset(range(2, 8))}, {0: frozenset({2, 3})}]
+    assert replay_served([(first[:2], False), (many, True)], 2, "lru") == 0.5
+    assert replay_served([(first[:2], False), (many, False)], 2, "lru") == 1.0
+    with pytest.raises(ValueError, match="halve_after"):
+        replay(first, 2, "lru", halve_after=-1)
 
 
 def test_replay_with_spares():
@@ -195,7 +202,7 @@ def test_replay_with_spares():
     assert replay(same, 3, "lru", 3, spares=1) == pytest.approx((9 + 16) / 30)
     rng = np.random.default_rng(3)
     trace = [{layer: frozenset(rng.choice(16, 4, replace=False).tolist()) for layer in range(3)} for _ in range(60)]
-    for policy in ("lru", "lfu"):  # lifetime counts: use counts halve after a number of uses that the slots set
+    for policy in ("lru", "lfu"):  # lifetime counts (lfu): counts halve after a number of uses the slots set
         assert replay(trace, 8, policy, 0, spares=2, halve_after=0) == pytest.approx(
             replay(trace, 6, policy, 0, halve_after=0), abs=0.01)
         assert replay(trace, 8, policy, 3, spares=2, halve_after=0) > replay(trace, 6, policy, 3, halve_after=0)

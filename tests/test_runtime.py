@@ -185,6 +185,10 @@ def test_plan_command(shipped_model) -> None:
         r = CliRunner().invoke(cli, ["plan", str(shipped_model), "--gpu-budget", budget, "-c", str(CTX), "--device",
                                      "cpu", "--hybrid", hybrid, "--json"])
         assert r.exit_code == 0 and json.loads(r.output)["lends_spares"] is lent, r.output
+    if not torch.cuda.is_available():  # auto on a CUDA device: measured when a model loads, so not known here
+        on_cuda = str(int(budget) + plan_memory(GGUFFile(shipped_model), 1 << 40, CTX, "cuda").cuda_runtime)
+        r = CliRunner().invoke(cli, ["plan", str(shipped_model), "--gpu-budget", on_cuda, "-c", str(CTX), "--json"])
+        assert r.exit_code == 0 and json.loads(r.output)["lends_spares"] is None, r.output
     r = CliRunner().invoke(cli, ["plan", str(shipped_model), "--gpu-budget", budget, "-c", str(CTX), "--device", "cpu",
                                  "--json", "--spare-slots", "9"])
     assert r.exit_code == 2, r.output  # above MAX_SPARES
@@ -341,11 +345,10 @@ def test_request_by_uses_brings_in_only_the_more_used(shipped_model) -> None:
     assert cache.resident([(0, 1), (0, 4), (0, 5)]) == [True, False, True]
 
 
-
 def test_use_counts_halve_so_that_the_experts_used_now_overtake(shipped_model) -> None:
-    """Every use count halves once `USES_HALVED_AFTER` × the slots of uses are counted since the last halving: an
-    expert used now overtakes an old favourite that it would need as many uses as the favourite had to overtake on
-    lifetime counts."""
+    """Every use count halves once `USES_HALVED_AFTER` × the slots of uses are counted since the last halving (by
+    `count_uses` or `acquire`): an expert used now overtakes an old favourite after about half the favourite's uses,
+    where on lifetime counts it would need all of them."""
     from specter_gguf.runtime.cache import USES_HALVED_AFTER
 
     cache = small_cache(shipped_model, 2)  # 2 per layer
@@ -359,6 +362,11 @@ def test_use_counts_halve_so_that_the_experts_used_now_overtake(shipped_model) -
     # the first use halves (0, 1)'s count (and its own 1 to 0), the next ones pass what is left
     assert uses == 1 + (window - 1) // 2 + 1 < window
     assert cache.resident([(0, 1), (0, 2), (0, 5)]) == [False, True, True]
+    # lookups count too: uses - 1 counted since the halving, then up to one short of the next and one more
+    cache.release(cache.acquire(1, [3] * (window - uses)))
+    assert cache._uses[(1, 3)] == window - uses
+    cache.release(cache.acquire(1, [3]))
+    assert cache._uses[(1, 3)] == (window - uses + 1) // 2
 
 
 def check_slots(cache) -> None:

@@ -312,7 +312,7 @@ class ExpertCache:
         return issued
 
     def count_uses(self, keys: Iterable[Key]) -> None:
-        """A forward used `keys` (counted for lfu; `acquire` counts its own)."""
+        """A forward used `keys` (counted for lfu and bringing in by uses; `acquire` counts its own)."""
         for key in keys:
             self._uses[key] = self._uses.get(key, 0) + 1
             self._counted += 1
@@ -416,7 +416,7 @@ class ExpertCache:
     def _age(self) -> None:
         """Halve every use count once `USES_HALVED_AFTER` × `n_slots` uses are counted since the last halving."""
         if self._counted >= USES_HALVED_AFTER * self.n_slots:
-            self._uses = {key: n // 2 for key, n in self._uses.items() if n > 1}
+            self._uses = {key: count // 2 for key, count in self._uses.items() if count > 1}
             self._counted = 0
 
     def _score(self, slot: int) -> float:

@@ -20,11 +20,11 @@ the host from the decode steps it has read back, taken to repeat until they show
   miss, the link's share is read in place, and lru brings in after the forward only the experts (the CPU's too)
   used more often lately (`cache.USES_HALVED_AFTER`) than the least recently used one they would evict: the split
   halves the link's bytes where it gives the CPU half the misses, and without repetition a copy of each miss mostly
-  evicts an expert as likely to be wanted next, while the copies share PCIe with the reads in place. (Measured at
-  --attn-output-scale 0.3, 16 GiB, H100: 13.39 / 12.92 ms a token, greedy / sampled, against 17.05 / 17.10 bringing
-  in every miss of the link's and none of the CPU's, whose copies kept the copy stream busy 18.5 ms a token; the
-  link moved 196 / 156 MiB a token instead of 589, and hits rose from 51% to 58% / 62%; docs/BENCHMARKS.md
-  2026-12-07 22:25.)
+  evicts an expert as likely to be wanted next, while the copies share PCIe with the reads in place. (Measured on
+  lifetime counts, before they halved, at --attn-output-scale 0.3, 16 GiB, H100: 13.39 / 12.92 ms a token, greedy /
+  sampled, against 17.05 / 17.10 bringing in every miss of the link's and none of the CPU's, whose copies kept the
+  copy stream busy 18.5 ms a token; the link moved 196 / 156 MiB a token instead of 589, and hits rose from 51% to
+  58% / 62%; docs/BENCHMARKS.md 2026-12-07 22:25.)
 At the usual scale, routing repeats and the same build keeps the spares and brings in every expert used (3.59 /
 3.84 ms a token at 16 GiB against 3.61 / 3.90 before bringing in by uses existed, same call).
 
