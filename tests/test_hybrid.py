@@ -281,9 +281,10 @@ def test_where_routing_does_not_repeat_misses_are_split_and_brought_in_by_uses(t
     spare slots are lent to their layers' cache: the split weighs every miss, the link's share is read in place, and
     an expert the CPU computes crosses no link then; after the forward lru brings in only experts used more often
     lately than the one they would evict, under half the misses once the free slots are filled (counts halve over
-    the six prompts, so new experts come in sooner than on lifetime counts), fewer bytes than hybrid off copies. Unmeasured (the CPU device) every miss is the CPU's; with a CPU as slow as the link (each layer's misses
-    split) plain decoding moves fewer bytes over the link than with a CPU too slow to take any. No spare takes a
-    miss. Plain offloaded decoding and speculative decoding, tokens unchanged (and those of hybrid off)."""
+    the six prompts, so new experts come in sooner than on lifetime counts), fewer bytes than hybrid off copies.
+    Unmeasured (the CPU device) every miss is the CPU's; with a CPU as slow as the link (each layer's misses split)
+    plain decoding moves fewer bytes over the link than with a CPU too slow to take any. No spare takes a miss.
+    Plain offloaded decoding and speculative decoding, tokens unchanged (and those of hybrid off)."""
     target, draft = tiny_models[(arch, "f16")], tiny_models[(arch, "q4_k_m")]
     costs = {"split": HybridChoice(True, cpu_us_per_expert=50.0, cpu_us_per_token=50.0, copy_us=100.0,
                                    link_us=100.0),
