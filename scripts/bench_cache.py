@@ -5,8 +5,8 @@ expert in a slot for the next forward (delay 0), the one after (1) and as the en
 step ahead of the host), at the slots per MoE layer of each GPU budget's plan; and lru as the engine has it with
 spare slots (`--spare-slots`: a layer's misses copied by the forward itself into that many of its slots, found
 from the next forward on). Which misses a better policy could save and which only an earlier copy could. A second
-table keeps one cache through every prompt in turn, as a server does, with use counts halved as the engine's and
-kept for the cache's lifetime.
+table keeps one cache through every prompt in turn, as a server does, with use counts halved as the engine's or
+lifetime counts.
 
     python3 scripts/bench_cache.py MODEL.gguf [--budgets 12GiB,16GiB,20GiB] [--spares 2,4] [--prompts 2] [-n 64]
         [--device cuda]
