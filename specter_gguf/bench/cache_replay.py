@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from specter_gguf.runtime.cache import USES_HALVED_AFTER
+from specter_gguf.runtime.cache import USES_HALVED_AFTER, halve_counts
 
 Forward = dict[int, frozenset[int]]  # MoE layer -> the experts it used
 POLICIES = ("lru", "lfu", "by-uses", "optimal")
@@ -115,7 +115,7 @@ def _replay(trace: Sequence[Forward], prompt_waves: dict[int, bool], slots: int,
                     uses[layer, e] = uses.get((layer, e), 0) + 1
                 counted += len(experts)
                 if halving and counted >= halving:
-                    uses = {key: count // 2 for key, count in uses.items() if count > 1}
+                    uses = halve_counts(uses)
                     counted = 0
                 waves = prompt_waves.get(f, False)  # (each wave evicts the one before: no expert is kept)
                 _bring_in(cache.setdefault(layer, OrderedDict()), layer, experts, part, "lru" if waves else policy,

@@ -74,6 +74,11 @@ POLICIES = ("lru", "lfu", "static-hot")
 USES_HALVED_AFTER = 5
 
 
+def halve_counts(counts: dict[Key, int]) -> dict[Key, int]:
+    """Every use count halved (the ageing of `USES_HALVED_AFTER`), those that reach 0 dropped."""
+    return {key: count // 2 for key, count in counts.items() if count > 1}
+
+
 class CopyProgress:
     """How far the copies queued for the coming forward have landed, in its MoE layer order, as a counter on the
     device that kernels wait for without the host (`kernels.wait_counter`).
@@ -314,8 +319,7 @@ class ExpertCache:
     def count_uses(self, keys: Iterable[Key]) -> None:
         """A forward used `keys` (counted for lfu and bringing in by uses; `acquire` counts its own)."""
         for key in keys:
-            self._uses[key] = self._uses.get(key, 0) + 1
-            self._counted += 1
+            self._count_use(key)
         self._age()
 
     def resident(self, keys: Iterable[Key], include_in_flight: bool = False) -> list[bool]:
@@ -343,8 +347,7 @@ class ExpertCache:
         for e in experts:
             key = (layer, e)
             self.counters.cache_lookups += 1
-            self._uses[key] = self._uses.get(key, 0) + 1
-            self._counted += 1
+            self._count_use(key)
             slot = self.where.get(key)
             if slot is not None and reuse:
                 self.counters.cache_hits += 1
@@ -413,10 +416,14 @@ class ExpertCache:
         part = self._parts[self._part_of_layer[self.key[slot][0]]] if self.partition == "layer" else self._parts[0]
         part.move_to_end(slot)
 
+    def _count_use(self, key: Key) -> None:
+        self._uses[key] = self._uses.get(key, 0) + 1
+        self._counted += 1
+
     def _age(self) -> None:
         """Halve every use count once `USES_HALVED_AFTER` × `n_slots` uses are counted since the last halving."""
         if self._counted >= USES_HALVED_AFTER * self.n_slots:
-            self._uses = {key: count // 2 for key, count in self._uses.items() if count > 1}
+            self._uses = halve_counts(self._uses)
             self._counted = 0
 
     def _score(self, slot: int) -> float:
